@@ -1,0 +1,3 @@
+"""quill: a CPU-first inference engine for quantized LLM checkpoints."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,57 @@
+"""Run-time int8 quantization of activations: the arithmetic every int8 kernel must reproduce.
+
+It follows compressed-tensors (whose checkpoints define W8A8 semantics), so a
+W8A8 checkpoint runs as the tool that wrote it ran it:
+
+* dynamic symmetric, per token (row):  scale = max|x_row| / 127.5, zero = 0
+* dynamic asymmetric, per token:       lo = min(min(x_row), 0), hi = max(max(x_row), 0),
+                                       scale = (hi - lo) / 255, zero = round(clamp(-128 - lo / scale, -128, 127))
+* static, per tensor:                  the checkpoint's scale (and zero point)
+* then  q = round(clamp(x / scale + zero, -128, 127))  (round half to even), int8
+
+A zero scale is replaced by float32 epsilon (as compressed-tensors does), so an
+all-zero row quantizes to zeros.  Everything is computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quill.quantization.weight import ActivationQuant
+
+QMIN, QMAX = -128, 127
+_EPS = torch.finfo(torch.float32).eps
+
+
+def _fix_zero(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.full_like(scale, _EPS), scale)
+
+
+def activation_qparams(x: torch.Tensor, act: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 scale and zero point for ``x`` [M, K]: shapes [M, 1] (dynamic) or [1, 1] (static)."""
+    x = x.float()
+    if not act.dynamic:
+        scale = torch.tensor([[act.scale]], dtype=torch.float32)
+        zero = torch.tensor([[float(act.zero_point or 0)]], dtype=torch.float32)
+        return _fix_zero(scale), zero
+    if act.symmetric:
+        scale = x.abs().amax(dim=-1, keepdim=True) / ((QMAX - QMIN) / 2)
+        return _fix_zero(scale), torch.zeros_like(scale)
+    lo = x.amin(dim=-1, keepdim=True).clamp_max(0)
+    hi = x.amax(dim=-1, keepdim=True).clamp_min(0)
+    scale = _fix_zero((hi - lo) / (QMAX - QMIN))
+    zero = torch.round(torch.clamp(QMIN - lo / scale, QMIN, QMAX))
+    return scale, zero
+
+
+def quantize_activations(x: torch.Tensor, act: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q int8 [M, K], scale float32, zero float32) per :func:`activation_qparams`."""
+    scale, zero = activation_qparams(x, act)
+    q = torch.round(torch.clamp(x.float() / scale + zero, QMIN, QMAX))
+    return q.to(torch.int8), scale, zero
+
+
+def fake_quantize_activations(x: torch.Tensor, act: ActivationQuant) -> torch.Tensor:
+    """Quantize then dequantize ``x`` (float32 result): what an exact int8 kernel sees."""
+    q, scale, zero = quantize_activations(x, act)
+    return (q.float() - zero) * scale

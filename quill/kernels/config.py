@@ -1,0 +1,65 @@
+"""The frozen description of a linear layer that kernel selection works on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from quill.platform import Platform
+from quill.quantization.weight import ActivationQuant, QuantizedWeight
+
+
+class ActKind(str, Enum):
+    """Precision of a layer's input at run time."""
+
+    FLOAT = "float"  # 16/32-bit float activations (W4A16, W8A16)
+    INT8_TOKEN = "int8_dynamic_token"  # int8, one scale per token computed at run time (W4A8, W8A8 dynamic)
+    INT8_TENSOR = "int8_static_tensor"  # int8, one scale for the tensor from the checkpoint (W8A8 static)
+
+
+@dataclass(frozen=True)
+class LinearLayerConfig:
+    """Everything a kernel may need to decide whether it can run a layer."""
+
+    in_features: int
+    out_features: int
+    bits: int
+    group_size: int  # == in_features for per-channel
+    symmetric: bool
+    has_offsets: bool
+    act_order: bool
+    act: ActKind
+    act_symmetric: bool
+    platform: Platform
+
+    @property
+    def per_channel(self) -> bool:
+        return self.group_size == self.in_features
+
+    @property
+    def num_groups(self) -> int:
+        return self.in_features // self.group_size
+
+    @classmethod
+    def from_weight(cls, w: QuantizedWeight, platform: Platform) -> "LinearLayerConfig":
+        """Describe ``w`` (with its ``activation`` already resolved by the caller)."""
+        return cls(
+            in_features=w.in_features, out_features=w.out_features, bits=w.bits, group_size=w.group_size,
+            symmetric=w.symmetric, has_offsets=w.offsets is not None, act_order=w.has_act_order,
+            act=act_kind(w.activation), act_symmetric=w.activation is None or w.activation.symmetric,
+            platform=platform,
+        )
+
+    def summary(self) -> str:
+        """Short human description, e.g. 'W4A16 g128 sym 4096x4096'."""
+        a = {ActKind.FLOAT: "A16", ActKind.INT8_TOKEN: "A8 dyn", ActKind.INT8_TENSOR: "A8 static"}[self.act]
+        g = "ch" if self.per_channel else f"g{self.group_size}"
+        kind = "sym" if self.symmetric else ("offset" if self.has_offsets else "asym")
+        extra = " act-order" if self.act_order else ""
+        return f"W{self.bits}{a} {g} {kind}{extra} {self.out_features}x{self.in_features}"
+
+
+def act_kind(a: ActivationQuant | None) -> ActKind:
+    if a is None:
+        return ActKind.FLOAT
+    return ActKind.INT8_TOKEN if a.dynamic else ActKind.INT8_TENSOR

@@ -1,0 +1,71 @@
+"""A quantized linear layer at run time: the selected kernel, its prepared state, the bias.
+
+This is the only object model code touches; it never sees formats or ISAs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quill.errors import ConfigError, format_choices
+from quill.kernels.config import LinearLayerConfig
+from quill.kernels.selection import KernelSelector, Selection
+from quill.quantization.weight import ActivationQuant, QuantizedWeight
+
+ACTIVATION_CHOICES = ("none", "int8")
+
+
+def resolve_activation(weight: QuantizedWeight, requested: str | None) -> ActivationQuant | None:
+    """The input quantization a layer runs with.
+
+    A checkpoint that prescribes one (W8A8) is honoured as written.  Otherwise
+    activations stay float unless the user asked for ``"int8"`` (W4A8 / W8A8
+    dynamic per token, symmetric): never silently.
+    """
+    if requested not in (None,) + ACTIVATION_CHOICES:
+        raise ConfigError(f"activation_quant '{requested}' is not supported; supported: {format_choices(ACTIVATION_CHOICES)}")
+    if weight.activation is not None:
+        return weight.activation
+    if requested == "int8":
+        return ActivationQuant(bits=8, dynamic=True, symmetric=True)
+    return None
+
+
+@dataclass
+class QuantLinear:
+    """y = x @ W^T + b through one kernel; built once at load by :func:`build_quant_linear`."""
+
+    name: str
+    in_features: int
+    out_features: int
+    selection: Selection
+    config: LinearLayerConfig
+    state: Any
+    bias: torch.Tensor | None
+    weight_bytes: int  # packed bytes as stored in the checkpoint (for bandwidth accounting)
+
+    @property
+    def kernel_name(self) -> str:
+        return self.selection.name
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.selection.kernel.apply(self.state, x, self.bias)
+
+
+def build_quant_linear(
+    weight: QuantizedWeight,
+    selector: KernelSelector,
+    activation: str | None = None,
+    bias_dtype: torch.dtype = torch.float32,
+) -> QuantLinear:
+    """Select a kernel for ``weight`` and repack it once."""
+    weight = weight.with_(activation=resolve_activation(weight, activation))
+    cfg = LinearLayerConfig.from_weight(weight, selector.platform)
+    sel = selector.select(cfg, layer=weight.name)
+    state = sel.kernel.prepare(weight, cfg)
+    bias = None if weight.bias is None else weight.bias.to(bias_dtype).contiguous()
+    return QuantLinear(weight.name, weight.in_features, weight.out_features, sel, cfg, state, bias,
+                       weight.storage_bytes())

@@ -1,0 +1,47 @@
+"""The oracle: dequantize to float32 once, then a float32 matmul.
+
+Always available and always correct by construction (it is the canonical
+formula plus torch.matmul); every other kernel is tested against it.  For int8
+activations it quantizes the input exactly as the int8 kernels do, so the
+only remaining difference is float rounding in the accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quill.kernels.activation import fake_quantize_activations
+from quill.kernels.base import LinearKernel
+from quill.kernels.config import LinearLayerConfig
+from quill.quantization.weight import ActivationQuant, QuantizedWeight
+
+
+@dataclass
+class ReferenceState:
+    weight: torch.Tensor  # float32 [out, in], act-order already resolved by the dequantization
+    activation: ActivationQuant | None
+
+
+class ReferenceKernel(LinearKernel):
+    name = "reference"
+
+    @classmethod
+    def can_implement(cls, cfg: LinearLayerConfig) -> str | None:
+        return None
+
+    @classmethod
+    def prepare(cls, weight: QuantizedWeight, cfg: LinearLayerConfig) -> ReferenceState:
+        return ReferenceState(weight.dequantize().contiguous(), weight.activation)
+
+    @classmethod
+    def apply(cls, state: ReferenceState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k).float()  # [M, K]
+        if state.activation is not None:
+            x2 = fake_quantize_activations(x2, state.activation)
+        y = x2 @ state.weight.T  # [M, N]
+        if bias is not None:
+            y = y + bias.float()
+        return y.reshape(*lead, -1).to(x.dtype)
