@@ -1,0 +1,5 @@
+import sys
+
+from quill.cli import main
+
+sys.exit(main())
