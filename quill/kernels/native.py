@@ -1,0 +1,123 @@
+"""Native CPU kernels (quill/native): W4A16, W8A16, W4A8, W8A8 at the memory-bandwidth limit.
+
+Four registered kernels share one implementation, differing in the code width
+they accept and in their activations:
+
+* ``native_w4a16`` / ``native_w8a16``: float activations (bfloat16 exactly;
+  float32/float16 as bf16 hi + lo pairs on AVX-512 BF16, float32 FMA on AVX2),
+  float32 accumulation.  Never quantizes activations.
+* ``native_w4a8`` / ``native_w8a8``: int8 activations, quantized in C++ with the
+  arithmetic of :mod:`quill.kernels.activation` (dynamic per token, or the
+  checkpoint's static scale and zero point), exact int32 dot products.  Chosen
+  only when the layer's activation is int8: a W8A8 checkpoint's own, or
+  ``activation_quant="int8"`` asked by the user.
+
+The ISA variant (AVX-512 or AVX2) is chosen once per layer in ``prepare`` from
+``cfg.platform``; threads default to the platform's physical cores, capped by
+``torch.get_num_threads()`` at each call (the same pool torch uses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from quill import native
+from quill.errors import KernelError
+from quill.kernels.base import LinearKernel
+from quill.kernels.config import ActKind, LinearLayerConfig
+from quill.native.pack import PackedWeight, pack
+from quill.platform import Platform
+from quill.quantization.weight import QuantizedWeight
+
+
+@dataclass
+class NativeState:
+    packed: PackedWeight  # tensors kept alive here (and counted by state_bytes)
+    handle: Any  # quill.native._quill_native.NativeLinear
+    isa: str
+
+    def set_threads(self, n: int) -> None:
+        self.handle.set_threads(n)
+
+
+def make_handle(packed: PackedWeight, weight: QuantizedWeight, isa: str, threads: int, int8: bool) -> Any:
+    """The C++ NativeLinear over ``packed``; ``isa`` is 'avx512', 'avx2', 'scalar' or 'scalar_bf16'."""
+    ext = native.load()
+    if ext.module is None:
+        raise KernelError(f"{weight.name}: native kernels unavailable: {ext.error}")
+    act = weight.activation
+    static = act is not None and not act.dynamic
+    return ext.module.NativeLinear(
+        packed.codes, packed.scales, packed.zeros, packed.offsets, packed.seg_end, packed.src, packed.wsum,
+        packed.bits, packed.out_features, packed.in_features, "int8" if int8 else "float", isa,
+        act_dynamic=not static, act_symmetric=act is None or act.symmetric,
+        act_scale=float(act.scale) if static else 0.0,
+        act_zero=float(act.zero_point or 0) if static else 0.0, threads=threads)
+
+
+class _NativeKernel(LinearKernel):
+    bits: ClassVar[int]
+    int8: ClassVar[bool]  # int8 activations (W4A8, W8A8) or float (W4A16, W8A16)
+
+    @classmethod
+    def supported(cls, platform: Platform) -> str | None:
+        ext = native.load()
+        if ext.error:
+            return ext.error
+        if native.isa_for(platform, cls.int8) is None:
+            return f"needs {native.isa_requirement(cls.int8)}, which this CPU lacks"
+        return None
+
+    @classmethod
+    def can_implement(cls, cfg: LinearLayerConfig) -> str | None:
+        if cfg.bits != cls.bits:
+            return f"runs {cls.bits}-bit weights, found {cfg.bits}-bit"
+        if cls.int8 and cfg.act == ActKind.FLOAT:
+            return "activations are float; int8 activations run only when the checkpoint or activation_quant='int8' asks"
+        if not cls.int8 and cfg.act != ActKind.FLOAT:
+            return f"runs float activations, found {cfg.act.value}"
+        return None
+
+    @classmethod
+    def prepare(cls, weight: QuantizedWeight, cfg: LinearLayerConfig) -> NativeState:
+        isa = native.isa_for(cfg.platform, cls.int8)
+        if isa is None:
+            raise KernelError(f"{weight.name}: {cls.name} needs {native.isa_requirement(cls.int8)}")
+        packed = pack(weight, cls.int8)
+        handle = make_handle(packed, weight, isa, max(1, cfg.platform.physical_cores), cls.int8)
+        return NativeState(packed, handle, isa)
+
+    @classmethod
+    def apply(cls, state: NativeState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        k = state.packed.in_features
+        if x.shape[-1] != k:
+            raise KernelError(f"{cls.name}: input has {x.shape[-1]} features, the layer takes {k}")
+        y = state.handle.forward(x.reshape(-1, k).contiguous(), bias)  # [M, N]
+        return y.view(*x.shape[:-1], state.packed.out_features)
+
+    @classmethod
+    def state_bytes(cls, state: NativeState) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(state.packed).values() if isinstance(t, torch.Tensor))
+
+
+class NativeW4A16Kernel(_NativeKernel):
+    name = "native_w4a16"
+    bits, int8 = 4, False
+
+
+class NativeW8A16Kernel(_NativeKernel):
+    name = "native_w8a16"
+    bits, int8 = 8, False
+
+
+class NativeW4A8Kernel(_NativeKernel):
+    name = "native_w4a8"
+    bits, int8 = 4, True
+
+
+class NativeW8A8Kernel(_NativeKernel):
+    name = "native_w8a8"
+    bits, int8 = 8, True

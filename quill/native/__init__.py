@@ -1,0 +1,60 @@
+"""quill's native CPU kernels: the compiled extension, and which ISA variant a CPU runs.
+
+The extension is built by ``make install`` (``python -m quill.native.build``).
+If it is missing or failed to build, :func:`load` says why in one line, every
+native kernel's ``supported()`` returns that line, and quill runs on the
+``torch``/``reference`` kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+from quill.platform import Platform
+
+_BUILD = Path(__file__).resolve().parent / "_build"
+
+# Variants, best first: (name, flags the CPU needs).  Float kernels (W4A16,
+# W8A16) use AVX-512 BF16 dot products, int8 kernels (W4A8, W8A8) VNNI; both
+# fall back to the AVX2 + FMA + F16C baseline.
+FLOAT_ISAS = (("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")), ("avx2", ("avx2", "fma", "f16c")))
+INT8_ISAS = (("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")), ("avx2", ("avx2", "fma", "f16c")))
+
+
+@dataclass(frozen=True)
+class NativeExtension:
+    """The loaded extension module, or why there is none."""
+
+    module: ModuleType | None
+    error: str | None
+
+
+@lru_cache(maxsize=1)
+def load() -> NativeExtension:
+    """Import the extension once (cached: the import system's own state, nothing else)."""
+    try:
+        return NativeExtension(importlib.import_module("quill.native._quill_native"), None)
+    except ImportError as e:
+        err = _BUILD / "error.txt"
+        if err.exists():
+            why = f"build failed: {err.read_text().strip()} (log: {_BUILD / 'build.log'})"
+        else:
+            why = f"{e}; run `make install`"
+        return NativeExtension(None, f"extension not built: {why}")
+
+
+def isa_for(platform: Platform, int8: bool) -> str | None:
+    """The variant a kernel family runs on ``platform``: 'avx512', 'avx2', or None (no native kernel)."""
+    for name, flags in INT8_ISAS if int8 else FLOAT_ISAS:
+        if platform.has(*flags):
+            return name
+    return None
+
+
+def isa_requirement(int8: bool) -> str:
+    """Human description of the weakest variant's needs, for refusals."""
+    return "+".join(f.upper() for f in (INT8_ISAS if int8 else FLOAT_ISAS)[-1][1])

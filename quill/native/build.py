@@ -1,0 +1,144 @@
+"""Build quill's native kernels: ``python -m quill.native.build`` (run by ``make install``).
+
+Plain g++, outside pip (pip's build isolation would pull a CUDA torch).  Every
+ISA variant is its own translation unit with its own ``-m`` flags and no
+``-march=native``, so one build runs on any x86-64 and the ISA is picked at
+load.  Only ``binding.cpp`` sees torch headers (the slow one); the kernels are
+plain C++.  Objects are rebuilt when a source or header is newer.
+
+On failure the log goes to ``quill/native/_build/build.log``, a one-line reason
+to ``_build/error.txt`` (which ``quill info`` shows), any stale extension is
+removed, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CSRC = HERE / "csrc"
+BUILD = HERE / "_build"
+EXT_NAME = "_quill_native"
+
+COMMON = ["-O3", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+
+# source -> extra flags (ISA of that translation unit only)
+SOURCES: dict[str, list[str]] = {
+    "stream.cpp": [],
+    "scalar.cpp": [],
+    "avx2.cpp": AVX2,
+    "avx512_vnni.cpp": AVX512 + ["-mavx512vnni"],
+    "avx512_bf16.cpp": AVX512 + ["-mavx512bf16"],
+    "binding.cpp": [],
+}
+
+
+def extension_path() -> Path:
+    return HERE / (EXT_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+def _torch_flags() -> tuple[list[str], list[str]]:
+    import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    inc = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cflags = inc + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                    f"-DTORCH_EXTENSION_NAME={EXT_NAME}", "-Wno-unused-variable"]
+    libdirs = library_paths()
+    ldflags = [f"-L{d}" for d in libdirs] + [f"-Wl,-rpath,{d}" for d in libdirs]
+    ldflags += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    return cflags, ldflags
+
+
+def _stale(obj: Path, src: Path, headers: list[Path]) -> bool:
+    if not obj.exists():
+        return True
+    t = obj.stat().st_mtime
+    return any(p.stat().st_mtime > t for p in [src, *headers])
+
+
+def _compile(cxx: str, src: Path, obj: Path, flags: list[str]) -> tuple[str, int, str]:
+    cmd = [cxx, *COMMON, *flags, "-c", str(src), "-o", str(obj)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    return " ".join(cmd), p.returncode, p.stdout + p.stderr
+
+
+def _first_error(log: str) -> str:
+    for line in log.splitlines():
+        if "error" in line.lower():
+            return line.strip()[:300]
+    return (log.strip().splitlines() or ["unknown error"])[-1][:300]
+
+
+def build(jobs: int | None = None, verbose: bool = False) -> Path:
+    """Compile and link the extension; returns its path or raises RuntimeError with the first error."""
+    BUILD.mkdir(exist_ok=True)
+    (BUILD / "error.txt").unlink(missing_ok=True)
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"C++ compiler '{cxx}' not found (set CXX or install g++)")
+    torch_cflags, ldflags = _torch_flags()
+    headers = sorted(CSRC.glob("*.h"))
+    todo = []
+    for name, flags in SOURCES.items():
+        src, obj = CSRC / name, BUILD / (Path(name).stem + ".o")
+        if _stale(obj, src, headers):
+            todo.append((src, obj, flags + (torch_cflags if name == "binding.cpp" else [])))
+    # the torch-heavy binding first: it is the long pole
+    todo.sort(key=lambda t: t[0].name != "binding.cpp")
+    log = []
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        for cmd, rc, out in pool.map(lambda t: _compile(cxx, *t), todo):
+            log.append(f"$ {cmd}\n{out}")
+            if verbose:
+                print(f"compiled {cmd.split(' -c ')[1].split()[0]}" + (f"\n{out}" if out else ""), flush=True)
+            if rc:
+                raise RuntimeError(_first_error(out) + "\n" + "\n".join(log))
+    target = extension_path()
+    objs = [str(BUILD / (Path(n).stem + ".o")) for n in SOURCES]
+    if todo or not target.exists():
+        tmp = target.with_suffix(".tmp.so")
+        cmd = [cxx, "-shared", *objs, "-o", str(tmp), *ldflags]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        log.append(f"$ {' '.join(cmd)}\n{p.stdout}{p.stderr}")
+        if p.returncode:
+            raise RuntimeError(_first_error(p.stdout + p.stderr) + "\n" + "\n".join(log))
+        tmp.replace(target)
+    (BUILD / "build.log").write_text("\n".join(log))
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: all CPUs)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        path = build(args.jobs, args.verbose)
+    except (RuntimeError, OSError, ImportError) as e:
+        first, _, rest = str(e).partition("\n")
+        BUILD.mkdir(exist_ok=True)
+        (BUILD / "build.log").write_text(rest or first)
+        (BUILD / "error.txt").write_text(first)
+        extension_path().unlink(missing_ok=True)
+        print(f"quill native build failed: {first}\n(full log: {BUILD / 'build.log'}); "
+              "quill still runs on the torch and reference kernels", file=sys.stderr)
+        return 1
+    print(f"quill native kernels built: {path.name} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

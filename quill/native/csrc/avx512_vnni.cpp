@@ -1,0 +1,166 @@
+// W4A8 / W8A8 and the int8 activation quantizer on AVX-512 VNNI (vpdpbusd).
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni; called only when
+// the CPU has all of them.
+//
+// vpdpbusd multiplies 4 unsigned bytes of lane r (codes of row r at 4 stream
+// positions) with 4 signed activation bytes broadcast to every lane, and adds
+// the 4 products to lane r in int32, exactly.  4-bit blocks give two such byte
+// vectors (low and high nibbles, positions 8c..8c+3 and 8c+4..8c+7); 8-bit
+// blocks are one (positions 4c..4c+3) and need no unpacking at all.
+#include <immintrin.h>
+
+#include "simd512.h"
+
+namespace quill {
+namespace {
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// MT tokens x one row block; NA int32 accumulators per token (summed exactly).
+template <int BITS, int MT>
+void tile(const Weights& w, const I8Acts& a, const Out& o, int nb, int m0) {
+  constexpr int CK = chunk_k(BITS);
+  constexpr int NA = MT <= 2 ? 4 : 2;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
+  const int8_t* xs[MT];
+  __m512 f[MT];
+  for (int m = 0; m < MT; ++m) {
+    xs[m] = a.q + (m0 + m) * a.ld;  // [Kp]
+    f[m] = _mm512_setzero_ps();
+  }
+  for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
+    __m512i acc[MT][NA];
+    for (int m = 0; m < MT; ++m)
+      for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
+    const int c1 = w.seg_end[s];
+    int c = c0;
+    // two chunks per step, into disjoint accumulators when NA == 4
+    for (; c < c1; c += 2) {
+      const bool pair = c + 1 < c1;
+      for (int h = 0; h < (pair ? 2 : 1); ++h) {
+        const int cc = c + h, base = (NA == 4 ? 2 * h : 0);
+        _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(cc + 16) * BLOCK_BYTES), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(blocks + int64_t(cc) * BLOCK_BYTES);
+        if (BITS == 4) {
+          const __m512i lo = _mm512_and_si512(v, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* x = xs[m] + int64_t(cc) * CK;
+            acc[m][base] = _mm512_dpbusd_epi32(acc[m][base], lo, bcast4(x));
+            acc[m][base + 1] = _mm512_dpbusd_epi32(acc[m][base + 1], hi, bcast4(x + 4));
+          }
+        } else {
+          for (int m = 0; m < MT; ++m)
+            acc[m][base + h % 2] = _mm512_dpbusd_epi32(acc[m][base + h % 2], v, bcast4(xs[m] + int64_t(cc) * CK));
+        }
+      }
+    }
+    const v512::SegConsts sc = v512::seg_consts(w, nb, s);
+    for (int m = 0; m < MT; ++m) {
+      __m512i d = acc[m][0];
+      for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
+      const __m512 x = _mm512_set1_ps(float(a.qsum[(m0 + m) * w.nseg + s]));
+      f[m] = v512::epilogue(sc, _mm512_cvtepi32_ps(d), x, f[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) v512::store_int(w, a, o, nb, m0 + m, f[m]);
+}
+
+template <int BITS>
+void run(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  constexpr int MT_MAX = 6;
+  for (int nb = nb0; nb < nb1; ++nb) {
+    for (int m0 = 0; m0 < a.m;) {
+      switch (a.m - m0 >= MT_MAX ? MT_MAX : a.m - m0) {
+        case 1: tile<BITS, 1>(w, a, o, nb, m0); m0 += 1; break;
+        case 2: tile<BITS, 2>(w, a, o, nb, m0); m0 += 2; break;
+        case 3: tile<BITS, 3>(w, a, o, nb, m0); m0 += 3; break;
+        case 4: tile<BITS, 4>(w, a, o, nb, m0); m0 += 4; break;
+        case 5: tile<BITS, 5>(w, a, o, nb, m0); m0 += 5; break;
+        default: tile<BITS, 6>(w, a, o, nb, m0); m0 += 6; break;
+      }
+    }
+  }
+}
+
+void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  if (w.bits == 4)
+    run<4>(w, a, o, nb0, nb1);
+  else
+    run<8>(w, a, o, nb0, nb1);
+}
+
+// 16 input values of token row `x` starting at column i, as float32.
+inline __m512 load_x(const RawX& in, const void* row, int64_t i, __mmask16 mask) {
+  switch (in.dtype) {
+    case DType::F16:
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row) + i));
+    case DType::BF16:
+      return _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row) + i)), 16));
+    case DType::F32:
+    default:
+      return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row) + i);
+  }
+}
+
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u); }
+
+void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, float* scale, float* zero, int m0,
+              int m1) {
+  const int esize = in.dtype == DType::F32 ? 4 : 2;
+  for (int m = m0; m < m1; ++m) {
+    const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
+    float lo = 0.0f, hi = 0.0f, amax = 0.0f;
+    if (aq.dynamic) {  // max / min are exact, so lane order does not matter
+      __m512 vlo = _mm512_setzero_ps(), vhi = vlo, vabs = vlo;
+      for (int64_t i = 0; i < in.k; i += 16) {
+        const __mmask16 mk = tail_mask(in.k - i);
+        const __m512 v = load_x(in, row, i, mk);  // masked-off lanes are 0, neutral here
+        vlo = _mm512_min_ps(vlo, v);
+        vhi = _mm512_max_ps(vhi, v);
+        vabs = _mm512_max_ps(vabs, _mm512_abs_ps(v));
+      }
+      lo = _mm512_reduce_min_ps(vlo);
+      hi = _mm512_reduce_max_ps(vhi);
+      amax = _mm512_reduce_max_ps(vabs);
+    }
+    const ActParams p = act_params(aq, lo, hi, amax);
+    scale[m] = p.scale;
+    zero[m] = p.zero;
+    int8_t* out = q + m * in.kp;  // [Kp]
+    if (in.src) {  // act-order / padded groups: gather (same scalar arithmetic)
+      for (int64_t pos = 0; pos < in.kp; ++pos) {
+        const int64_t col = in.src[pos];
+        out[pos] = col < 0 ? 0 : quantize_one(to_float(in.x, in.dtype, m * in.k + col), p);
+      }
+    } else {
+      const __m512 vs = _mm512_set1_ps(p.scale), vz = _mm512_set1_ps(p.zero);
+      const __m512 qmin = _mm512_set1_ps(-128.0f), qmax = _mm512_set1_ps(127.0f);
+      for (int64_t i = 0; i < in.k; i += 16) {
+        const __mmask16 mk = tail_mask(in.k - i);
+        const __m512 t = _mm512_add_ps(_mm512_div_ps(load_x(in, row, i, mk), vs), vz);
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(t, qmin), qmax));  // ties to even
+        _mm_mask_storeu_epi8(out + i, mk, _mm512_cvtepi32_epi8(qi));
+      }
+      for (int64_t pos = in.k; pos < in.kp; ++pos) out[pos] = 0;
+    }
+    segment_sums(in, out, qsum + m * in.nseg);
+  }
+}
+
+}  // namespace
+
+void gemm_bf16_avx512(const Weights& w, const Bf16Acts& a, const Out& o, int nb0, int nb1);  // avx512_bf16.cpp
+
+const KernelTable& table_avx512() {
+  static const KernelTable t{"avx512", nullptr, gemm_bf16_avx512, gemm_i8, quantize};
+  return t;
+}
+
+}  // namespace quill

@@ -1,0 +1,307 @@
+// Python binding: one NativeLinear object per layer holds the prepared tensors
+// and the chosen kernel variant; forward(x, bias) is the whole per-call path.
+//
+// Threads come from PyTorch's own intra-op pool (at::parallel_for), so native
+// kernels and torch ops never run two pools at once; the count is
+// min(threads set on the layer, torch.get_num_threads()), reduced for small work.
+// Precondition failures throw KernelFailure, raised in Python as
+// quill.errors.KernelError.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace quill {
+namespace {
+
+struct KernelFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <class... A>
+[[noreturn]] void fail(const A&... parts) {
+  std::ostringstream s;
+  (s << ... << parts);
+  throw KernelFailure(s.str());
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.dtype() << " " << t.sizes();
+  return s.str();
+}
+
+void expect(const at::Tensor& t, at::ScalarType dt, std::vector<int64_t> shape, const char* what) {
+  if (t.scalar_type() != dt || t.sizes() != at::IntArrayRef(shape) || !t.is_contiguous() || t.device().is_cuda())
+    fail("native kernel: tensor '", what, "' should be contiguous ", c10::toString(dt), " ", at::IntArrayRef(shape),
+         ", found ", shape_of(t));
+}
+
+DType dtype_of(at::ScalarType t, const char* what) {
+  switch (t) {
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    default: fail("native kernel: '", what, "' has dtype ", c10::toString(t), "; supported: float32, float16, bfloat16");
+  }
+}
+
+// The kernel table of an ISA, after checking this CPU really has it (a wrong
+// choice must be an error, not an illegal instruction).
+const KernelTable& table_for(const std::string& isa, bool int8) {
+  __builtin_cpu_init();
+  if (isa == "scalar" || isa == "scalar_bf16") return table_scalar();
+  if (isa == "avx2") {
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+      fail("native kernel: ISA 'avx2' needs AVX2 and FMA, which this CPU lacks");
+    return table_avx2();
+  }
+  if (isa == "avx512") {
+    const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") &&
+                    (int8 ? __builtin_cpu_supports("avx512vnni") : __builtin_cpu_supports("avx512bf16"));
+    if (!ok) fail("native kernel: ISA 'avx512' needs AVX512F/BW/VL and ", int8 ? "AVX512-VNNI" : "AVX512-BF16",
+                  ", which this CPU lacks");
+    return table_avx512();
+  }
+  fail("native kernel: unknown ISA '", isa, "'; supported: avx512, avx2, scalar, scalar_bf16");
+}
+
+// Grow-only scratch of the calling thread (stream, sums, quantized activations).
+template <class T>
+T* scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+class NativeLinear {
+ public:
+  NativeLinear(at::Tensor codes, at::Tensor scales, std::optional<at::Tensor> zeros, std::optional<at::Tensor> offsets,
+               at::Tensor seg_end, std::optional<at::Tensor> src, std::optional<at::Tensor> wsum, int64_t bits,
+               int64_t n, int64_t k, std::string family, std::string isa, bool act_dynamic, bool act_symmetric,
+               double act_scale, double act_zero, int64_t threads)
+      : codes_(std::move(codes)), scales_(std::move(scales)), zeros_(std::move(zeros)), offsets_(std::move(offsets)),
+        seg_end_(std::move(seg_end)), src_(std::move(src)), wsum_(std::move(wsum)), int8_(family == "int8"),
+        isa_(isa), table_(table_for(isa, family == "int8")) {
+    if (family != "int8" && family != "float") fail("native kernel: unknown family '", family, "'; supported: float, int8");
+    if (bits != 4 && bits != 8) fail("native kernel: ", bits, "-bit codes are not supported; supported: 4, 8");
+    if (codes_.dim() != 3) fail("native kernel: codes should be uint8 [NB, KC, 64], found ", shape_of(codes_));
+    const int64_t nb = codes_.size(0), kc = codes_.size(1), nseg = seg_end_.numel();
+    expect(codes_, at::kByte, {nb, kc, BLOCK_BYTES}, "codes");  // [NB, KC, 64]
+    if (n <= 0 || n > nb * LANES || n <= (nb - 1) * LANES)
+      fail("native kernel: ", n, " output features do not fill ", nb, " row blocks of ", LANES);
+    expect(seg_end_, at::kInt, {nseg}, "seg_end");  // [S]
+    const int32_t* se = seg_end_.data_ptr<int32_t>();
+    for (int64_t s = 0; s < nseg; ++s)
+      if (se[s] <= (s ? se[s - 1] : 0) || (s == nseg - 1 && se[s] != kc))
+        fail("native kernel: segment ends must increase strictly up to ", kc, " chunks");
+    w_.scale_dtype = dtype_of(scales_.scalar_type(), "scales");
+    expect(scales_, scales_.scalar_type(), {nb, nseg, LANES}, "scales");  // [NB, S, 16]
+    if (zeros_) expect(*zeros_, bits == 4 ? at::kByte : at::kShort, {nb, nseg, LANES}, "zeros");
+    if (offsets_) expect(*offsets_, scales_.scalar_type(), {nb, nseg, LANES}, "offsets");
+    if (wsum_) expect(*wsum_, at::kFloat, {nb * LANES}, "wsum");  // [Np]
+    kp_ = kc * chunk_k(bits);
+    if (src_) {
+      expect(*src_, at::kLong, {kp_}, "src");  // [Kp]
+      const int64_t* p = src_->data_ptr<int64_t>();
+      for (int64_t i = 0; i < kp_; ++i)
+        if (p[i] < -1 || p[i] >= k) fail("native kernel: src[", i, "] = ", p[i], " is outside [-1, ", k, ")");
+    } else if (k > kp_ || kp_ - k >= chunk_k(bits)) {  // identity order: only the end is padded
+      fail("native kernel: in_features ", k, " does not match the ", kp_, " stream positions");
+    }
+    // the bf16 dot-product kernels (AVX-512 BF16 and their scalar twin) read a bf16 stream
+    bf16_ = !int8_ && (isa == "avx512" || isa == "scalar_bf16");
+    k_ = k;
+    w_.codes = codes_.data_ptr<uint8_t>();
+    w_.scales = scales_.data_ptr();
+    w_.zeros = zeros_ ? zeros_->data_ptr() : nullptr;
+    w_.offsets = offsets_ ? offsets_->data_ptr() : nullptr;
+    w_.seg_end = se;
+    w_.wsum = wsum_ ? wsum_->data_ptr<float>() : nullptr;
+    w_.bits = int32_t(bits);
+    w_.n = int32_t(n);
+    w_.nb = int32_t(nb);
+    w_.kc = int32_t(kc);
+    w_.nseg = int32_t(nseg);
+    w_.zconst = float(1 << (bits - 1));
+    aq_.dynamic = act_dynamic;
+    aq_.symmetric = act_symmetric;
+    aq_.scale = float(act_scale);
+    aq_.zero = float(act_zero);
+    if (int8_ && !act_symmetric && !wsum_) fail("native kernel: asymmetric activations need the weight row sums (wsum)");
+    set_threads(threads);
+  }
+
+  void set_threads(int64_t t) {
+    if (t < 1) fail("native kernel: threads must be at least 1, found ", t);
+    threads_ = int(t);
+  }
+  int64_t threads() const { return threads_; }
+  std::string isa() const { return isa_; }
+  bool bf16_stream() const { return bf16_; }
+
+  // x [M, K] float32 / bfloat16 / float16 -> y [M, N] of x's dtype (+ bias [N])
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& bias_in) {
+    if (x.dim() != 2 || x.size(1) != k_ || !x.is_contiguous() || x.device().is_cuda())
+      fail("native kernel: input should be a contiguous CPU tensor [M, ", k_, "], found ", shape_of(x),
+           x.is_contiguous() ? "" : " (not contiguous)");
+    const DType xdt = dtype_of(x.scalar_type(), "input");
+    const int64_t m = x.size(0);
+    at::Tensor bias;
+    if (bias_in) {
+      bias = bias_in->scalar_type() == at::kFloat ? *bias_in : bias_in->to(at::kFloat);
+      expect(bias.contiguous(), at::kFloat, {w_.n}, "bias");
+      bias = bias.contiguous();
+    }
+    // float16 results are computed in float32 and rounded by torch (no f16 store path)
+    const auto out_dt = x.scalar_type() == at::kHalf ? at::kFloat : x.scalar_type();
+    at::Tensor y = at::empty({m, w_.n}, x.options().dtype(out_dt));  // [M, N]
+    if (m == 0) return y.to(x.scalar_type());
+    Weights w = w_;
+    w.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    Out o{y.data_ptr(), w_.n, out_dt == at::kBFloat16 ? DType::BF16 : DType::F32};
+    RawX in{x.data_ptr(), xdt, k_, src_ ? src_->data_ptr<int64_t>() : nullptr, kp_, w_.seg_end, w_.nseg,
+            chunk_k(w_.bits)};
+    if (int8_)
+      run_int8(w, in, o, m);
+    else
+      run_float(w, in, o, m);
+    return x.scalar_type() == at::kHalf ? y.to(at::kHalf) : y;
+  }
+
+ private:
+  // Threads for `work` bytes of weight traffic: never more than torch's pool, the
+  // layer's setting, or one per 64 KiB (below that a fork/join costs more than it saves).
+  int threads_for(int64_t work) const {
+    const int64_t t = std::min<int64_t>({threads_, at::get_num_threads(), std::max<int64_t>(1, work / 65536), w_.nb});
+    return int(std::max<int64_t>(1, t));
+  }
+
+  template <class F>
+  void parallel(int parts, int64_t count, const F& body) const {  // body(begin, end) over [0, count)
+    if (parts <= 1 || at::in_parallel_region()) return body(0, count);
+    at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) body(count * i / parts, count * (i + 1) / parts);
+    });
+  }
+
+  template <class Acts, class G>
+  void gemm(const Weights& w, const Acts& a, const Out& o, G fn) const {
+    const int64_t bytes = int64_t(w.nb) * w.kc * BLOCK_BYTES * (1 + a.m / 4);
+    parallel(threads_for(bytes), w.nb, [&](int64_t b, int64_t e) { fn(w, a, o, int(b), int(e)); });
+  }
+
+  int prep_threads(int64_t m) const { return threads_for(m * kp_ * 32); }
+
+  void run_float(const Weights& w, const RawX& in, const Out& o, int64_t m) const {
+    thread_local std::vector<float> xsum_buf;
+    float* xsum = scratch(xsum_buf, size_t(m * w.nseg));  // [M, S]
+    if (bf16_stream()) {
+      thread_local std::vector<uint16_t> xs_buf;
+      const bool split = in.dtype != DType::BF16;  // float32/float16 inputs keep their precision as hi + lo
+      const int64_t ld = int64_t(w.kc) * (split ? 16 : 8);
+      uint16_t* xs = scratch(xs_buf, size_t(m * ld));  // [M, KC, words]
+      parallel(prep_threads(m), m, [&](int64_t b, int64_t e) {
+        build_bf16_stream(in, w.bits, split, xs, xsum, int(b), int(e));
+      });
+      gemm(w, Bf16Acts{xs, xsum, ld, int32_t(m), split}, o, table_.gemm_bf16);
+    } else {
+      thread_local std::vector<float> xs_buf;
+      float* xs = scratch(xs_buf, size_t(m * kp_));  // [M, Kp]
+      parallel(prep_threads(m), m, [&](int64_t b, int64_t e) { build_f32_stream(in, xs, xsum, int(b), int(e)); });
+      gemm(w, F32Acts{xs, xsum, kp_, int32_t(m)}, o, table_.gemm_f32);
+    }
+  }
+
+  void run_int8(const Weights& w, const RawX& in, const Out& o, int64_t m) const {
+    thread_local std::vector<int8_t> q_buf;
+    thread_local std::vector<int32_t> qsum_buf;
+    thread_local std::vector<float> sz_buf;
+    int8_t* q = scratch(q_buf, size_t(m * kp_));             // [M, Kp]
+    int32_t* qsum = scratch(qsum_buf, size_t(m * w.nseg));   // [M, S]
+    float* sz = scratch(sz_buf, size_t(2 * m));              // scale [M], zero [M]
+    parallel(prep_threads(m), m, [&](int64_t b, int64_t e) {
+      table_.quantize(in, aq_, q, qsum, sz, sz + m, int(b), int(e));
+    });
+    const bool asym = !aq_.symmetric;
+    gemm(w, I8Acts{q, qsum, sz, sz + m, kp_, int32_t(m), asym}, o, table_.gemm_i8);
+  }
+
+  at::Tensor codes_, scales_;
+  std::optional<at::Tensor> zeros_, offsets_;
+  at::Tensor seg_end_;
+  std::optional<at::Tensor> src_, wsum_;
+  bool int8_, bf16_ = false;
+  std::string isa_;
+  const KernelTable& table_;
+  Weights w_;
+  ActQuant aq_;
+  int64_t k_ = 0, kp_ = 0;
+  int threads_ = 1;
+};
+
+// Exposed for tests: the activation quantizer alone, x [M, K] -> (q [M, Kp], qsum [M, S], scale [M], zero [M]).
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x, at::Tensor seg_end, int64_t chunk,
+                                             std::optional<at::Tensor> src, bool dynamic, bool symmetric,
+                                             double scale, double zero, const std::string& isa) {
+  if (x.dim() != 2 || !x.is_contiguous()) fail("quantize_activations: x should be contiguous [M, K], found ", shape_of(x));
+  const int64_t m = x.size(0), k = x.size(1), nseg = seg_end.numel();
+  expect(seg_end, at::kInt, {nseg}, "seg_end");
+  if (nseg == 0) fail("quantize_activations: no segments");
+  const int64_t kp = int64_t(seg_end.data_ptr<int32_t>()[nseg - 1]) * chunk;
+  if (src) expect(*src, at::kLong, {kp}, "src");
+  else if (kp < k) fail("quantize_activations: ", kp, " stream positions cannot hold ", k, " columns");
+  at::Tensor q = at::empty({m, kp}, x.options().dtype(at::kChar));
+  at::Tensor qsum = at::empty({m, nseg}, x.options().dtype(at::kInt));
+  at::Tensor sc = at::empty({m}, x.options().dtype(at::kFloat)), zp = at::empty({m}, x.options().dtype(at::kFloat));
+  RawX in{x.data_ptr(), dtype_of(x.scalar_type(), "x"), k, src ? src->data_ptr<int64_t>() : nullptr, kp,
+          seg_end.data_ptr<int32_t>(), int32_t(nseg), int32_t(chunk)};
+  ActQuant aq{dynamic, symmetric, float(scale), float(zero)};
+  table_for(isa, true).quantize(in, aq, q.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sc.data_ptr<float>(),
+                                zp.data_ptr<float>(), 0, int(m));
+  return {q, qsum, sc, zp};
+}
+
+}  // namespace
+}  // namespace quill
+
+PYBIND11_MODULE(_quill_native, m) {
+  namespace py = pybind11;
+  using quill::NativeLinear;
+  static PyObject* kernel_error = [] {
+    py::object cls = py::module_::import("quill.errors").attr("KernelError");
+    return cls.release().ptr();  // kept for the life of the process
+  }();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const quill::KernelFailure& e) {
+      PyErr_SetString(kernel_error, e.what());
+    }
+  });
+  m.doc() = "quill native CPU linear kernels (W4A16, W8A16, W4A8, W8A8)";
+  py::class_<NativeLinear>(m, "NativeLinear")
+      .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, at::Tensor,
+                    std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t, int64_t, int64_t, std::string,
+                    std::string, bool, bool, double, double, int64_t>(),
+           py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("offsets"), py::arg("seg_end"),
+           py::arg("src"), py::arg("wsum"), py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("family"),
+           py::arg("isa"), py::arg("act_dynamic") = true, py::arg("act_symmetric") = true, py::arg("act_scale") = 0.0,
+           py::arg("act_zero") = 0.0, py::arg("threads") = 1)
+      .def("forward", &NativeLinear::forward, py::arg("x"), py::arg("bias") = py::none())
+      .def("set_threads", &NativeLinear::set_threads)
+      .def_property_readonly("threads", &NativeLinear::threads)
+      .def_property_readonly("isa", &NativeLinear::isa)
+      .def_property_readonly("bf16_stream", &NativeLinear::bf16_stream);
+  m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
+        py::arg("src"), py::arg("dynamic"), py::arg("symmetric"), py::arg("scale"), py::arg("zero"), py::arg("isa"));
+}

@@ -1,0 +1,144 @@
+// Shared declarations of quill's native linear kernels.
+//
+// Nothing here includes torch: the per-ISA translation units (scalar.cpp,
+// avx2.cpp, avx512.cpp) see raw pointers only, so each compiles in seconds with
+// its own -m flags, and one build runs on any x86-64 (the ISA is chosen at load).
+//
+// Weight layout ("row blocks of 16 lanes"): output rows are grouped in blocks
+// of 16 (N padded to Np = 16 * NB); each SIMD lane owns one output row.  The
+// input dimension is reordered into a *stream* of Kp positions (groups made
+// contiguous for act-order, each segment padded to a whole chunk) and cut into
+// chunks of CHUNK_K(bits) positions; one chunk of one row block is 64 bytes:
+//
+//   4-bit, chunk = 8 positions:  byte 4*r + b = q[r][8c + b] | q[r][8c + 4 + b] << 4   (r < 16, b < 4)
+//   8-bit, chunk = 4 positions:  byte 4*r + b = q[r][4c + b]
+//
+//   codes   [NB, KC, 64]  uint8      (KC = Kp / CHUNK_K)
+//   scales  [NB, S, 16]   f32/f16/bf16, one per segment and row
+//   zeros   [NB, S, 16]   uint8 (4-bit) / int16 (8-bit), or none (constant zero 2**(bits-1))
+//   offsets [NB, S, 16]   same dtype as scales, or none
+//
+// A segment is a run of chunks sharing one scale (a quantization group, or a
+// piece of one).  With raw codes q and activations x:
+//
+//   y[m, n] = sum_s ( scale[s, n] * (D[m, s, n] - zero[s, n] * X[m, s]) + offset[s, n] * X[m, s] )
+//   D[m, s, n] = sum_{k in s} q[n, k] * x[m, k]        X[m, s] = sum_{k in s} x[m, k]
+//
+// Float kernels accumulate D in float32; int8 kernels accumulate D and X in
+// int32 exactly, then apply the same float epilogue lane by lane, so the scalar
+// twin of an int8 kernel reproduces it bit for bit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace quill {
+
+constexpr int LANES = 16;       // output rows per row block
+constexpr int BLOCK_BYTES = 64;  // bytes of one chunk of one row block
+
+constexpr int chunk_k(int bits) { return bits == 4 ? 8 : 4; }
+
+enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
+
+// The prepared weight of one layer (read-only views; the binding owns the storage).
+struct Weights {
+  const uint8_t* codes = nullptr;  // [NB, KC, 64]
+  const void* scales = nullptr;    // [NB, S, 16] of scale_dtype
+  const void* zeros = nullptr;     // [NB, S, 16] uint8 (bits 4) / int16 (bits 8), or null
+  const void* offsets = nullptr;   // [NB, S, 16] of scale_dtype, or null
+  const int32_t* seg_end = nullptr;  // [S] exclusive end chunk of every segment
+  const float* bias = nullptr;     // [N] or null
+  const float* wsum = nullptr;     // [Np] row sums of the dequantized weight (asymmetric int8 activations), or null
+  DType scale_dtype = DType::F32;
+  int32_t bits = 4;
+  int32_t n = 0;     // real output features
+  int32_t nb = 0;    // row blocks
+  int32_t kc = 0;    // chunks per row block
+  int32_t nseg = 0;  // segments
+  float zconst = 8.0f;  // zero point when zeros == null
+};
+
+// Float activations laid out for the fp32-FMA kernels: x gathered into stream order.
+struct F32Acts {
+  const float* x = nullptr;     // [M, ld], position p of token m at x[m * ld + p]; padding is 0
+  const float* xsum = nullptr;  // [M, S]
+  int64_t ld = 0;
+  int32_t m = 0;
+};
+
+// Float activations laid out for the bf16 dot-product kernels (see stream.cpp):
+// per chunk 8 bf16 words (4 pairs, one per nibble position of a code word),
+// followed by 8 more words holding x - bf16(x) when `split` (float32 input).
+struct Bf16Acts {
+  const uint16_t* x = nullptr;  // [M, ld]
+  const float* xsum = nullptr;  // [M, S]
+  int64_t ld = 0;
+  int32_t m = 0;
+  bool split = false;
+};
+
+// int8 activations, quantized per token (or per tensor) in stream order.
+struct I8Acts {
+  const int8_t* q = nullptr;     // [M, ld]
+  const int32_t* qsum = nullptr;  // [M, S] exact sums of q over each segment
+  const float* scale = nullptr;  // [M]
+  const float* zero = nullptr;   // [M] (all 0 for symmetric)
+  int64_t ld = 0;
+  int32_t m = 0;
+  bool asym = false;
+};
+
+// Output: y[m * ld + n] for n < Weights::n, float32 or bfloat16.
+struct Out {
+  void* y = nullptr;
+  int64_t ld = 0;
+  DType dtype = DType::F32;
+};
+
+// How to quantize activations (quill/kernels/activation.py is the definition).
+struct ActQuant {
+  bool dynamic = true;
+  bool symmetric = true;
+  float scale = 0.0f;  // static only
+  float zero = 0.0f;   // static only
+};
+
+// Raw float input of the activation quantizer and stream builders.
+struct RawX {
+  const void* x = nullptr;  // [M, K] row-major
+  DType dtype = DType::F32;
+  int64_t k = 0;            // real in_features
+  const int64_t* src = nullptr;  // [Kp] source column of every stream position (-1: padding), or null = identity
+  int64_t kp = 0;           // stream length
+  const int32_t* seg_end = nullptr;  // [S] in chunks
+  int32_t nseg = 0;
+  int32_t chunk = 8;
+};
+
+// Every entry point of one ISA variant.  Kernels process row blocks [nb0, nb1)
+// for all M tokens; quantizers process tokens [m0, m1).
+struct KernelTable {
+  const char* name;
+  void (*gemm_f32)(const Weights&, const F32Acts&, const Out&, int nb0, int nb1);   // null if absent
+  void (*gemm_bf16)(const Weights&, const Bf16Acts&, const Out&, int nb0, int nb1);  // null if absent
+  void (*gemm_i8)(const Weights&, const I8Acts&, const Out&, int nb0, int nb1);
+  // q [M, Kp] int8, qsum [M, S], scale [M], zero [M]
+  void (*quantize)(const RawX&, const ActQuant&, int8_t* q, int32_t* qsum, float* scale, float* zero,
+                   int m0, int m1);
+};
+
+const KernelTable& table_scalar();
+const KernelTable& table_avx2();
+const KernelTable& table_avx512();
+
+// Stream builders (stream.cpp, baseline ISA): tokens [m0, m1).
+void build_f32_stream(const RawX& in, float* out, float* xsum, int m0, int m1);   // out [M, Kp]
+void build_bf16_stream(const RawX& in, int bits, bool split, uint16_t* out, float* xsum, int m0, int m1);
+
+// Scalar helpers shared by every TU (exact, no ISA needed).
+float to_float(const void* p, DType t, int64_t i);
+uint16_t f32_to_bf16_rne(float f);
+float bf16_to_f32(uint16_t h);
+
+}  // namespace quill

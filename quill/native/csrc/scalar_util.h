@@ -1,0 +1,92 @@
+// Scalar building blocks shared by the scalar twins and the SIMD kernels' edges.
+//
+// These define the per-lane float arithmetic (epilogue, store, activation
+// quantization) that every variant must perform in exactly this order.
+#pragma once
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+
+#include "common.h"
+
+namespace quill {
+
+struct ActParams {
+  float scale;
+  float zero;
+};
+
+// compressed-tensors replaces a zero scale by float32 eps (quill/kernels/activation.py).
+inline float fix_zero_scale(float s) { return s == 0.0f ? FLT_EPSILON : s; }
+
+// Scale and zero point of one token from its min, max and max |x| (dynamic), or the static ones.
+inline ActParams act_params(const ActQuant& aq, float lo, float hi, float amax) {
+  if (!aq.dynamic) return {fix_zero_scale(aq.scale), aq.zero};
+  if (aq.symmetric) return {fix_zero_scale(amax / 127.5f), 0.0f};
+  const float s = fix_zero_scale((hi - lo) / 255.0f);
+  const float z = std::nearbyint(std::min(std::max(-128.0f - lo / s, -128.0f), 127.0f));
+  return {s, z};
+}
+
+// round(clamp(v / scale + zero, -128, 127)), round half to even (the default rounding mode).
+inline int8_t quantize_one(float v, const ActParams& p) {
+  const float t = std::min(std::max(v / p.scale + p.zero, -128.0f), 127.0f);
+  return static_cast<int8_t>(std::nearbyint(t));
+}
+
+// Exact int32 sums of one token's quantized stream over every segment.
+inline void segment_sums(const RawX& in, const int8_t* q, int32_t* qsum) {
+  int64_t p = 0;
+  for (int s = 0; s < in.nseg; ++s) {
+    int32_t acc = 0;
+    for (const int64_t end = int64_t(in.seg_end[s]) * in.chunk; p < end; ++p) acc += q[p];
+    qsum[s] = acc;
+  }
+}
+
+inline int64_t seg_index(const Weights& w, int nb, int s, int r) { return (int64_t(nb) * w.nseg + s) * LANES + r; }
+
+inline float zero_at(const Weights& w, int64_t i) {
+  if (!w.zeros) return w.zconst;
+  return w.bits == 4 ? float(static_cast<const uint8_t*>(w.zeros)[i]) : float(static_cast<const int16_t*>(w.zeros)[i]);
+}
+
+// f += scale * (D - zero * X) [+ offset * X] for lane r of segment s.
+inline float seg_epilogue(const Weights& w, int nb, int s, int r, float d, float x, float f) {
+  const int64_t i = seg_index(w, nb, s, r);
+  const float t = std::fma(-zero_at(w, i), x, d);
+  f = std::fma(to_float(w.scales, w.scale_dtype, i), t, f);
+  if (w.offsets) f = std::fma(to_float(w.offsets, w.scale_dtype, i), x, f);
+  return f;
+}
+
+inline void store_value(const Out& o, int m, int n, float v) {
+  if (o.dtype == DType::BF16)
+    static_cast<uint16_t*>(o.y)[m * o.ld + n] = f32_to_bf16_rne(v);
+  else
+    static_cast<float*>(o.y)[m * o.ld + n] = v;
+}
+
+// y = f (+ bias) for the real rows of row block nb.
+inline void store_float_row(const Weights& w, const Out& o, int nb, int m, const float* f) {
+  for (int r = 0; r < LANES && nb * LANES + r < w.n; ++r) {
+    const int n = nb * LANES + r;
+    float v = f[r];
+    if (w.bias) v = v + w.bias[n];
+    store_value(o, m, n, v);
+  }
+}
+
+// y = (f - zero_a * wsum) * scale_a (+ bias): undo the activation quantization.
+inline void store_int_row(const Weights& w, const I8Acts& a, const Out& o, int nb, int m, const float* f) {
+  for (int r = 0; r < LANES && nb * LANES + r < w.n; ++r) {
+    const int n = nb * LANES + r;
+    float u = a.asym ? std::fma(-a.zero[m], w.wsum[n], f[r]) : f[r];
+    float v = u * a.scale[m];
+    if (w.bias) v = v + w.bias[n];
+    store_value(o, m, n, v);
+  }
+}
+
+}  // namespace quill

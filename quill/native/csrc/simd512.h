@@ -1,0 +1,99 @@
+// AVX-512 helpers shared by the AVX-512 translation units: loads of per-segment
+// constants, the segment epilogue and the stores, 16 lanes (= 16 output rows) wide.
+// Each performs per lane exactly the scalar operations of scalar_util.h.
+#pragma once
+
+#include <immintrin.h>
+
+#include "scalar_util.h"
+
+namespace quill {
+namespace v512 {
+
+// 16 consecutive values of dtype t starting at element i, as float32.
+inline __m512 load16(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::F16:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
+    case DType::BF16: {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case DType::F32:
+    default:
+      return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  }
+}
+
+// Scale, zero and offset of one segment for the 16 rows of a row block.
+struct SegConsts {
+  __m512 scale, zero, offset;
+  bool has_offset;
+};
+
+inline SegConsts seg_consts(const Weights& w, int nb, int s) {
+  const int64_t i = seg_index(w, nb, s, 0);
+  SegConsts c;
+  c.scale = load16(w.scales, w.scale_dtype, i);
+  if (!w.zeros) {
+    c.zero = _mm512_set1_ps(w.zconst);
+  } else if (w.bits == 4) {
+    const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.zeros) + i));
+    c.zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z));
+  } else {
+    const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int16_t*>(w.zeros) + i));
+    c.zero = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(z));
+  }
+  c.has_offset = w.offsets != nullptr;
+  c.offset = c.has_offset ? load16(w.offsets, w.scale_dtype, i) : _mm512_setzero_ps();
+  return c;
+}
+
+// f += scale * (d - zero * x) [+ offset * x]  (seg_epilogue, 16 lanes)
+inline __m512 epilogue(const SegConsts& c, __m512 d, __m512 x, __m512 f) {
+  const __m512 t = _mm512_fnmadd_ps(c.zero, x, d);
+  f = _mm512_fmadd_ps(c.scale, t, f);
+  if (c.has_offset) f = _mm512_fmadd_ps(c.offset, x, f);
+  return f;
+}
+
+inline __mmask16 row_mask(const Weights& w, int nb) {
+  const int left = w.n - nb * LANES;
+  return left >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+}
+
+// float32 -> bfloat16 with ties to even, NaN kept quiet (f32_to_bf16_rne, 16 lanes).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  const __m512i nan = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_blend_epi32(is_nan, r, nan), 16));
+}
+
+inline void store(const Out& o, int m, int n0, __mmask16 mask, __m512 v) {
+  if (o.dtype == DType::BF16)
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(o.y) + m * o.ld + n0, mask, to_bf16(v));
+  else
+    _mm512_mask_storeu_ps(static_cast<float*>(o.y) + m * o.ld + n0, mask, v);
+}
+
+// y = f (+ bias)  (store_float_row)
+inline void store_float(const Weights& w, const Out& o, int nb, int m, __m512 f) {
+  const __mmask16 mask = row_mask(w, nb);
+  if (w.bias) f = _mm512_add_ps(f, _mm512_maskz_loadu_ps(mask, w.bias + nb * LANES));
+  store(o, m, nb * LANES, mask, f);
+}
+
+// y = (f - zero_a * wsum) * scale_a (+ bias)  (store_int_row)
+inline void store_int(const Weights& w, const I8Acts& a, const Out& o, int nb, int m, __m512 f) {
+  const __mmask16 mask = row_mask(w, nb);
+  if (a.asym) f = _mm512_fnmadd_ps(_mm512_set1_ps(a.zero[m]), _mm512_loadu_ps(w.wsum + nb * LANES), f);
+  f = _mm512_mul_ps(f, _mm512_set1_ps(a.scale[m]));
+  if (w.bias) f = _mm512_add_ps(f, _mm512_maskz_loadu_ps(mask, w.bias + nb * LANES));
+  store(o, m, nb * LANES, mask, f);
+}
+
+}  // namespace v512
+}  // namespace quill

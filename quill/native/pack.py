@@ -1,0 +1,136 @@
+"""Repack a canonical :class:`QuantizedWeight` into the native kernels' layout.
+
+The layout is described in ``csrc/common.h``.  In short: output rows in blocks
+of 16 (one per SIMD lane), input columns reordered into a *stream* (act-order
+groups made contiguous, every segment padded with zeros to whole chunks of 8
+(4-bit) or 4 (8-bit) positions), one 64-byte block per chunk and row block, and
+one scale (zero, offset) per segment and row.  Done once, after loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quill.errors import KernelError
+from quill.quantization.weight import QuantizedWeight
+
+LANES = 16
+BLOCK_BYTES = 64
+
+# int32 accumulation limit of the int8 kernels: a segment of 8-bit codes may not
+# exceed 2**31 / (255 * 128) positions, so longer groups are cut (same scale).
+INT8_MAX_SEGMENT = {8: 32768, 4: 1 << 20}
+
+
+def chunk_k(bits: int) -> int:
+    return 8 if bits == 4 else 4
+
+
+@dataclass(frozen=True)
+class StreamOrder:
+    """Where every stream position comes from, and how positions form segments."""
+
+    src: torch.Tensor | None  # int64 [Kp]: source column (-1 = zero padding); None = identity + end padding
+    kp: int
+    seg_group: torch.Tensor  # int64 [S]: quantization group of every segment
+    seg_end: torch.Tensor  # int32 [S]: exclusive end of every segment, in chunks
+
+
+def _group_columns(w: QuantizedWeight) -> list[torch.Tensor]:
+    """int64 column indices of every group, in stream order (act-order: sorted by group, stable)."""
+    if w.g_idx is None:
+        return list(torch.arange(w.in_features).split(w.group_size))
+    order = torch.argsort(w.g_idx.long(), stable=True)
+    counts = torch.bincount(w.g_idx.long(), minlength=w.num_groups)
+    return list(order.split(counts.tolist()))
+
+
+def stream_order(w: QuantizedWeight, max_segment: int | None = None) -> StreamOrder:
+    """Stream order of ``w``'s input columns: groups contiguous, segments padded to whole chunks."""
+    chunk = chunk_k(w.bits)
+    if max_segment is not None and max_segment % chunk:
+        raise KernelError(f"{w.name}: segment limit {max_segment} is not a multiple of the chunk {chunk}")
+    pieces, groups, ends, pos = [], [], [], 0
+    for g, cols in enumerate(_group_columns(w)):
+        step = max_segment or max(len(cols), 1)
+        for part in cols.split(step):  # empty groups produce no segment
+            pad = -len(part) % chunk
+            pieces.append(torch.cat([part, torch.full((pad,), -1, dtype=torch.long)]) if pad else part)
+            groups.append(g)
+            pos += len(part) + pad
+            ends.append(pos // chunk)
+    src = torch.cat(pieces)
+    k = w.in_features
+    identity = bool((src[:k] == torch.arange(k)).all()) and bool((src[k:] == -1).all())
+    return StreamOrder(None if identity else src.contiguous(), len(src), torch.tensor(groups, dtype=torch.long),
+                       torch.tensor(ends, dtype=torch.int32))
+
+
+@dataclass
+class PackedWeight:
+    """The native layout of one layer (tensors the C++ NativeLinear keeps views of)."""
+
+    codes: torch.Tensor  # uint8 [NB, KC, 64]
+    scales: torch.Tensor  # float32/float16/bfloat16 [NB, S, 16]
+    zeros: torch.Tensor | None  # uint8 (4-bit) / int16 (8-bit) [NB, S, 16]; None: 2**(bits-1)
+    offsets: torch.Tensor | None  # scales' dtype [NB, S, 16]
+    seg_end: torch.Tensor  # int32 [S]
+    src: torch.Tensor | None  # int64 [Kp]
+    wsum: torch.Tensor | None  # float32 [NB * 16]: row sums of the dequantized weight
+    bits: int
+    out_features: int
+    in_features: int
+
+
+def _per_segment(t: torch.Tensor, order: StreamOrder, nb: int) -> torch.Tensor:
+    """[N, G] -> [NB, S, 16]: one value per segment and lane, padded rows zero."""
+    seg = t[:, order.seg_group]  # [N, S]
+    seg = torch.cat([seg, seg.new_zeros(nb * LANES - seg.shape[0], seg.shape[1])])
+    return seg.view(nb, LANES, -1).transpose(1, 2).contiguous()
+
+
+def _codes(w: QuantizedWeight, order: StreamOrder, nb: int) -> torch.Tensor:
+    """uint8 [N, K] codes -> [NB, KC, 64] blocks."""
+    codes = w.codes
+    if order.src is not None:
+        codes = codes[:, order.src.clamp(min=0)]
+        codes[:, order.src < 0] = 0
+    else:
+        codes = torch.nn.functional.pad(codes, (0, order.kp - w.in_features))
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, nb * LANES - w.out_features))  # [Np, Kp]
+    chunk = chunk_k(w.bits)
+    kc = order.kp // chunk
+    q = codes.view(nb, LANES, kc, chunk)
+    if w.bits == 4:  # byte b of a lane: positions b (low nibble) and b + 4 (high nibble)
+        q = q[..., :4] | (q[..., 4:] << 4)
+    return q.permute(0, 2, 1, 3).contiguous().view(nb, kc, BLOCK_BYTES)
+
+
+def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
+    """Repack ``w`` (4- or 8-bit) for the native kernels; ``int8_activations`` selects the int8 limits."""
+    if w.bits not in (4, 8):
+        raise KernelError(f"{w.name}: native kernels run 4- and 8-bit codes, found {w.bits}-bit")
+    order = stream_order(w, INT8_MAX_SEGMENT[w.bits] if int8_activations else None)
+    nb = -(-w.out_features // LANES)
+    scales, offsets = w.scales, w.offsets
+    if offsets is not None and offsets.dtype != scales.dtype:  # one dtype for both (exact in float32)
+        scales, offsets = scales.float(), offsets.float()
+    zeros = None
+    if w.zeros is not None:
+        lo, hi = int(w.zeros.min()), int(w.zeros.max())
+        limit = 255 if w.bits == 4 else 32767
+        if lo < 0 or hi > limit:
+            raise KernelError(f"{w.name}: zero points span [{lo}, {hi}], expected [0, {1 << w.bits}]")
+        zeros = _per_segment(w.zeros, order, nb).to(torch.uint8 if w.bits == 4 else torch.int16)
+    wsum = None
+    if w.activation is not None and not w.activation.symmetric:
+        rows = w.dequantize().double().sum(1).float()
+        wsum = torch.cat([rows, rows.new_zeros(nb * LANES - w.out_features)])
+    return PackedWeight(
+        codes=_codes(w, order, nb), scales=_per_segment(scales, order, nb),
+        zeros=zeros, offsets=None if offsets is None else _per_segment(offsets, order, nb),
+        seg_end=order.seg_end, src=order.src, wsum=wsum, bits=w.bits,
+        out_features=w.out_features, in_features=w.in_features,
+    )
