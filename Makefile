@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: install test clean
+.PHONY: install native test clean
 
 # torch is pinned to the local CPU wheel first: any other resolution pulls a CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -14,10 +14,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e '.[test]'
 	touch $@
 
-install: $(STAMP)
+# The native kernels (quill/native/csrc) are compiled outside pip, incrementally.  A failed
+# build does not fail the install: quill then runs on the torch/reference kernels and
+# `quill info` says why (the native tests fail, so `make test` shows it too).
+native: $(STAMP)
+	-$(BIN)/python -m quill.native.build
+
+install: $(STAMP) native
 
 test: install
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info quill/native/_build quill/native/_quill_native*.so

@@ -31,7 +31,7 @@ def test_policy_from_env():
 
 
 def test_unknown_kernel_names_are_errors():
-    with pytest.raises(KernelSelectionError, match="unknown kernel name.*nosuch.*known kernels: reference, torch"):
+    with pytest.raises(KernelSelectionError, match="unknown kernel name.*nosuch.*known kernels: .*reference, torch"):
         KernelSelector(PLAT, KernelPolicy(force="nosuch"))
     with pytest.raises(KernelSelectionError, match="nosuch"):
         KernelSelector(PLAT, KernelPolicy(disabled=frozenset({"nosuch"})))

@@ -21,8 +21,11 @@ def report(platform: Platform) -> str:
         "kernels (priority order):",
     ]
     for name in PRIORITIES.get(platform.isa_level, PRIORITIES["scalar"]):
-        reason = kernel_class(name).supported(platform)
-        lines.append(f"  {name:<14} {'available' if reason is None else 'unavailable: ' + reason}")
+        cls = kernel_class(name)
+        reason = cls.supported(platform)
+        variant = getattr(cls, "variant", None)  # optional: which ISA variant runs here
+        detail = f" ({variant(platform)})" if reason is None and variant else ""
+        lines.append(f"  {name:<14} {'available' + detail if reason is None else 'unavailable: ' + reason}")
     others = sorted(set(KERNELS) - set(PRIORITIES.get(platform.isa_level, ())))
     for name in others:
         lines.append(f"  {name:<14} not in this CPU's priority list")

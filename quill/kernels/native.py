@@ -72,6 +72,11 @@ class _NativeKernel(LinearKernel):
         return None
 
     @classmethod
+    def variant(cls, platform: Platform) -> str:
+        """The ISA variant ``prepare`` picks on ``platform`` (shown by ``quill info``)."""
+        return native.isa_for(platform, cls.int8) or "none"
+
+    @classmethod
     def can_implement(cls, cfg: LinearLayerConfig) -> str | None:
         if cfg.bits != cls.bits:
             return f"runs {cls.bits}-bit weights, found {cfg.bits}-bit"

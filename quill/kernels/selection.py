@@ -26,19 +26,24 @@ log = logging.getLogger("quill.kernels")
 
 # Every linear kernel quill knows, by name -> "module:Class" (imported on first use).
 KERNELS: dict[str, str] = {
+    "native_w4a16": "quill.kernels.native:NativeW4A16Kernel",
+    "native_w4a8": "quill.kernels.native:NativeW4A8Kernel",
+    "native_w8a8": "quill.kernels.native:NativeW8A8Kernel",
+    "native_w8a16": "quill.kernels.native:NativeW8A16Kernel",
     "torch": "quill.kernels.torch_ops:TorchKernel",
     "reference": "quill.kernels.reference:ReferenceKernel",
 }
 
 # Priority lists per ISA level (Platform.isa_level), best first.  Kernels that
 # cannot run on a CPU say so through ``supported``; the lists only say what to try.
+_NATIVE = ("native_w4a16", "native_w4a8", "native_w8a8", "native_w8a16")
 PRIORITIES: dict[str, tuple[str, ...]] = {
-    "amx": ("torch", "reference"),
-    "avx512_vnni": ("torch", "reference"),
-    "avx512": ("torch", "reference"),
-    "avx_vnni": ("torch", "reference"),
-    "avx2": ("torch", "reference"),
-    "scalar": ("torch", "reference"),
+    "amx": _NATIVE + ("torch", "reference"),
+    "avx512_vnni": _NATIVE + ("torch", "reference"),
+    "avx512": _NATIVE + ("torch", "reference"),
+    "avx_vnni": _NATIVE + ("torch", "reference"),
+    "avx2": _NATIVE + ("torch", "reference"),
+    "scalar": ("torch", "reference"),  # the native scalar twins are oracles, slower than torch
 }
 
 

@@ -210,8 +210,9 @@ class NativeLinear {
       const bool split = in.dtype != DType::BF16;  // float32/float16 inputs keep their precision as hi + lo
       const int64_t ld = int64_t(w.kc) * (split ? 16 : 8);
       uint16_t* xs = scratch(xs_buf, size_t(m * ld));  // [M, KC, words]
+      const bool simd = isa_ == "avx512" && bf16_stream_simd_ok(in, w.bits);
       parallel(prep_threads(m), m, [&](int64_t b, int64_t e) {
-        build_bf16_stream(in, w.bits, split, xs, xsum, int(b), int(e));
+        (simd ? build_bf16_stream_avx512 : build_bf16_stream)(in, w.bits, split, xs, xsum, int(b), int(e));
       });
       gemm(w, Bf16Acts{xs, xsum, ld, int32_t(m), split}, o, table_.gemm_bf16);
     } else {

@@ -136,6 +136,11 @@ const KernelTable& table_avx512();
 void build_f32_stream(const RawX& in, float* out, float* xsum, int m0, int m1);   // out [M, Kp]
 void build_bf16_stream(const RawX& in, int bits, bool split, uint16_t* out, float* xsum, int m0, int m1);
 
+// The same on AVX-512 BF16 (avx512_bf16.cpp) when bf16_stream_simd_ok: identity order,
+// every segment a multiple of 4 chunks.
+bool bf16_stream_simd_ok(const RawX& in, int bits);
+void build_bf16_stream_avx512(const RawX& in, int bits, bool split, uint16_t* out, float* xsum, int m0, int m1);
+
 // Scalar helpers shared by every TU (exact, no ISA needed).
 float to_float(const void* p, DType t, int64_t i);
 uint16_t f32_to_bf16_rne(float f);

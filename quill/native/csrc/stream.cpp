@@ -58,21 +58,37 @@ static inline float stream_value(const RawX& in, int64_t m, int64_t p) {
   return col < 0 ? 0.0f : to_float(in.x, in.dtype, m * in.k + col);
 }
 
+// Sum of n floats in 8 interleaved partial sums (a fixed order the compiler can vectorise).
+static float sum8(const float* v, int64_t n) {
+  float part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += v[i + j];
+  for (int j = 0; i < n; ++i, ++j) part[j] += v[i];
+  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+}
+
 void build_f32_stream(const RawX& in, float* out, float* xsum, int m0, int m1) {
   for (int m = m0; m < m1; ++m) {
     float* o = out + m * in.kp;  // [Kp]
-    if (!in.src && in.dtype == DType::F32) {  // the common case: a copy the compiler vectorises
-      std::memcpy(o, static_cast<const float*>(in.x) + m * in.k, in.k * sizeof(float));
-      std::memset(o + in.k, 0, (in.kp - in.k) * sizeof(float));
-    } else {
+    if (in.src) {
       for (int64_t p = 0; p < in.kp; ++p) o[p] = stream_value(in, m, p);
+    } else {  // identity order: straight conversions the compiler vectorises
+      if (in.dtype == DType::F32) {
+        std::memcpy(o, static_cast<const float*>(in.x) + m * in.k, in.k * sizeof(float));
+      } else if (in.dtype == DType::BF16) {
+        const uint16_t* x = static_cast<const uint16_t*>(in.x) + m * in.k;
+        for (int64_t p = 0; p < in.k; ++p) {
+          const uint32_t u = uint32_t(x[p]) << 16;
+          std::memcpy(o + p, &u, 4);
+        }
+      } else {
+        for (int64_t p = 0; p < in.k; ++p) o[p] = to_float(in.x, in.dtype, m * in.k + p);
+      }
+      std::memset(o + in.k, 0, (in.kp - in.k) * sizeof(float));
     }
-    int64_t p = 0;
-    for (int s = 0; s < in.nseg; ++s) {
-      float acc = 0.0f;
-      for (const int64_t end = int64_t(in.seg_end[s]) * in.chunk; p < end; ++p) acc += o[p];
-      xsum[m * in.nseg + s] = acc;
-    }
+    for (int s = 0, p = 0; s < in.nseg; p = in.seg_end[s++] * in.chunk)
+      xsum[m * in.nseg + s] = sum8(o + p, int64_t(in.seg_end[s]) * in.chunk - p);
   }
 }
 

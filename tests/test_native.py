@@ -1,0 +1,275 @@
+"""Native kernels (quill/native): every ISA variant this CPU runs against its scalar twin and `reference`.
+
+int8 kernels (W4A8, W8A8) and the activation quantizer must equal their scalar
+twins bit for bit (the int32 dot products are exact and the float epilogue is
+the same per lane); float kernels (W4A16, W8A16) agree to float rounding.
+Against `reference`: SQNR >= 40 dB, with int8 activations against a reference
+that quantizes activations identically (quill/kernels/activation.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quill import native
+from quill.errors import KernelError
+from quill.kernels.activation import fake_quantize_activations, quantize_activations
+from quill.kernels.native import make_handle
+from quill.native.pack import pack, stream_order
+from quill.platform import detect
+from quill.quantization.quantize import quantize_rtn
+from quill.quantization.weight import ActivationQuant
+
+PLATFORM = detect()
+EXT = native.load()
+
+
+def _variants(int8: bool) -> list[str]:
+    """ISA variants this CPU can execute (scalar always; the bf16 twin for float kernels)."""
+    out = ["scalar"] + ([] if int8 else ["scalar_bf16"])
+    order = native.INT8_ISAS if int8 else native.FLOAT_ISAS
+    out += [name for name, flags in order if PLATFORM.has(*flags)]
+    return out
+
+
+INT8_VARIANTS = _variants(True)
+FLOAT_VARIANTS = _variants(False)
+
+
+def sqnr(y: torch.Tensor, ref: torch.Tensor) -> float:
+    err = (y.double() - ref.double()).pow(2).sum()
+    return float(10 * torch.log10(ref.double().pow(2).sum() / err.clamp_min(1e-300)))
+
+
+def _weight(n, k, bits=4, gs=32, sym=True, act_order=False, offsets=False, scale_dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    qw = quantize_rtn(w, bits, gs, sym, act_order, offsets, generator=g, scale_dtype=scale_dtype)
+    qw.name = "layers.0.mlp.down_proj"
+    return qw
+
+
+def _run(qw, x, isa, int8, threads=2, bias=None):
+    handle = make_handle(pack(qw, int8), qw, isa, threads, int8)
+    return handle.forward(x, bias)
+
+
+def test_extension_is_built():
+    assert EXT.error is None, EXT.error
+    assert "avx2" in INT8_VARIANTS or not PLATFORM.has("avx2", "fma", "f16c")
+
+
+# (bits, group, symmetric, act_order, offsets, scale dtype, N, K): odd shapes, every weight variant
+WEIGHTS = [
+    (4, 32, True, False, False, torch.float16, 37, 256),   # GPTQ/CT sym g32, N not a multiple of 16
+    (4, 128, False, False, False, torch.bfloat16, 16, 384),  # AWQ-like asym g128, bf16 scales
+    (4, 64, True, True, False, torch.float16, 33, 256),    # GPTQ act-order
+    (4, 32, False, False, True, torch.float16, 20, 96),    # GGUF Q4_1 (float offsets)
+    (4, -1, True, False, False, torch.float32, 5, 203),    # per-channel, odd K, fp32 scales
+    (4, 12, False, False, False, torch.float16, 17, 36),   # group not a multiple of the chunk
+    (8, -1, True, False, False, torch.bfloat16, 40, 200),  # CT W8A8 / W8A16 per-channel
+    (8, 32, True, False, False, torch.float16, 19, 128),   # GGUF Q8_0
+    (8, 128, False, True, False, torch.float16, 18, 256),  # GPTQ 8-bit asym act-order
+]
+WEIGHT_IDS = [f"w{b}-g{g}-{'sym' if s else 'asym'}{'-ao' if a else ''}{'-off' if o else ''}-{n}x{k}"
+              for b, g, s, a, o, _, n, k in WEIGHTS]
+
+
+@pytest.mark.parametrize("spec", WEIGHTS, ids=WEIGHT_IDS)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_float_kernels_match_twin_and_reference(spec, xdtype):
+    bits, gs, sym, ao, off, sdt, n, k = spec
+    qw = _weight(n, k, bits, gs, sym, ao, off, sdt)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1)).to(xdtype)
+    ref = (x.float() @ qw.dequantize().T).to(xdtype)  # the reference kernel's arithmetic
+    twin = {"avx512": "scalar_bf16", "avx2": "scalar"}
+    outs = {isa: _run(qw, x, isa, int8=False) for isa in FLOAT_VARIANTS}
+    for isa, y in outs.items():
+        assert y.dtype == xdtype and y.shape == (5, n)
+        assert sqnr(y, ref) >= 40, (isa, sqnr(y, ref))
+        if isa in twin:  # same arithmetic up to float32 summation order (bf16 outputs: one rounding step)
+            limit = 90 if xdtype == torch.float32 else 45
+            assert sqnr(y, outs[twin[isa]]) >= limit, (isa, sqnr(y, outs[twin[isa]]))
+
+
+@pytest.mark.parametrize("spec", WEIGHTS, ids=WEIGHT_IDS)
+@pytest.mark.parametrize("act", ["dyn-sym", "dyn-asym", "static-sym", "static-asym"])
+def test_int8_kernels_bit_exact_and_match_reference(spec, act):
+    bits, gs, sym, ao, off, sdt, n, k = spec
+    aq = {"dyn-sym": ActivationQuant(), "dyn-asym": ActivationQuant(symmetric=False),
+          "static-sym": ActivationQuant(dynamic=False, scale=0.021),
+          "static-asym": ActivationQuant(dynamic=False, symmetric=False, scale=0.017, zero_point=-5)}[act]
+    qw = _weight(n, k, bits, gs, sym, ao, off, sdt).with_(activation=aq)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
+    outs = {isa: _run(qw, x, isa, int8=True) for isa in INT8_VARIANTS}
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin"
+    emulated = fake_quantize_activations(x, aq) @ qw.dequantize().T
+    assert sqnr(outs["scalar"], emulated) >= 40, sqnr(outs["scalar"], emulated)
+    # against float activations the int8 rounding dominates; report-level sanity only
+    if aq.dynamic:
+        assert sqnr(outs["scalar"], x @ qw.dequantize().T) >= 25
+
+
+@pytest.mark.parametrize("m", range(1, 18))
+def test_every_m_and_thread_count(m):
+    qw = _weight(48, 128, 4, 32, False)
+    qa = qw.with_(activation=ActivationQuant())
+    x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    ref_f = (x.float() @ qw.dequantize().T)
+    base = _run(qa, x, "scalar", int8=True, threads=1)
+    for threads in (1, 2):
+        for isa in FLOAT_VARIANTS:
+            assert sqnr(_run(qw, x, isa, False, threads), ref_f) >= 40
+        for isa in INT8_VARIANTS:
+            assert torch.equal(_run(qa, x, isa, True, threads), base)
+
+
+def test_bias_three_d_input_and_float16():
+    qw = _weight(24, 64, 4, 32)
+    bias = torch.randn(24)
+    x = torch.randn(2, 3, 64)
+    ref = x @ qw.dequantize().T + bias
+    for kernel_int8, variants in ((False, FLOAT_VARIANTS), (True, INT8_VARIANTS)):
+        w = qw.with_(activation=ActivationQuant()) if kernel_int8 else qw
+        r = (fake_quantize_activations(x.reshape(-1, 64), w.activation).reshape(2, 3, 64) @ qw.dequantize().T + bias
+             if kernel_int8 else ref)
+        for isa in variants:
+            y = _run(w, x.reshape(-1, 64), isa, kernel_int8, bias=bias).reshape(2, 3, 24)
+            assert sqnr(y, r) >= 60
+            y16 = _run(w, x.reshape(-1, 64).half(), isa, kernel_int8, bias=bias.half())
+            assert y16.dtype == torch.float16 and sqnr(y16.float().reshape(2, 3, 24), r) >= 40
+
+
+def test_int32_accumulation_limit_is_respected():
+    # 8-bit codes 255 against activations -128 over 66000 positions would overflow one int32 segment
+    k, n = 66000, 16
+    codes = torch.full((n, k), 255, dtype=torch.uint8)
+    from quill.quantization.weight import QuantizedWeight
+    qw = QuantizedWeight(codes, 8, k, torch.full((n, 1), 0.01), activation=ActivationQuant()).validate()
+    x = torch.full((1, k), -1.0)
+    ref = fake_quantize_activations(x, qw.activation) @ qw.dequantize().T
+    for isa in INT8_VARIANTS:
+        y = _run(qw, x, isa, int8=True)
+        assert sqnr(y, ref) >= 80, isa
+    assert len(stream_order(qw, 32768).seg_end) == 3
+
+
+@pytest.mark.parametrize("isa", INT8_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_activation_quantizer_is_bit_exact(isa, dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 203, generator=g) * 3
+    x[1] = 0.0  # zero scale -> eps
+    x[2] = -x[2].abs()  # negative-only row (asymmetric lo/hi)
+    x[3, :10] = torch.arange(10) * 0.5 - 2.25  # exact .5 ties once scaled
+    x[3, 10] = 127.5 / 5
+    x[4] *= 1e-30
+    x = x.to(dtype)
+    qw = _weight(16, 203, 4, -1)
+    order = stream_order(qw)
+    for aq in (ActivationQuant(), ActivationQuant(symmetric=False), ActivationQuant(dynamic=False, scale=0.05),
+               ActivationQuant(dynamic=False, symmetric=False, scale=0.04, zero_point=3)):
+        q, qsum, scale, zero = EXT.module.quantize_activations(
+            x, order.seg_end, 8, None, aq.dynamic, aq.symmetric, aq.scale or 0.0, float(aq.zero_point or 0), isa)
+        rq, rs, rz = quantize_activations(x, aq)
+        assert torch.equal(q[:, :203], rq), (isa, aq)
+        assert torch.equal(q[:, 203:], torch.zeros_like(q[:, 203:]))
+        assert torch.equal(scale, rs.expand(7, 1).reshape(7)) and torch.equal(zero, rz.expand(7, 1).reshape(7))
+        assert torch.equal(qsum[:, 0], rq.int().sum(1))
+
+
+def test_activation_quantizer_gathers_act_order():
+    qw = _weight(16, 128, 4, 32, act_order=True)
+    order = stream_order(qw)
+    assert order.src is not None
+    x = torch.randn(3, 128)
+    rq = quantize_activations(x, ActivationQuant())[0]
+    for isa in INT8_VARIANTS:
+        q, qsum, _, _ = EXT.module.quantize_activations(x, order.seg_end, 8, order.src, True, True, 0.0, 0.0, isa)
+        assert torch.equal(q, rq[:, order.src]) and torch.equal(qsum, q.int().view(3, 4, 32).sum(-1))
+
+
+def test_preconditions_raise_kernel_error():
+    qw = _weight(16, 64, 4, 32)
+    h = make_handle(pack(qw, False), qw, "scalar", 1, False)
+    with pytest.raises(KernelError, match=r"input should be a contiguous CPU tensor \[M, 64\]"):
+        h.forward(torch.randn(2, 63), None)
+    with pytest.raises(KernelError, match="dtype Int"):
+        h.forward(torch.ones(2, 64, dtype=torch.int32), None)
+    with pytest.raises(KernelError, match="bias"):
+        h.forward(torch.randn(2, 64), torch.randn(15))
+    with pytest.raises(KernelError, match="unknown ISA 'sse9'"):
+        make_handle(pack(qw, False), qw, "sse9", 1, False)
+    p = pack(qw, False)
+    with pytest.raises(KernelError, match="'scales' should be contiguous"):
+        EXT.module.NativeLinear(p.codes, p.scales[:, :, :8], None, None, p.seg_end, None, None, 4, 16, 64,
+                                "float", "scalar")
+    with pytest.raises(KernelError, match="threads must be at least 1"):
+        h.set_threads(0)
+
+
+# ---- selection ---------------------------------------------------------------------------------
+
+from quill.kernels import KernelPolicy, KernelSelector, LinearLayerConfig, build_quant_linear  # noqa: E402
+from quill.platform import Platform  # noqa: E402
+
+
+@pytest.mark.parametrize("bits,activation,weight_act,expected", [
+    (4, None, None, "native_w4a16"),
+    (8, None, None, "native_w8a16"),
+    (4, "int8", None, "native_w4a8"),
+    (8, "int8", None, "native_w8a8"),
+    (8, None, ActivationQuant(dynamic=False, scale=0.02), "native_w8a8"),  # a W8A8 checkpoint's own
+])
+def test_selection_picks_native_on_this_cpu(bits, activation, weight_act, expected):
+    qw = _weight(32, 64, bits, 32).with_(activation=weight_act)
+    layer = build_quant_linear(qw, KernelSelector(PLATFORM), activation=activation)
+    assert layer.kernel_name == expected
+    x = torch.randn(3, 64)
+    act = weight_act or (ActivationQuant() if activation == "int8" else None)
+    ref = (x if act is None else fake_quantize_activations(x, act)) @ qw.dequantize().T
+    assert sqnr(layer(x), ref) >= 40
+
+
+def test_disabled_native_falls_back_to_torch():
+    qw = _weight(32, 64, 4, 32)
+    policy = KernelPolicy.from_env({"QUILL_DISABLED_KERNELS": "native_w4a16"})
+    layer = build_quant_linear(qw, KernelSelector(PLATFORM, policy))
+    assert layer.kernel_name == "torch"
+    assert ("native_w4a16", "disabled by QUILL_DISABLED_KERNELS") in layer.selection.refusals
+
+
+def test_float_activations_never_pick_int8_kernels():
+    qw = _weight(32, 64, 4, 32)
+    cfg = LinearLayerConfig.from_weight(qw, PLATFORM)
+    sel = KernelSelector(PLATFORM, priorities=("native_w4a8", "native_w8a8", "torch"))
+    choice = sel.select(cfg, qw.name)
+    assert choice.name == "torch"
+    reasons = dict(choice.refusals)
+    assert "activation_quant='int8'" in reasons["native_w4a8"] and "runs 8-bit" in reasons["native_w8a8"]
+
+
+def test_missing_extension_or_isa_is_a_reason_not_a_crash(monkeypatch):
+    qw = _weight(32, 64, 4, 32)
+    no_avx2 = Platform(vendor="Intel", flags=frozenset({"sse4_2"}))
+    from quill.kernels.native import NativeW4A16Kernel
+    assert NativeW4A16Kernel.supported(no_avx2) == "needs AVX2+FMA+F16C, which this CPU lacks"
+    monkeypatch.setattr(native, "load", lambda: native.NativeExtension(None, "extension not built: boom"))
+    assert NativeW4A16Kernel.supported(PLATFORM) == "extension not built: boom"
+    layer = build_quant_linear(qw, KernelSelector(PLATFORM))
+    assert layer.kernel_name == "torch"
+    assert dict(layer.selection.refusals)["native_w4a16"] == "extension not built: boom"
+
+
+def test_avx2_platform_prepares_the_avx2_variant():
+    if not PLATFORM.has("avx2", "fma", "f16c"):
+        pytest.fail("this test suite expects an AVX2 CPU")
+    avx2_only = Platform(vendor="AMD", microarch="zen3", flags=frozenset({"avx2", "fma", "f16c"}), physical_cores=2)
+    qw = _weight(32, 64, 4, 32)
+    layer = build_quant_linear(qw, KernelSelector(avx2_only))
+    assert layer.kernel_name == "native_w4a16" and layer.state.isa == "avx2"
+    assert layer.state.handle.threads == 2
+    x = torch.randn(2, 64)
+    assert sqnr(layer(x), x @ qw.dequantize().T) >= 40
