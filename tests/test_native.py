@@ -136,7 +136,8 @@ def test_bias_three_d_input_and_float16():
         r = (fake_quantize_activations(x.reshape(-1, 64), w.activation).reshape(2, 3, 64) @ qw.dequantize().T + bias
              if kernel_int8 else ref)
         for isa in variants:
-            y = _run(w, x.reshape(-1, 64), isa, kernel_int8, bias=bias).reshape(2, 3, 24)
+            y = _run(w, x, isa, kernel_int8, bias=bias)
+            assert y.shape == (2, 3, 24)
             assert sqnr(y, r) >= 60
             y16 = _run(w, x.reshape(-1, 64).half(), isa, kernel_int8, bias=bias.half())
             assert y16.dtype == torch.float16 and sqnr(y16.float().reshape(2, 3, 24), r) >= 40
@@ -194,8 +195,12 @@ def test_activation_quantizer_gathers_act_order():
 def test_preconditions_raise_kernel_error():
     qw = _weight(16, 64, 4, 32)
     h = make_handle(pack(qw, False), qw, "scalar", 1, False)
-    with pytest.raises(KernelError, match=r"input should be a contiguous CPU tensor \[M, 64\]"):
+    with pytest.raises(KernelError, match=r"input should be a CPU tensor \[\.\.\., 64\], found float \[2, 63\]"):
         h.forward(torch.randn(2, 63), None)
+    with pytest.raises(KernelError, match=r"input should be a CPU tensor"):
+        h.forward(torch.tensor(1.0), None)
+    y = h.forward(torch.randn(64, 4).T, None)  # non-contiguous input is copied, not refused
+    assert y.shape == (4, 16)
     with pytest.raises(KernelError, match="dtype Int"):
         h.forward(torch.ones(2, 64, dtype=torch.int32), None)
     with pytest.raises(KernelError, match="bias"):

@@ -13,7 +13,7 @@ import sys
 
 from quill.errors import QuillError
 
-COMMANDS = ("quill.cli.info",)
+COMMANDS = ("quill.cli.info", "quill.cli.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

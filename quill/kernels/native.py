@@ -97,11 +97,7 @@ class _NativeKernel(LinearKernel):
 
     @classmethod
     def apply(cls, state: NativeState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        k = state.packed.in_features
-        if x.shape[-1] != k:
-            raise KernelError(f"{cls.name}: input has {x.shape[-1]} features, the layer takes {k}")
-        y = state.handle.forward(x.reshape(-1, k).contiguous(), bias)  # [M, N]
-        return y.view(*x.shape[:-1], state.packed.out_features)
+        return state.handle.forward(x, bias)  # x [..., K] -> [..., N]; shapes checked in C++
 
     @classmethod
     def state_bytes(cls, state: NativeState) -> int:

@@ -149,12 +149,12 @@ class NativeLinear {
   std::string isa() const { return isa_; }
   bool bf16_stream() const { return bf16_; }
 
-  // x [M, K] float32 / bfloat16 / float16 -> y [M, N] of x's dtype (+ bias [N])
-  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& bias_in) {
-    if (x.dim() != 2 || x.size(1) != k_ || !x.is_contiguous() || x.device().is_cuda())
-      fail("native kernel: input should be a contiguous CPU tensor [M, ", k_, "], found ", shape_of(x),
-           x.is_contiguous() ? "" : " (not contiguous)");
-    const DType xdt = dtype_of(x.scalar_type(), "input");
+  // x [..., K] float32 / bfloat16 / float16 -> y [..., N] of x's dtype (+ bias [N])
+  at::Tensor forward(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {
+    if (x_in.dim() < 1 || x_in.size(-1) != k_ || x_in.device().is_cuda())
+      fail("native kernel: input should be a CPU tensor [..., ", k_, "], found ", shape_of(x_in));
+    const DType xdt = dtype_of(x_in.scalar_type(), "input");
+    const at::Tensor x = x_in.reshape({-1, k_}).contiguous();  // [M, K]
     const int64_t m = x.size(0);
     at::Tensor bias;
     if (bias_in) {
@@ -164,8 +164,10 @@ class NativeLinear {
     }
     // float16 results are computed in float32 and rounded by torch (no f16 store path)
     const auto out_dt = x.scalar_type() == at::kHalf ? at::kFloat : x.scalar_type();
+    std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+    shape.back() = w_.n;
     at::Tensor y = at::empty({m, w_.n}, x.options().dtype(out_dt));  // [M, N]
-    if (m == 0) return y.to(x.scalar_type());
+    if (m == 0) return y.to(x.scalar_type()).view(shape);
     Weights w = w_;
     w.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
     Out o{y.data_ptr(), w_.n, out_dt == at::kBFloat16 ? DType::BF16 : DType::F32};
@@ -175,7 +177,7 @@ class NativeLinear {
       run_int8(w, in, o, m);
     else
       run_float(w, in, o, m);
-    return x.scalar_type() == at::kHalf ? y.to(at::kHalf) : y;
+    return (x.scalar_type() == at::kHalf ? y.to(at::kHalf) : y).view(shape);  // [..., N]
   }
 
  private:
@@ -272,6 +274,29 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, at::Tensor seg
   return {q, qsum, sc, zp};
 }
 
+// Streaming read of `buf` by `threads` threads of torch's pool (a bandwidth probe for
+// benchmarks): XOR of every 64-bit word, so no byte can be skipped.
+int64_t stream_read(const at::Tensor& buf, int64_t threads) {
+  if (!buf.is_contiguous() || buf.scalar_type() != at::kLong)
+    fail("stream_read: buffer should be a contiguous int64 tensor, found ", shape_of(buf));
+  const int64_t n = buf.numel() / 8 * 8;
+  const uint64_t* p = reinterpret_cast<const uint64_t*>(buf.data_ptr<int64_t>());
+  const int parts = int(std::max<int64_t>(1, std::min<int64_t>(threads, at::get_num_threads())));
+  std::vector<uint64_t> acc(size_t(parts) * 8, 0);
+  auto body = [&](int64_t t) {
+    const int64_t b = n * t / parts / 8 * 8, e = n * (t + 1) / parts / 8 * 8;
+    uint64_t a[8] = {};
+    for (int64_t i = b; i < e; i += 8)
+      for (int j = 0; j < 8; ++j) a[j] ^= p[i + j];
+    for (int j = 0; j < 8; ++j) acc[t * 8 + j] = a[j];
+  };
+  if (parts == 1) body(0);
+  else at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) { for (int64_t t = b; t < e; ++t) body(t); });
+  uint64_t r = 0;
+  for (uint64_t v : acc) r ^= v;
+  return int64_t(r);
+}
+
 }  // namespace
 }  // namespace quill
 
@@ -303,6 +328,7 @@ PYBIND11_MODULE(_quill_native, m) {
       .def_property_readonly("threads", &NativeLinear::threads)
       .def_property_readonly("isa", &NativeLinear::isa)
       .def_property_readonly("bf16_stream", &NativeLinear::bf16_stream);
+  m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
         py::arg("src"), py::arg("dynamic"), py::arg("symmetric"), py::arg("scale"), py::arg("zero"), py::arg("isa"));
 }

@@ -1,0 +1,152 @@
+"""Kernel benchmark: native kernels beside torch int4pack/int8pack and dense bf16/fp32 matmul.
+
+For every shape (N x K) and token count M it times each kernel with its weights
+rotated through copies totalling at least twice the L3 cache (so decode-sized
+calls really stream from DRAM), reports the median of several runs as time,
+GB/s of weight bytes and GFLOP/s, and compares with the DRAM read bandwidth
+measured in the same run.  Weight bytes are the format's own (``storage_bytes``:
+packed codes plus scales), the same figure for every kernel of one format.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from quill.bench.memory import Bandwidth
+from quill.kernels.config import LinearLayerConfig
+from quill.kernels.selection import kernel_class
+from quill.platform import Platform
+from quill.quantization.quantize import quantize_rtn
+from quill.quantization.weight import ActivationQuant, QuantizedWeight
+
+SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096))
+TOKENS = (1, 8, 32, 128, 512)
+# label -> (weight bits, int8 activations, kernel name or dense dtype); activations bf16 unless noted
+CASES: dict[str, tuple[int, bool, str]] = {
+    "native_w4a16": (4, False, "native_w4a16"),
+    "native_w4a8": (4, True, "native_w4a8"),
+    "torch_w4": (4, False, "torch"),  # _weight_int4pack_mm_for_cpu
+    "native_w8a16": (8, False, "native_w8a16"),
+    "native_w8a8": (8, True, "native_w8a8"),
+    "torch_w8": (8, False, "torch"),  # _weight_int8pack_mm
+    "bf16": (16, False, "dense"),
+    "fp32": (32, False, "dense"),
+}
+W4_GROUP = 128  # GPTQ/AWQ's usual group; 8-bit weights are per-channel (compressed-tensors W8A8)
+
+
+@dataclass
+class Result:
+    kernel: str
+    n: int
+    k: int
+    m: int
+    time_us: float
+    weight_bytes: int
+    copies: int
+
+    @property
+    def gbs(self) -> float:
+        return self.weight_bytes / self.time_us / 1e3
+
+    @property
+    def gflops(self) -> float:
+        return 2.0 * self.m * self.n * self.k / self.time_us / 1e3
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "weight_gbs": round(self.gbs, 2), "gflops": round(self.gflops, 1)}
+
+
+@dataclass
+class Suite:
+    platform: Platform
+    threads: int
+    bandwidth: Bandwidth
+    results: list[Result] = field(default_factory=list)
+    accuracy: list[dict] = field(default_factory=list)
+
+
+def quantized_weight(n: int, k: int, bits: int, seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    qw = quantize_rtn(w, bits, W4_GROUP if bits == 4 else -1, symmetric=True, generator=g)
+    qw.name = f"bench.{n}x{k}.w{bits}"
+    return qw
+
+
+def _prepare(case: str, qw: QuantizedWeight | None, dense: torch.Tensor | None, platform: Platform,
+             threads: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], int, int]:
+    """One prepared copy: (call(x), weight bytes, bytes actually held)."""
+    bits, int8, name = CASES[case]
+    if name == "dense":
+        w = dense.to(torch.bfloat16 if bits == 16 else torch.float32).contiguous()  # [N, K]
+        return (lambda x: torch.nn.functional.linear(x, w)), w.numel() * w.element_size(), w.numel() * w.element_size()
+    w = qw.with_(activation=ActivationQuant()) if int8 else qw
+    cfg = LinearLayerConfig.from_weight(w, platform)
+    kernel = kernel_class(name)
+    reason = kernel.supported(platform) or kernel.can_implement(cfg)
+    if reason:
+        raise RuntimeError(f"{case}: {reason}")
+    state = kernel.prepare(w, cfg)
+    if hasattr(state, "set_threads"):
+        state.set_threads(threads)
+    return (lambda x: kernel.apply(state, x)), w.storage_bytes(), kernel.state_bytes(state)
+
+
+def _time(calls: list[Callable[[], object]], runs: int, min_run_s: float) -> float:
+    """Median seconds per call; each run cycles through every copy at least once."""
+    for c in calls:
+        c()
+    t = time.perf_counter()
+    calls[0]()
+    est = max(time.perf_counter() - t, 1e-7)
+    per_run = len(calls) * max(1, math.ceil(min_run_s / (est * len(calls))))
+    samples = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        for i in range(per_run):
+            calls[i % len(calls)]()
+        samples.append((time.perf_counter() - t) / per_run)
+    return statistics.median(samples)
+
+
+def run_case(suite: Suite, case: str, n: int, k: int, tokens: tuple[int, ...], runs: int, min_run_s: float,
+             log: Callable[[str], None]) -> None:
+    bits = CASES[case][0]
+    qw = quantized_weight(n, k, bits) if bits in (4, 8) else None
+    dense = quantized_weight(n, k, 4).dequantize() if qw is None else None
+    l3 = suite.platform.cache("L3") or (32 << 20)
+    first, wbytes, held = _prepare(case, qw, dense, suite.platform, suite.threads)
+    copies = [first] + [_prepare(case, qw, dense, suite.platform, suite.threads)[0]
+                        for _ in range(max(2, math.ceil(2 * l3 / held)) - 1)]
+    xdtype = torch.float32 if case == "fp32" else torch.bfloat16
+    for m in tokens:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdtype)  # [M, K]
+        sec = _time([lambda f=f: f(x) for f in copies], runs, min_run_s)
+        r = Result(case, n, k, m, sec * 1e6, wbytes, len(copies))
+        suite.results.append(r)
+        log(f"  {case:<13} {n:>5}x{k:<5} M={m:<4} {r.time_us:10.1f} us {r.gbs:7.1f} GB/s {r.gflops:8.1f} GFLOP/s")
+
+
+def accuracy(n: int, k: int, platform: Platform, m: int = 8) -> dict:
+    """SQNR (dB) of W4A8 against W4A16 and of both against the float32 reference, bf16 activations."""
+    qw = quantized_weight(n, k, 4)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    ref = x.float() @ qw.dequantize().T  # [M, N]
+
+    def out(case):
+        f, _, _ = _prepare(case, qw, None, platform, 1)
+        return f(x).float()
+
+    def sqnr(y, r):
+        return round(float(10 * torch.log10(r.pow(2).sum() / (y - r).pow(2).sum())), 1)
+
+    a16, a8 = out("native_w4a16"), out("native_w4a8")
+    return {"n": n, "k": k, "m": m, "w4a8_vs_w4a16_db": sqnr(a8, a16), "w4a16_vs_fp32_db": sqnr(a16, ref),
+            "w4a8_vs_fp32_db": sqnr(a8, ref)}

@@ -1,0 +1,60 @@
+"""The machine's DRAM read bandwidth, measured the way the kernels read weights: streaming, once."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from quill import native
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Read bandwidth in GB/s (1e9 bytes/s), median of several passes over a buffer several times L3."""
+
+    buffer_bytes: int
+    native_1t: float | None  # quill's streaming-read probe, 1 thread
+    native_all: float | None  # the same with all threads
+    torch_sum_1t: float  # torch.sum over the buffer, 1 thread
+    torch_sum_all: float
+    threads: int
+
+    @property
+    def best_all(self) -> float:
+        """The figure kernels are compared against: the best all-thread read measured."""
+        return max(v for v in (self.native_all, self.torch_sum_all) if v is not None)
+
+    @property
+    def best_1t(self) -> float:
+        return max(v for v in (self.native_1t, self.torch_sum_1t) if v is not None)
+
+
+def _median_gbs(fn, nbytes: int, runs: int) -> float:
+    fn()  # fault the pages in, warm the pool
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def measure(l3_bytes: int, threads: int, runs: int = 5) -> Bandwidth:
+    """Stream a buffer of 8 x L3 (at least 256 MiB) with 1 and ``threads`` threads."""
+    nbytes = max(8 * l3_bytes, 256 << 20)
+    buf = torch.ones(nbytes // 8, dtype=torch.int64)  # [nbytes / 8]
+    fbuf = buf.view(torch.float64)
+    ext = native.load().module
+    saved = torch.get_num_threads()
+    out = {}
+    try:
+        for t in (1, threads):
+            torch.set_num_threads(t)
+            out[f"sum{t}"] = _median_gbs(lambda: fbuf.sum(), nbytes, runs)
+            out[f"nat{t}"] = _median_gbs(lambda: ext.stream_read(buf, t), nbytes, runs) if ext else None
+    finally:
+        torch.set_num_threads(saved)
+    return Bandwidth(nbytes, out["nat1"], out[f"nat{threads}"], out["sum1"], out[f"sum{threads}"], threads)

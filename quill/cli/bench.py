@@ -1,0 +1,104 @@
+"""``quill bench``: kernel benchmarks (and the checkpoint for the model-level one).
+
+    quill bench kernels                      # all shapes, M = 1 8 32 128 512, every kernel
+    quill bench kernels --quick              # 4096 x 4096 only, M = 1 and 128
+    quill bench kernels --json out.json --plot out.png
+    quill bench checkpoint DIR               # write a 1B Llama-shaped W4 checkpoint (model benchmark)
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from quill.errors import ConfigError, format_choices
+from quill.platform import detect
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark kernels against torch int4pack and dense matmul")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    k = bsub.add_parser("kernels", help="time every kernel on decode and prefill shapes")
+    k.add_argument("--shapes", default=None, help="N x K list, e.g. 4096x4096,11008x4096 (default: the four)")
+    k.add_argument("--m", default=None, help="token counts, e.g. 1,8,128 (default: 1,8,32,128,512)")
+    k.add_argument("--kernels", default=None, help="comma-separated subset of the benchmarked kernels")
+    k.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
+    k.add_argument("--runs", type=int, default=5, help="timed runs per cell; the median is reported")
+    k.add_argument("--min-run-ms", type=float, default=40.0, help="minimum duration of one timed run")
+    k.add_argument("--quick", action="store_true", help="4096x4096 only, M = 1 and 128")
+    k.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+    k.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
+    k.set_defaults(func=run_kernels)
+    c = bsub.add_parser("checkpoint", help="write a 1B Llama-shaped 4-bit checkpoint for the model benchmark")
+    c.add_argument("out", type=Path, help="output directory")
+    c.add_argument("--layers", type=int, default=16)
+    c.add_argument("--group-size", type=int, default=128)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=run_checkpoint)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise ConfigError(f"--{what} '{text}' should be comma-separated integers") from e
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        n, sep, k = part.strip().lower().partition("x")
+        if not sep or not n.isdigit() or not k.isdigit():
+            raise ConfigError(f"--shapes entry '{part}' should look like 4096x4096 (N x K)")
+        out.append((int(n), int(k)))
+    return out
+
+
+def run_kernels(args) -> int:
+    from quill.bench import kernels as kb
+    from quill.bench import memory, report
+
+    platform = detect()
+    threads = args.threads or platform.physical_cores
+    torch.set_num_threads(threads)
+    shapes = [(4096, 4096)] if args.quick else (_shapes(args.shapes) if args.shapes else list(kb.SHAPES))
+    tokens = (1, 128) if args.quick else tuple(_ints(args.m, "m") if args.m else kb.TOKENS)
+    cases = list(kb.CASES) if not args.kernels else [c.strip() for c in args.kernels.split(",")]
+    unknown = [c for c in cases if c not in kb.CASES]
+    if unknown:
+        raise ConfigError(f"unknown benchmark kernel(s) {', '.join(unknown)}; known: {format_choices(kb.CASES)}")
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    log(f"cpu: {platform.model_name} ({platform.microarch}), {threads} threads, torch {torch.__version__}")
+    bw = memory.measure(platform.cache("L3") or (32 << 20), threads)
+    suite = kb.Suite(platform, threads, bw)
+    for line in report.bandwidth_lines(suite):
+        log(line)
+    for n, k in shapes:
+        for case in cases:
+            try:
+                kb.run_case(suite, case, n, k, tokens, args.runs, args.min_run_ms / 1e3, log)
+            except RuntimeError as e:  # a kernel that cannot run here is reported, not fatal
+                log(f"  {case:<13} {n}x{k}: skipped: {e}")
+        if "native_w4a16" in cases and "native_w4a8" in cases:
+            suite.accuracy.append(kb.accuracy(n, k, platform))
+    log("")
+    log(report.table(suite))
+    command = "quill " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.json:
+        report.write_json(suite, args.json, command)
+        log(f"wrote {args.json}")
+    if args.plot:
+        report.plot(suite, args.plot)
+        log(f"wrote {args.plot}")
+    return 0
+
+
+def run_checkpoint(args) -> int:
+    from quill.bench.checkpoint import write_llama_w4
+
+    path = write_llama_w4(args.out, layers=args.layers, group_size=args.group_size, seed=args.seed)
+    print(f"wrote {path}")
+    return 0
