@@ -117,7 +117,7 @@ class CompressedTensorsReader(FormatReader):
     def _straddle(self, bits: int, count: int, words: int, what: str) -> bool:
         """Which packing a b-bit run of ``count`` values in ``words`` int32 words uses (see module doc)."""
         dense, legacy = -(-count * bits // 32), -(-count // (32 // bits))
-        if 32 % bits == 0 or (words == dense and words != legacy):
+        if words == dense and (words != legacy or 32 % bits == 0):  # b | 32: both layouts are the same
             return True
         if words == legacy and words != dense:
             return False
@@ -126,9 +126,8 @@ class CompressedTensorsReader(FormatReader):
                 raise CheckpointError(
                     f"{what}: {bits}-bit packing of {count} values is ambiguous without quantization_config.version")
             return self.dense_packing_since_018
-        raise CheckpointError(
-            f"{what}: {words} int32 words cannot hold {count} {bits}-bit values; expected {dense} "
-            f"(compressed-tensors >= 0.18) or {legacy} (<= 0.17)")
+        expected = f"{dense}" if dense == legacy else f"{dense} (compressed-tensors >= 0.18) or {legacy} (<= 0.17)"
+        raise CheckpointError(f"{what}: {words} int32 words do not hold {count} {bits}-bit values; expected {expected}")
 
     def _read_packed(self, t: ModuleTensors, w: WeightArgs) -> torch.Tensor:
         packed = t.get("weight_packed", dtype=torch.int32)
@@ -199,7 +198,7 @@ def _consumed(module: str, suffixes: frozenset[str], scheme: Scheme) -> list[str
     if scheme.inputs is not None and not scheme.inputs.dynamic:
         required.append("input_scale")
         (optional if scheme.inputs.symmetric else required).append("input_zero_point")
-    where = f"{fmt} ({scheme.summary()})"
+    where = scheme.label()
     missing = [s for s in required if s not in suffixes]
     if missing:
         raise CheckpointError(
@@ -214,8 +213,8 @@ def _consumed(module: str, suffixes: frozenset[str], scheme: Scheme) -> list[str
 
 
 def _dense_but_quantized(module: str, res: Resolution) -> str:
-    return (f"layer {module}: config contradicts tensors: quantization_config quantizes it ({res.reason}, "
-            f"{res.scheme.format}) but the checkpoint stores a dense 'weight' without weight_scale; "
+    return (f"layer {module}: config contradicts tensors: quantization_config quantizes it ({res.reason}: "
+            f"{res.scheme.summary()}) but the checkpoint stores a dense 'weight' without weight_scale; "
             "add it to quantization_config.ignore if it is meant to stay dense")
 
 

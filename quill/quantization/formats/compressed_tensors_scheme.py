@@ -93,11 +93,16 @@ class Scheme:
     format: str
 
     def summary(self) -> str:
+        """e.g. 'pack-quantized W4A16 g128 sym'."""
         w = self.weights
         g = {"group": f"g{w.group_size}", "channel": "channel", "tensor": "tensor"}[w.strategy]
         a = "A16" if self.inputs is None else ("A8 dynamic" if self.inputs.dynamic else "A8 static")
         ao = f" actorder={w.act_order}" if w.act_order else ""
-        return f"{self.group}: {self.format} W{w.bits}{a} {g} {'sym' if w.symmetric else 'asym'}{ao}"
+        return f"{self.format} W{w.bits}{a} {g} {'sym' if w.symmetric else 'asym'}{ao}"
+
+    def label(self) -> str:
+        """e.g. "config group 'group_0' (pack-quantized W4A16 g128 sym)"."""
+        return f"config group '{self.group}' ({self.summary()})"
 
 
 # ---- QuantizationArgs ------------------------------------------------------
@@ -360,7 +365,7 @@ class CTConfig:
         return Resolution(scheme, f"target '{best.text}' of {scheme.group}", by_name=best.kind == "name")
 
     def describe(self) -> str:
-        return "; ".join(s.summary() for s in self.schemes) + (f"; ignore {len(self.ignore)}" if self.ignore else "")
+        return "; ".join(f"{s.group}: {s.summary()}" for s in self.schemes) + (f"; ignore {len(self.ignore)}" if self.ignore else "")
 
 
 def _precedence(t: Target) -> tuple:
