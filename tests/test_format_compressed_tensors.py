@@ -347,3 +347,24 @@ def test_presets_and_inferred_formats(tmp_path):
     assert_same(dict(read_checkpoint(path))[DOWN], w8a8)
     with pytest.raises(UnsupportedFormatError, match="preset scheme 'FP8'"):
         open_checkpoint(write_checkpoint(tmp_path / "c", {}, quantization_config({"FP8": ["Linear"]})))
+
+
+@pytest.mark.parametrize("actorder, strategy", [("weight", "group"), ("static", "group"), ("group", "channel")])
+def test_act_order_without_runtime_index(tmp_path, actorder, strategy):
+    # actorder 'weight' only changed calibration; 'group' with a non-group strategy never gets a g_idx
+    qw = rtn(gs=16 if strategy == "group" else -1)
+    group = scheme_config(qw)
+    group["weights"]["actorder"] = actorder
+    path = write_checkpoint(tmp_path, {DOWN: to_compressed_tensors(qw)}, quantization_config({"g": group}))
+    assert_same(dict(read_checkpoint(path))[DOWN], qw)
+
+
+def test_three_bit_ambiguous_width_needs_the_version(tmp_path):
+    # 16 values: 2 words either way, but value 10 sits at bits 30-32 (>= 0.18) or 32-34 (<= 0.17)
+    qw = rtn(out=2, inp=16, bits=3, gs=-1)
+    for version, legacy in (("0.18.0", False), ("0.17.1", True)):
+        path = one_module_checkpoint(tmp_path / version, qw, qcfg_overrides={"version": version}, legacy_packing=legacy)
+        assert_same(dict(read_checkpoint(path))[DOWN], qw)
+    path = one_module_checkpoint(tmp_path / "none", qw, qcfg_overrides={"version": None})
+    with pytest.raises(CheckpointError, match="3-bit packing of 16 values is ambiguous"):
+        list(read_checkpoint(path))

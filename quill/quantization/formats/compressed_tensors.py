@@ -70,7 +70,9 @@ class CompressedTensorsReader(FormatReader):
     def __init__(self, qcfg: Mapping[str, Any], model_config: Mapping[str, Any]):
         super().__init__(qcfg, model_config)
         self.config = CTConfig(qcfg)
-        self.dense_packing_since_018 = (version_tuple(self.config.version) or (0, 0)) >= (0, 18)
+        version = version_tuple(self.config.version)
+        # compressed-tensors 0.18 switched b-bit packing (b not dividing 32) to a bitstream
+        self.dense_packing: bool | None = None if version is None else version >= (0, 18)
         self._schemes: dict[str, Scheme] = {}
 
     def describe(self) -> str:
@@ -98,7 +100,9 @@ class CompressedTensorsReader(FormatReader):
 
     # ---- read: one module --------------------------------------------------
     def read(self, tensors: ModuleTensors) -> QuantizedWeight:
-        scheme = self._schemes[tensors.module]
+        scheme = self._schemes.get(tensors.module)
+        if scheme is None:
+            raise CheckpointError(f"layer {tensors.module}: not a quantized module of this checkpoint's plan")
         w = scheme.weights
         if scheme.format == PACKED:
             codes = self._read_packed(tensors, w)
@@ -122,10 +126,11 @@ class CompressedTensorsReader(FormatReader):
         if words == legacy and words != dense:
             return False
         if words == dense:  # both layouts have this width: only the writer's version tells
-            if self.config.version is None:
+            if self.dense_packing is None:
                 raise CheckpointError(
-                    f"{what}: {bits}-bit packing of {count} values is ambiguous without quantization_config.version")
-            return self.dense_packing_since_018
+                    f"{what}: {bits}-bit packing of {count} values is ambiguous without a readable "
+                    f"quantization_config.version (found {self.config.version!r})")
+            return self.dense_packing
         expected = f"{dense}" if dense == legacy else f"{dense} (compressed-tensors >= 0.18) or {legacy} (<= 0.17)"
         raise CheckpointError(f"{what}: {words} int32 words do not hold {count} {bits}-bit values; expected {expected}")
 
