@@ -30,7 +30,7 @@ same role (same name with layer / expert numbers ignored) is quantized.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -384,7 +384,3 @@ def version_tuple(version: str | None) -> tuple[int, ...] | None:
         return None
     m = re.match(r"(\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def split_names(names: Sequence[str]) -> str:
-    return ", ".join(sorted(names))
