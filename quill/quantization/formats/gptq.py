@@ -129,8 +129,8 @@ def _in_features(layer: str, qweight: torch.Tensor, bits: int, g_idx: torch.Tens
 
 def _implied_bits(words: int, count: int) -> str:
     """A hint naming the bit width that would explain a packed length, when one does."""
-    fits = [b for b in GPTQ_BITS if -(-count * b // 32) == words]
-    return f" (the tensor is shaped for bits={fits[0]})" if fits else ""
+    fits = [str(b) for b in GPTQ_BITS if -(-count * b // 32) == words]
+    return f" (the tensor is shaped for bits={' or '.join(fits)})" if fits else ""
 
 
 def _check_packed_width(layer: str, name: str, t: torch.Tensor, shape: list, dim: int, count: int,

@@ -257,6 +257,11 @@ def plan_packed_modules(
     schemes: dict[str, LayerScheme] = {}
     marker = required[0]
     for module, suffixes in modules.items():
+        if marker not in suffixes and any(s in suffixes for s in required[1:]):
+            raise CheckpointError(
+                f"layer {module}: tensor '{module}.{marker}' is missing from the checkpoint, but "
+                f"{sorted(f'{module}.{s}' for s in set(required[1:]) & set(suffixes))} are there; a {method} layer "
+                f"stores {', '.join(required)}")
         if marker not in suffixes:
             why = lm_head_expected(module) if is_lm_head(module) and "weight" in suffixes else None
             if why:
