@@ -76,9 +76,9 @@ def test_mixed_precision_layers_follow_extra_config():
     assert (layers["model.layers.1.mlp.down_proj"].bits, layers["model.layers.1.mlp.down_proj"].group_size) == (4, 128)
 
 
-@pytest.mark.parametrize("name,symmetric", [("ar-autogptq-asym-g128-llama", False), ("ar-autoawq-asym-g64-qwen2", False),
-                                            ("ar-autogptq-sym-g64-qwen3", True), ("ar-autoawq-sym-g128-llama", True),
-                                            ("ar-w8-autogptq-llama", True)])
+@pytest.mark.parametrize("name,symmetric", [
+    ("ar-autogptq-asym-g128-llama", False), ("ar-autoawq-asym-g64-qwen2", False), ("ar-autogptq-sym-g64-qwen3", True),
+    ("ar-autoawq-sym-g128-llama", True), ("ar-w8-autogptq-llama", True)])
 def test_symmetric_fixtures_become_canonical_symmetric(name, symmetric):
     for _, qw in open_checkpoint(fixture_path(name)).quantized_layers():
         assert qw.symmetric == symmetric and qw.g_idx is None

@@ -165,7 +165,7 @@ def test_group_size_not_dividing_in_features(tmp_path):
 def test_missing_tensor(tmp_path, tensor):
     _one_layer(tmp_path, mutate=lambda t: t.pop(tensor))
     with pytest.raises(CheckpointError, match=rf"layer layer: tensor\(s\) \['layer.{tensor}'\] missing from the "
-                                              r"checkpoint; a AWQ layer stores qweight, qzeros, scales"):
+                                              r"checkpoint; AWQ layers store qweight, qzeros, scales"):
         open_checkpoint(tmp_path)
 
 

@@ -253,7 +253,7 @@ def test_missing_tensor(tmp_path, tensor):
             open_checkpoint(tmp_path)
         return
     with pytest.raises(CheckpointError, match=rf"layer layer: tensor\(s\) \['layer.{tensor}'\] missing from the "
-                                              r"checkpoint; a GPTQ layer stores qweight, qzeros, scales"):
+                                              r"checkpoint; GPTQ layers store qweight, qzeros, scales"):
         open_checkpoint(tmp_path)
 
 

@@ -3,8 +3,9 @@
 The peak is the kernel's resident-set high-water mark (VmHWM) of a fresh
 subprocess, reset to the current RSS just before the layers are read (writing
 "5" to /proc/self/clear_refs), so torch's import, a one-layer warm-up (code
-pages, allocator arenas) and the test's own writing do not count.  Memory-mapped checkpoint pages that reading touches are resident
-too, so the bound allows the whole packed file on top of a few unpacked layers.
+pages, allocator arenas) and the test's own writing do not count.
+Memory-mapped checkpoint pages that reading touches are resident too, so the
+bound allows the whole packed file on top of a few unpacked layers.
 """
 
 import json
