@@ -82,3 +82,13 @@ def test_mixed_precision_layers_follow_extra_config():
 def test_symmetric_fixtures_become_canonical_symmetric(name, symmetric):
     for _, qw in open_checkpoint(fixture_path(name)).quantized_layers():
         assert qw.symmetric == symmetric and qw.g_idx is None
+
+
+def test_moe_routers_excluded_by_dynamic_stay_dense():
+    ckpt = open_checkpoint(fixture_path("ar-autogptq-qwen3moe"))
+    assert ckpt.quant_config["dynamic"]  # '-:' rules are how auto-round excluded the routers
+    dense = dict(ckpt.dense_tensors())
+    for layer in (0, 1):
+        assert dense[f"model.layers.{layer}.mlp.gate.weight"].shape == (8, 128)
+        assert f"model.layers.{layer}.mlp.gate" not in ckpt.plan
+    assert sum(".experts." in m for m in ckpt.plan) == 2 * 8 * 3
