@@ -42,9 +42,9 @@ def _median_gbs(fn, nbytes: int, runs: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def measure(l3_bytes: int, threads: int, runs: int = 5) -> Bandwidth:
-    """Stream a buffer of 8 x L3 (at least 256 MiB) with 1 and ``threads`` threads."""
-    nbytes = max(8 * l3_bytes, 256 << 20)
+def measure(l3_bytes: int, threads: int, runs: int = 5, nbytes: int | None = None) -> Bandwidth:
+    """Stream a buffer of 8 x L3 (at least 256 MiB, or ``nbytes``) with 1 and ``threads`` threads."""
+    nbytes = nbytes or max(8 * l3_bytes, 256 << 20)
     buf = torch.ones(nbytes // 8, dtype=torch.int64)  # [nbytes / 8]
     fbuf = buf.view(torch.float64)
     ext = native.load().module

@@ -28,6 +28,7 @@ def register(sub) -> None:
     k.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
     k.add_argument("--runs", type=int, default=5, help="timed runs per cell; the median is reported")
     k.add_argument("--min-run-ms", type=float, default=40.0, help="minimum duration of one timed run")
+    k.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe buffer (default: 8 x L3, >= 256)")
     k.add_argument("--quick", action="store_true", help="4096x4096 only, M = 1 and 128")
     k.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     k.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
@@ -72,7 +73,8 @@ def run_kernels(args) -> int:
         raise ConfigError(f"unknown benchmark kernel(s) {', '.join(unknown)}; known: {format_choices(kb.CASES)}")
     log = lambda s: print(s, flush=True)  # noqa: E731
     log(f"cpu: {platform.model_name} ({platform.microarch}), {threads} threads, torch {torch.__version__}")
-    bw = memory.measure(platform.cache("L3") or (32 << 20), threads)
+    probe = args.probe_mib << 20 if args.probe_mib else None
+    bw = memory.measure(platform.cache("L3") or (32 << 20), threads, nbytes=probe)
     suite = kb.Suite(platform, threads, bw)
     for line in report.bandwidth_lines(suite):
         log(line)

@@ -1,0 +1,43 @@
+"""quill bench: the kernel benchmark runs end to end (tiny shapes) and the model-benchmark checkpoint reads back."""
+
+import json
+
+import torch
+
+from quill.bench.checkpoint import LlamaShape, write_llama_w4
+from quill.cli import main
+from quill.quantization.checkpoint import open_checkpoint
+
+
+def test_bench_kernels_tiny_run(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    rc = main(["bench", "kernels", "--shapes", "64x128", "--m", "1,3", "--runs", "1", "--min-run-ms", "0", "--probe-mib", "8",
+               "--kernels", "native_w4a16,native_w4a8,torch_w4,fp32", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "DRAM read bandwidth" in text and "N x K = 64 x 128" in text and "W4A8 vs W4A16" in text
+    data = json.loads(out.read_text())
+    cells = {(r["kernel"], r["m"]) for r in data["results"]}
+    assert cells == {(k, m) for k in ("native_w4a16", "native_w4a8", "torch_w4", "fp32") for m in (1, 3)}
+    r = next(r for r in data["results"] if r["kernel"] == "native_w4a16" and r["m"] == 1)
+    assert r["weight_bytes"] == 64 * 128 // 2 + 64 * 128 // 128 * 2 and r["speedup"]["torch"] > 0
+    assert data["accuracy"][0]["w4a8_vs_w4a16_db"] > 25
+
+
+def test_bench_rejects_unknown_kernel(capsys):
+    assert main(["bench", "kernels", "--kernels", "nosuch"]) == 2
+    assert "unknown benchmark kernel(s) nosuch" in capsys.readouterr().err
+
+
+def test_llama_checkpoint_reads_back(tmp_path):
+    shape = LlamaShape(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=2, vocab_size=100)
+    path = write_llama_w4(tmp_path / "ckpt", group_size=32, shape=shape)
+    ckpt = open_checkpoint(path)
+    layers = dict(ckpt.quantized_layers())
+    assert len(layers) == 14 and ckpt.config["num_key_value_heads"] == 2
+    qw = layers["model.layers.1.mlp.down_proj"]
+    assert (qw.out_features, qw.in_features, qw.bits, qw.group_size) == (64, 128, 4, 32)
+    dense = dict(ckpt.dense_tensors())
+    assert dense["model.embed_tokens.weight"].shape == (100, 64)
+    assert dense["model.embed_tokens.weight"].dtype == torch.bfloat16
