@@ -126,6 +126,20 @@ def test_every_m_and_thread_count(m):
             assert torch.equal(_run(qa, x, isa, True, threads), base)
 
 
+def test_long_inputs_run_in_token_blocks():
+    # K = 8192: the activation block of the bf16 stream holds 30 tokens and the int8 one 60, so
+    # 70 tokens take several blocks (with a partial last one)
+    qw = _weight(20, 8192, 4, 128, False)
+    qa = qw.with_(activation=ActivationQuant())
+    x = torch.randn(70, 8192, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ref = x.float() @ qw.dequantize().T
+    for isa in FLOAT_VARIANTS:
+        assert sqnr(_run(qw, x, isa, False), ref) >= 40, isa
+    outs = [_run(qa, x, isa, True) for isa in INT8_VARIANTS]
+    assert all(torch.equal(y, outs[0]) for y in outs)
+    assert sqnr(outs[0], fake_quantize_activations(x.float(), qa.activation) @ qw.dequantize().T) >= 40
+
+
 def test_bias_three_d_input_and_float16():
     qw = _weight(24, 64, 4, 32)
     bias = torch.randn(24)

@@ -12,6 +12,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -204,24 +205,52 @@ class NativeLinear {
 
   int prep_threads(int64_t m) const { return threads_for(m * kp_ * 32); }
 
+  // Tokens per block: the block's activation stream (`bytes_per_token` each) stays
+  // within ~512 KiB of L2 while every row block of weights streams past it; a
+  // multiple of 6 (the widest token tile).  Bounds the scratch for long prompts too.
+  static int64_t block_tokens(int64_t bytes_per_token, int64_t m) {
+    const int64_t mb = std::clamp<int64_t>((512 << 10) / std::max<int64_t>(bytes_per_token, 1) / 6 * 6, 6, 252);
+    return std::min(mb, m);
+  }
+
+  // Run `body(in, out, tokens)` on token blocks [m0, m0 + mb) of x and y.
+  template <class F>
+  void for_token_blocks(const RawX& in, const Out& o, int64_t m, int64_t mb, const F& body) const {
+    const int64_t xsize = in.dtype == DType::F32 ? 4 : 2, ysize = o.dtype == DType::F32 ? 4 : 2;
+    for (int64_t m0 = 0; m0 < m; m0 += mb) {
+      RawX bin = in;
+      bin.x = static_cast<const char*>(in.x) + m0 * in.k * xsize;
+      Out bo = o;
+      bo.y = static_cast<char*>(o.y) + m0 * o.ld * ysize;
+      body(bin, bo, std::min(mb, m - m0));
+    }
+  }
+
   void run_float(const Weights& w, const RawX& in, const Out& o, int64_t m) const {
     thread_local std::vector<float> xsum_buf;
-    float* xsum = scratch(xsum_buf, size_t(m * w.nseg));  // [M, S]
     if (bf16_stream()) {
       thread_local std::vector<uint16_t> xs_buf;
       const bool split = in.dtype != DType::BF16;  // float32/float16 inputs keep their precision as hi + lo
       const int64_t ld = int64_t(w.kc) * (split ? 16 : 8);
-      uint16_t* xs = scratch(xs_buf, size_t(m * ld));  // [M, KC, words]
+      const int64_t mb = block_tokens(ld * 2, m);
+      uint16_t* xs = scratch(xs_buf, size_t(mb * ld));  // [MB, KC, words]
+      float* xsum = scratch(xsum_buf, size_t(mb * w.nseg));  // [MB, S]
       const bool simd = isa_ == "avx512" && bf16_stream_simd_ok(in, w.bits);
-      parallel(prep_threads(m), m, [&](int64_t b, int64_t e) {
-        (simd ? build_bf16_stream_avx512 : build_bf16_stream)(in, w.bits, split, xs, xsum, int(b), int(e));
+      for_token_blocks(in, o, m, mb, [&](const RawX& bin, const Out& bo, int64_t mm) {
+        parallel(prep_threads(mm), mm, [&](int64_t b, int64_t e) {
+          (simd ? build_bf16_stream_avx512 : build_bf16_stream)(bin, w.bits, split, xs, xsum, int(b), int(e));
+        });
+        gemm(w, Bf16Acts{xs, xsum, ld, int32_t(mm), split}, bo, table_.gemm_bf16);
       });
-      gemm(w, Bf16Acts{xs, xsum, ld, int32_t(m), split}, o, table_.gemm_bf16);
     } else {
       thread_local std::vector<float> xs_buf;
-      float* xs = scratch(xs_buf, size_t(m * kp_));  // [M, Kp]
-      parallel(prep_threads(m), m, [&](int64_t b, int64_t e) { build_f32_stream(in, xs, xsum, int(b), int(e)); });
-      gemm(w, F32Acts{xs, xsum, kp_, int32_t(m)}, o, table_.gemm_f32);
+      const int64_t mb = block_tokens(kp_ * 4, m);
+      float* xs = scratch(xs_buf, size_t(mb * kp_));  // [MB, Kp]
+      float* xsum = scratch(xsum_buf, size_t(mb * w.nseg));  // [MB, S]
+      for_token_blocks(in, o, m, mb, [&](const RawX& bin, const Out& bo, int64_t mm) {
+        parallel(prep_threads(mm), mm, [&](int64_t b, int64_t e) { build_f32_stream(bin, xs, xsum, int(b), int(e)); });
+        gemm(w, F32Acts{xs, xsum, kp_, int32_t(mm)}, bo, table_.gemm_f32);
+      });
     }
   }
 
@@ -229,14 +258,16 @@ class NativeLinear {
     thread_local std::vector<int8_t> q_buf;
     thread_local std::vector<int32_t> qsum_buf;
     thread_local std::vector<float> sz_buf;
-    int8_t* q = scratch(q_buf, size_t(m * kp_));             // [M, Kp]
-    int32_t* qsum = scratch(qsum_buf, size_t(m * w.nseg));   // [M, S]
-    float* sz = scratch(sz_buf, size_t(2 * m));              // scale [M], zero [M]
-    parallel(prep_threads(m), m, [&](int64_t b, int64_t e) {
-      table_.quantize(in, aq_, q, qsum, sz, sz + m, int(b), int(e));
+    const int64_t mb = block_tokens(kp_, m);
+    int8_t* q = scratch(q_buf, size_t(mb * kp_));            // [MB, Kp]
+    int32_t* qsum = scratch(qsum_buf, size_t(mb * w.nseg));  // [MB, S]
+    float* sz = scratch(sz_buf, size_t(2 * mb));             // scale [MB], zero [MB]
+    for_token_blocks(in, o, m, mb, [&](const RawX& bin, const Out& bo, int64_t mm) {
+      parallel(prep_threads(mm), mm, [&](int64_t b, int64_t e) {
+        table_.quantize(bin, aq_, q, qsum, sz, sz + mm, int(b), int(e));
+      });
+      gemm(w, I8Acts{q, qsum, sz, sz + mm, kp_, int32_t(mm), !aq_.symmetric}, bo, table_.gemm_i8);
     });
-    const bool asym = !aq_.symmetric;
-    gemm(w, I8Acts{q, qsum, sz, sz + m, kp_, int32_t(m), asym}, o, table_.gemm_i8);
   }
 
   at::Tensor codes_, scales_;
@@ -328,6 +359,7 @@ PYBIND11_MODULE(_quill_native, m) {
       .def_property_readonly("threads", &NativeLinear::threads)
       .def_property_readonly("isa", &NativeLinear::isa)
       .def_property_readonly("bf16_stream", &NativeLinear::bf16_stream);
+  m.def("set_pf", [](int v) { quill::g_pf = v; });
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
         py::arg("src"), py::arg("dynamic"), py::arg("symmetric"), py::arg("scale"), py::arg("zero"), py::arg("isa"));
