@@ -45,9 +45,11 @@ def _median_gbs(fn, nbytes: int, runs: int) -> float:
 def measure(l3_bytes: int, threads: int, runs: int = 5, nbytes: int | None = None) -> Bandwidth:
     """Stream a buffer of 8 x L3 (at least 256 MiB, or ``nbytes``) with 1 and ``threads`` threads."""
     nbytes = nbytes or max(8 * l3_bytes, 256 << 20)
-    buf = torch.ones(nbytes // 8, dtype=torch.int64)  # [nbytes / 8]
+    buf = torch.ones(nbytes // 8, dtype=torch.int64)  # [nbytes / 8], 4 KiB pages (torch's allocator)
     fbuf = buf.view(torch.float64)
     ext = native.load().module
+    if ext is not None:  # the probe reads from 2 MiB pages, as the native kernels' weights are
+        buf = ext.huge_page_copy(buf)
     saved = torch.get_num_threads()
     out = {}
     try:

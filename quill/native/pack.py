@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quill import native
 from quill.errors import KernelError
 from quill.quantization.weight import QuantizedWeight
 
@@ -112,6 +113,8 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
     """Repack ``w`` (4- or 8-bit) for the native kernels; ``int8_activations`` selects the int8 limits."""
     if w.bits not in (4, 8):
         raise KernelError(f"{w.name}: native kernels run 4- and 8-bit codes, found {w.bits}-bit")
+    if w.out_features == 0 or w.in_features == 0:
+        raise KernelError(f"{w.name}: empty weight [{w.out_features}, {w.in_features}]")
     order = stream_order(w, INT8_MAX_SEGMENT[w.bits] if int8_activations else None)
     nb = -(-w.out_features // LANES)
     scales, offsets = w.scales, w.offsets
@@ -128,8 +131,12 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
     if w.activation is not None and not w.activation.symmetric:
         rows = w.dequantize().double().sum(1).float()
         wsum = torch.cat([rows, rows.new_zeros(nb * LANES - w.out_features)])
+    codes = _codes(w, order, nb)
+    ext = native.load().module
+    if ext is not None:  # the bulk of the bytes: on 2 MiB pages when large enough
+        codes = ext.huge_page_copy(codes)
     return PackedWeight(
-        codes=_codes(w, order, nb), scales=_per_segment(scales, order, nb),
+        codes=codes, scales=_per_segment(scales, order, nb),
         zeros=zeros, offsets=None if offsets is None else _per_segment(offsets, order, nb),
         seg_end=order.seg_end, src=order.src, wsum=wsum, bits=w.bits,
         out_features=w.out_features, in_features=w.in_features,

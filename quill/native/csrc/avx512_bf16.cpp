@@ -51,7 +51,6 @@ void tile(const Weights& w, const Bf16Acts& a, const Out& o, int nb, int m0) {
     for (int m = 0; m < MT; ++m)
       for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_ps();
     for (int c = c0, c1 = w.seg_end[s]; c < c1; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(c + g_pf) * BLOCK_BYTES), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(blocks + int64_t(c) * BLOCK_BYTES);
       const __m512bh q[4] = {
           (__m512bh)_mm512_permutexvar_epi16(v, lut), (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut),

@@ -44,7 +44,6 @@ void tile(const Weights& w, const I8Acts& a, const Out& o, int nb, int m0) {
       const bool pair = c + 1 < c1;
       for (int h = 0; h < (pair ? 2 : 1); ++h) {
         const int cc = c + h, base = (NA == 4 ? 2 * h : 0);
-        _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(cc + g_pf) * BLOCK_BYTES), _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(blocks + int64_t(cc) * BLOCK_BYTES);
         if (BITS == 4) {
           const __m512i lo = _mm512_and_si512(v, low);

@@ -33,7 +33,6 @@
 #include <cstdint>
 
 namespace quill {
-extern int g_pf;  // TUNING ONLY
 
 constexpr int LANES = 16;       // output rows per row block
 constexpr int BLOCK_BYTES = 64;  // bytes of one chunk of one row block

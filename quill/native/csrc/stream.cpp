@@ -8,7 +8,6 @@
 #include "common.h"
 
 namespace quill {
-int g_pf = 16;
 
 float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
