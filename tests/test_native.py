@@ -57,6 +57,8 @@ def _run(qw, x, isa, int8, threads=2, bias=None):
 
 def test_extension_is_built():
     assert EXT.error is None, EXT.error
+    # without OpenMP in the binding, at::parallel_for silently runs on one thread
+    assert EXT.module.parallel_backend_compiled()
     assert "avx2" in INT8_VARIANTS or not PLATFORM.has("avx2", "fma", "f16c")
 
 
@@ -126,12 +128,16 @@ def test_every_m_and_thread_count(m):
             assert torch.equal(_run(qa, x, isa, True, threads), base)
 
 
-def test_long_inputs_run_in_token_blocks():
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [128, -1, 40])
+def test_long_inputs_run_in_token_and_k_blocks(gs, bits):
     # K = 8192: the activation block of the bf16 stream holds 30 tokens and the int8 one 60, so
-    # 70 tokens take several blocks (with a partial last one)
-    qw = _weight(20, 8192, 4, 128, False)
+    # 70 tokens take several blocks (with a partial last one); K blocks of 64 chunks cut
+    # per-channel and 40-wide (padded to 48) segments in the middle
+    k = 8160 if gs == 40 else 8192
+    qw = _weight(20, k, bits, gs, False)
     qa = qw.with_(activation=ActivationQuant())
-    x = torch.randn(70, 8192, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     ref = x.float() @ qw.dequantize().T
     for isa in FLOAT_VARIANTS:
         assert sqnr(_run(qw, x, isa, False), ref) >= 40, isa

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from quill.bench.kernels import Result, Suite
+from quill.errors import ConfigError
 
 # which torch kernel a native kernel is compared with (same weight format)
 TORCH_BASELINE = {"native_w4a16": "torch_w4", "native_w4a8": "torch_w4",
@@ -89,14 +90,20 @@ def to_json(s: Suite, command: str) -> dict:
     }
 
 
+def require_matplotlib() -> None:
+    """Raise ConfigError unless matplotlib (an optional dependency: quill[bench]) imports."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'quill[bench]' (or matplotlib)") from None
+
+
 def plot(s: Suite, path: Path) -> None:
     """GB/s of weight bytes against M, one panel per shape (needs matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError("the plot needs matplotlib (pip install matplotlib)") from e
+    require_matplotlib()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     shapes = sorted({(r.n, r.k) for r in s.results})
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 4), squeeze=False)
     for ax, (n, k) in zip(axes[0], shapes):

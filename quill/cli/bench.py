@@ -62,6 +62,8 @@ def run_kernels(args) -> int:
     from quill.bench import kernels as kb
     from quill.bench import memory, report
 
+    if args.plot:
+        report.require_matplotlib()  # fail before the run, not after it
     platform = detect()
     threads = args.threads or platform.physical_cores
     torch.set_num_threads(threads)

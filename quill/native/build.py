@@ -53,24 +53,34 @@ def _torch_flags() -> tuple[list[str], list[str]]:
 
     inc = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    # -fopenmp: at::parallel_for is inline code around `#pragma omp parallel`; without the
+    # flag it silently runs serially.  The runtime is torch's own libgomp.so.1 (same soname,
+    # already loaded by torch, rpath first), so there is one thread pool, not two.
     cflags = inc + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-                    f"-DTORCH_EXTENSION_NAME={EXT_NAME}", "-Wno-unused-variable"]
+                    f"-DTORCH_EXTENSION_NAME={EXT_NAME}", "-Wno-unused-variable", "-fopenmp"]
     libdirs = library_paths()
     ldflags = [f"-L{d}" for d in libdirs] + [f"-Wl,-rpath,{d}" for d in libdirs]
-    ldflags += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    ldflags += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-fopenmp"]
     return cflags, ldflags
 
 
-def _stale(obj: Path, src: Path, headers: list[Path]) -> bool:
-    if not obj.exists():
+def _command(cxx: str, src: Path, obj: Path, flags: list[str]) -> list[str]:
+    return [cxx, *COMMON, *flags, "-c", str(src), "-o", str(obj)]
+
+
+def _stale(cmd: list[str], obj: Path, src: Path, headers: list[Path]) -> bool:
+    """Rebuild when the object is missing, older than a source or header, or was built with other flags."""
+    stamp = obj.with_suffix(".cmd")
+    if not obj.exists() or not stamp.exists() or stamp.read_text() != " ".join(cmd):
         return True
     t = obj.stat().st_mtime
     return any(p.stat().st_mtime > t for p in [src, *headers])
 
 
-def _compile(cxx: str, src: Path, obj: Path, flags: list[str]) -> tuple[str, int, str]:
-    cmd = [cxx, *COMMON, *flags, "-c", str(src), "-o", str(obj)]
+def _compile(cmd: list[str], obj: Path) -> tuple[str, int, str]:
     p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode == 0:
+        obj.with_suffix(".cmd").write_text(" ".join(cmd))
     return " ".join(cmd), p.returncode, p.stdout + p.stderr
 
 
@@ -93,13 +103,14 @@ def build(jobs: int | None = None, verbose: bool = False) -> Path:
     todo = []
     for name, flags in SOURCES.items():
         src, obj = CSRC / name, BUILD / (Path(name).stem + ".o")
-        if _stale(obj, src, headers):
-            todo.append((src, obj, flags + (torch_cflags if name == "binding.cpp" else [])))
+        cmd = _command(cxx, src, obj, flags + (torch_cflags if name == "binding.cpp" else []))
+        if _stale(cmd, obj, src, headers):
+            todo.append((cmd, obj))
     # the torch-heavy binding first: it is the long pole
-    todo.sort(key=lambda t: t[0].name != "binding.cpp")
+    todo.sort(key=lambda t: "binding.cpp" not in t[0])
     log = []
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        for cmd, rc, out in pool.map(lambda t: _compile(cxx, *t), todo):
+        for cmd, rc, out in pool.map(lambda t: _compile(*t), todo):
             log.append(f"$ {cmd}\n{out}")
             if verbose:
                 print(f"compiled {cmd.split(' -c ')[1].split()[0]}" + (f"\n{out}" if out else ""), flush=True)

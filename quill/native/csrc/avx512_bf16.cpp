@@ -11,6 +11,7 @@
 // float32 split into bf16 hi + lo).
 #include <immintrin.h>
 
+#include "kblock.h"
 #include "simd512.h"
 
 namespace quill {
@@ -31,26 +32,26 @@ inline __m512bh bcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// MT tokens x one row block: y[m0 .. m0+MT, rows of nb].  NA accumulators per
-// token keep enough vdpbf16ps chains in flight when MT is small.
+// MT tokens x one row block x chunks [c0, c1), starting in segment s; partial
+// results in/out through `st` (kblock.h).  NA accumulators per token keep enough
+// vdpbf16ps chains in flight when MT is small.
 template <int MT, bool SPLIT>
-void tile(const Weights& w, const Bf16Acts& a, const Out& o, int nb, int m0) {
+void tile(const Weights& w, const Bf16Acts& a, int nb, int m0, int c0, int c1, int s, LaneState<float>* st) {
   constexpr int WORDS = SPLIT ? 16 : 8;  // stream words per chunk
   constexpr int DOTS = SPLIT ? 8 : 4;    // vdpbf16ps per chunk and token
   constexpr int NA = MT == 1 ? DOTS : (MT == 2 ? 4 : (MT <= 4 ? 2 : 1));
   const __m512i lut = nibble_table();
   const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
   const uint16_t* xs[MT];
-  __m512 f[MT];
+  __m512 f[MT], acc[MT][NA];
   for (int m = 0; m < MT; ++m) {
     xs[m] = a.x + (m0 + m) * a.ld;  // [KC, WORDS]
-    f[m] = _mm512_setzero_ps();
+    f[m] = _mm512_load_ps(st[m].f);
+    acc[m][0] = _mm512_load_ps(st[m].d);
+    for (int i = 1; i < NA; ++i) acc[m][i] = _mm512_setzero_ps();
   }
-  for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
-    __m512 acc[MT][NA];
-    for (int m = 0; m < MT; ++m)
-      for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_ps();
-    for (int c = c0, c1 = w.seg_end[s]; c < c1; ++c) {
+  for (int c = c0; c < c1; ++s) {
+    for (const int end = std::min(c1, w.seg_end[s]); c < end; ++c) {
       const __m512i v = _mm512_loadu_si512(blocks + int64_t(c) * BLOCK_BYTES);
       const __m512bh q[4] = {
           (__m512bh)_mm512_permutexvar_epi16(v, lut), (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut),
@@ -62,31 +63,37 @@ void tile(const Weights& w, const Bf16Acts& a, const Out& o, int nb, int m0) {
           acc[m][d % NA] = _mm512_dpbf16_ps(acc[m][d % NA], q[d % 4], bcast_pair(x + 2 * d));
       }
     }
+    if (c != w.seg_end[s]) break;  // the segment continues in the next K block
     const SegConsts sc = v512::seg_consts(w, nb, s);
     for (int m = 0; m < MT; ++m) {
       __m512 d = acc[m][0];
       for (int i = 1; i < NA; ++i) d = _mm512_add_ps(d, acc[m][i]);
       f[m] = v512::epilogue(sc, d, _mm512_set1_ps(a.xsum[(m0 + m) * w.nseg + s]), f[m]);
+      for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_ps();
     }
   }
-  for (int m = 0; m < MT; ++m) v512::store_float(w, o, nb, m0 + m, f[m]);
+  for (int m = 0; m < MT; ++m) {
+    __m512 d = acc[m][0];
+    for (int i = 1; i < NA; ++i) d = _mm512_add_ps(d, acc[m][i]);
+    _mm512_store_ps(st[m].d, d);
+    _mm512_store_ps(st[m].f, f[m]);
+  }
 }
 
 template <bool SPLIT>
 void run(const Weights& w, const Bf16Acts& a, const Out& o, int nb0, int nb1) {
-  constexpr int MT_MAX = 6;
-  for (int nb = nb0; nb < nb1; ++nb) {
-    for (int m0 = 0; m0 < a.m;) {
-      switch (a.m - m0 >= MT_MAX ? MT_MAX : a.m - m0) {
-        case 1: tile<1, SPLIT>(w, a, o, nb, m0); m0 += 1; break;
-        case 2: tile<2, SPLIT>(w, a, o, nb, m0); m0 += 2; break;
-        case 3: tile<3, SPLIT>(w, a, o, nb, m0); m0 += 3; break;
-        case 4: tile<4, SPLIT>(w, a, o, nb, m0); m0 += 4; break;
-        case 5: tile<5, SPLIT>(w, a, o, nb, m0); m0 += 5; break;
-        default: tile<6, SPLIT>(w, a, o, nb, m0); m0 += 6; break;
-      }
+  auto tiles = [&](int mt, int nb, int m0, int c0, int c1, int s, LaneState<float>* st) {
+    switch (mt) {
+      case 1: return tile<1, SPLIT>(w, a, nb, m0, c0, c1, s, st);
+      case 2: return tile<2, SPLIT>(w, a, nb, m0, c0, c1, s, st);
+      case 3: return tile<3, SPLIT>(w, a, nb, m0, c0, c1, s, st);
+      case 4: return tile<4, SPLIT>(w, a, nb, m0, c0, c1, s, st);
+      case 5: return tile<5, SPLIT>(w, a, nb, m0, c0, c1, s, st);
+      default: return tile<6, SPLIT>(w, a, nb, m0, c0, c1, s, st);
     }
-  }
+  };
+  auto finish = [&](int nb, int m, const LaneState<float>& st) { v512::store_float(w, o, nb, m, _mm512_load_ps(st.f)); };
+  run_kblocked<float>(w, a.m, nb0, nb1, tiles, finish);
 }
 
 // ---- the bf16 activation stream (stream.cpp's build_bf16_stream, vectorised) ----

@@ -9,6 +9,7 @@
 // blocks are one (positions 4c..4c+3) and need no unpacking at all.
 #include <immintrin.h>
 
+#include "kblock.h"
 #include "simd512.h"
 
 namespace quill {
@@ -20,29 +21,27 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// MT tokens x one row block; NA int32 accumulators per token (summed exactly).
+// MT tokens x one row block x chunks [c0, c1), starting in segment s; partial
+// results in/out through `st` (kblock.h).  NA int32 accumulators per token (summed exactly).
 template <int BITS, int MT>
-void tile(const Weights& w, const I8Acts& a, const Out& o, int nb, int m0) {
+void tile(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st) {
   constexpr int CK = chunk_k(BITS);
   constexpr int NA = MT <= 2 ? 4 : 2;
   const __m512i low = _mm512_set1_epi8(0x0F);
   const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
   const int8_t* xs[MT];
+  __m512i acc[MT][NA];
   __m512 f[MT];
   for (int m = 0; m < MT; ++m) {
     xs[m] = a.q + (m0 + m) * a.ld;  // [Kp]
-    f[m] = _mm512_setzero_ps();
+    f[m] = _mm512_load_ps(st[m].f);
+    acc[m][0] = _mm512_load_si512(st[m].d);
+    for (int i = 1; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
   }
-  for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
-    __m512i acc[MT][NA];
-    for (int m = 0; m < MT; ++m)
-      for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
-    const int c1 = w.seg_end[s];
-    int c = c0;
-    // two chunks per step, into disjoint accumulators when NA == 4
-    for (; c < c1; c += 2) {
-      const bool pair = c + 1 < c1;
-      for (int h = 0; h < (pair ? 2 : 1); ++h) {
+  for (int c = c0; c < c1; ++s) {
+    const int end = std::min(c1, w.seg_end[s]);
+    for (; c < end; c += 2) {  // two chunks per step, into disjoint accumulators when NA == 4
+      for (int h = 0; h < (c + 1 < end ? 2 : 1); ++h) {
         const int cc = c + h, base = (NA == 4 ? 2 * h : 0);
         const __m512i v = _mm512_loadu_si512(blocks + int64_t(cc) * BLOCK_BYTES);
         if (BITS == 4) {
@@ -55,36 +54,45 @@ void tile(const Weights& w, const I8Acts& a, const Out& o, int nb, int m0) {
           }
         } else {
           for (int m = 0; m < MT; ++m)
-            acc[m][base + h % 2] = _mm512_dpbusd_epi32(acc[m][base + h % 2], v, bcast4(xs[m] + int64_t(cc) * CK));
+            acc[m][base + h] = _mm512_dpbusd_epi32(acc[m][base + h], v, bcast4(xs[m] + int64_t(cc) * CK));
         }
       }
     }
+    c = end;
+    if (c != w.seg_end[s]) break;  // the segment continues in the next K block
     const v512::SegConsts sc = v512::seg_consts(w, nb, s);
     for (int m = 0; m < MT; ++m) {
       __m512i d = acc[m][0];
       for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
       const __m512 x = _mm512_set1_ps(float(a.qsum[(m0 + m) * w.nseg + s]));
       f[m] = v512::epilogue(sc, _mm512_cvtepi32_ps(d), x, f[m]);
+      for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
     }
   }
-  for (int m = 0; m < MT; ++m) v512::store_int(w, a, o, nb, m0 + m, f[m]);
+  for (int m = 0; m < MT; ++m) {
+    __m512i d = acc[m][0];
+    for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
+    _mm512_store_si512(st[m].d, d);
+    _mm512_store_ps(st[m].f, f[m]);
+  }
 }
 
 template <int BITS>
 void run(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
-  constexpr int MT_MAX = 6;
-  for (int nb = nb0; nb < nb1; ++nb) {
-    for (int m0 = 0; m0 < a.m;) {
-      switch (a.m - m0 >= MT_MAX ? MT_MAX : a.m - m0) {
-        case 1: tile<BITS, 1>(w, a, o, nb, m0); m0 += 1; break;
-        case 2: tile<BITS, 2>(w, a, o, nb, m0); m0 += 2; break;
-        case 3: tile<BITS, 3>(w, a, o, nb, m0); m0 += 3; break;
-        case 4: tile<BITS, 4>(w, a, o, nb, m0); m0 += 4; break;
-        case 5: tile<BITS, 5>(w, a, o, nb, m0); m0 += 5; break;
-        default: tile<BITS, 6>(w, a, o, nb, m0); m0 += 6; break;
-      }
+  auto tiles = [&](int mt, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st) {
+    switch (mt) {
+      case 1: return tile<BITS, 1>(w, a, nb, m0, c0, c1, s, st);
+      case 2: return tile<BITS, 2>(w, a, nb, m0, c0, c1, s, st);
+      case 3: return tile<BITS, 3>(w, a, nb, m0, c0, c1, s, st);
+      case 4: return tile<BITS, 4>(w, a, nb, m0, c0, c1, s, st);
+      case 5: return tile<BITS, 5>(w, a, nb, m0, c0, c1, s, st);
+      default: return tile<BITS, 6>(w, a, nb, m0, c0, c1, s, st);
     }
-  }
+  };
+  auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
+    v512::store_int(w, a, o, nb, m, _mm512_load_ps(st.f));
+  };
+  run_kblocked<int32_t>(w, a.m, nb0, nb1, tiles, finish);
 }
 
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {

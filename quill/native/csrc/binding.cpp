@@ -185,9 +185,14 @@ class NativeLinear {
 
  private:
   // Threads for `work` bytes of weight traffic: never more than torch's pool, the
-  // layer's setting, or one per 64 KiB (below that a fork/join costs more than it saves).
+  // layer's setting, or one per 256 KiB.  Waking torch's OpenMP workers costs ~10 us
+  // here (libgomp puts them to sleep almost at once on this 2-CPU VM), as long as one
+  // thread streams ~280 KB; below that a second thread does not pay for itself.
+  // (OMP_WAIT_POLICY=ACTIVE removes the wake-up, for torch's ops as well.)
+  static constexpr int64_t kMinBytesPerThread = 256 << 10;
   int threads_for(int64_t work) const {
-    const int64_t t = std::min<int64_t>({threads_, at::get_num_threads(), std::max<int64_t>(1, work / 65536), w_.nb});
+    const int64_t t = std::min<int64_t>(
+        {threads_, at::get_num_threads(), std::max<int64_t>(1, work / kMinBytesPerThread), w_.nb});
     return int(std::max<int64_t>(1, t));
   }
 
@@ -211,7 +216,8 @@ class NativeLinear {
   // within ~512 KiB of L2 while every row block of weights streams past it; a
   // multiple of 6 (the widest token tile).  Bounds the scratch for long prompts too.
   static int64_t block_tokens(int64_t bytes_per_token, int64_t m) {
-    const int64_t mb = std::clamp<int64_t>((512 << 10) / std::max<int64_t>(bytes_per_token, 1) / 6 * 6, 6, 252);
+    const int64_t mb = std::clamp<int64_t>((512 << 10) / std::max<int64_t>(bytes_per_token, 1) / 6 * 6, 6,
+                                           MAX_BLOCK_TOKENS);
     return std::min(mb, m);
   }
 
@@ -387,6 +393,14 @@ PYBIND11_MODULE(_quill_native, m) {
       .def_property_readonly("threads", &NativeLinear::threads)
       .def_property_readonly("isa", &NativeLinear::isa)
       .def_property_readonly("bf16_stream", &NativeLinear::bf16_stream);
+  // at::parallel_for only forks when this TU is compiled with OpenMP (see build.py)
+  m.def("parallel_backend_compiled", [] {
+#ifdef _OPENMP
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("huge_page_copy", &quill::huge_page_copy, py::arg("t"));
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),

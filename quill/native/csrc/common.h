@@ -37,6 +37,9 @@ namespace quill {
 constexpr int LANES = 16;       // output rows per row block
 constexpr int BLOCK_BYTES = 64;  // bytes of one chunk of one row block
 
+// Most tokens a kernel call receives: the binding cuts longer inputs into blocks.
+constexpr int MAX_BLOCK_TOKENS = 252;
+
 constexpr int chunk_k(int bits) { return bits == 4 ? 8 : 4; }
 
 enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };

@@ -1,0 +1,43 @@
+// The loop nest shared by the AVX-512 kernels: row block x K block x token tile.
+//
+// For one token (M = MT_MAX or fewer) a row block streams its whole K in one pass.
+// For more tokens, K is cut into blocks of KBLOCK_CHUNKS chunks so one K block of
+// a row block's codes (4-8 KiB) and of a token tile's activations stay in L1 while
+// every token tile of the block reuses them; the per-token partial results (the
+// running segment sum D and the finished segments' total f, 16 lanes each) wait
+// in a small LaneState array between K blocks.
+#pragma once
+
+#include <algorithm>
+
+#include "common.h"
+
+namespace quill {
+
+constexpr int MT_MAX = 6;           // widest token tile of the AVX-512 kernels
+constexpr int KBLOCK_CHUNKS = 64;   // chunks per K block (4 KiB of codes per row block)
+
+template <class D>
+struct alignas(64) LaneState {
+  D d[LANES];      // the open segment's partial sum (float, or int32 for int8 kernels)
+  float f[LANES];  // the finished segments' total
+};
+
+// tile(mt, nb, m0, c0, c1, s, state + m0): tokens [m0, m0 + mt), chunks [c0, c1), starting in segment s.
+// finish(nb, m, state[m]): store the outputs of token m.
+template <class D, class Tile, class Finish>
+void run_kblocked(const Weights& w, int m, int nb0, int nb1, const Tile& tile, const Finish& finish) {
+  LaneState<D> state[MAX_BLOCK_TOKENS];
+  const int kcb = m <= MT_MAX ? w.kc : KBLOCK_CHUNKS;
+  for (int nb = nb0; nb < nb1; ++nb) {
+    std::fill(reinterpret_cast<char*>(state), reinterpret_cast<char*>(state + m), 0);
+    for (int c0 = 0, s = 0; c0 < w.kc; c0 += kcb) {
+      const int c1 = std::min(w.kc, c0 + kcb);
+      while (w.seg_end[s] <= c0) ++s;  // the segment holding chunk c0
+      for (int m0 = 0; m0 < m; m0 += MT_MAX) tile(std::min(MT_MAX, m - m0), nb, m0, c0, c1, s, state + m0);
+    }
+    for (int t = 0; t < m; ++t) finish(nb, t, state[t]);
+  }
+}
+
+}  // namespace quill
