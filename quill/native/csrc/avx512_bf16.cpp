@@ -52,6 +52,7 @@ void tile(const Weights& w, const Bf16Acts& a, int nb, int m0, int c0, int c1, i
   }
   for (int c = c0; c < c1; ++s) {
     for (const int end = std::min(c1, w.seg_end[s]); c < end; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(c) * BLOCK_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(blocks + int64_t(c) * BLOCK_BYTES);
       const __m512bh q[4] = {
           (__m512bh)_mm512_permutexvar_epi16(v, lut), (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut),
