@@ -69,9 +69,14 @@ class Result:
 class Suite:
     platform: Platform
     threads: int
-    bandwidth: Bandwidth
+    bandwidth: Bandwidth  # measured at the start of the run
+    shape_bandwidth: dict[tuple[int, int], float] = field(default_factory=dict)  # all threads, before each shape
     results: list[Result] = field(default_factory=list)
     accuracy: list[dict] = field(default_factory=list)
+
+    def bandwidth_for(self, r: Result) -> float:
+        """The read bandwidth measured closest in time to ``r`` (the machine may be shared)."""
+        return self.shape_bandwidth.get((r.n, r.k), self.bandwidth.best_all)
 
 
 def quantized_weight(n: int, k: int, bits: int, seed: int = 0) -> QuantizedWeight:

@@ -42,19 +42,19 @@ def bandwidth_lines(s: Suite) -> list[str]:
         f"DRAM read bandwidth ({b.buffer_bytes >> 20} MiB buffer, median): "
         f"1 thread {nat(b.native_1t)} GB/s (probe) / {b.torch_sum_1t:.1f} (torch.sum); "
         f"{b.threads} threads {nat(b.native_all)} GB/s (probe) / {b.torch_sum_all:.1f} (torch.sum)",
-        f"reference for %BW: {b.best_all:.1f} GB/s",
+        f"%BW below: against the all-thread read measured just before each shape ({b.best_all:.1f} GB/s here)",
     ]
 
 
 def table(s: Suite) -> str:
     idx = _index(s.results)
-    bw = s.bandwidth.best_all
     lines = bandwidth_lines(s)
     shapes = sorted({(r.n, r.k) for r in s.results}, key=lambda t: (t[0] * t[1], t))
     head = (f"{'M':>4}  {'kernel':<13} {'time us':>10} {'GB/s':>7} {'%BW':>5} {'GFLOP/s':>8} "
             f"{'x torch':>7} {'x bf16':>7} {'x fp32':>7}")
     for n, k in shapes:
-        lines += ["", f"N x K = {n} x {k}", head]
+        bw = s.shape_bandwidth.get((n, k), s.bandwidth.best_all)
+        lines += ["", f"N x K = {n} x {k}   (DRAM read just before: {bw:.1f} GB/s)", head]
         rows = sorted((r for r in s.results if (r.n, r.k) == (n, k)), key=lambda r: (r.m, list(idx).index(
             (r.kernel, r.n, r.k, r.m))))
         for r in rows:
@@ -83,7 +83,8 @@ def to_json(s: Suite, command: str) -> dict:
         "bandwidth_gbs": {"native_1t": s.bandwidth.native_1t, "native_all": s.bandwidth.native_all,
                           "torch_sum_1t": s.bandwidth.torch_sum_1t, "torch_sum_all": s.bandwidth.torch_sum_all,
                           "reference": s.bandwidth.best_all, "buffer_bytes": s.bandwidth.buffer_bytes},
-        "results": [{**r.to_json(), "bw_fraction": round(r.gbs / s.bandwidth.best_all, 3),
+        "shape_bandwidth_gbs": {f"{n}x{k}": round(v, 2) for (n, k), v in s.shape_bandwidth.items()},
+        "results": [{**r.to_json(), "bw_fraction": round(r.gbs / s.bandwidth_for(r), 3),
                      "speedup": {k: (None if v is None else round(v, 3)) for k, v in ratios(r, idx).items()}}
                     for r in s.results],
         "accuracy": s.accuracy,

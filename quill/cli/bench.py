@@ -81,6 +81,9 @@ def run_kernels(args) -> int:
     for line in report.bandwidth_lines(suite):
         log(line)
     for n, k in shapes:
+        bw_now = memory.measure(platform.cache("L3") or (32 << 20), threads, runs=3, nbytes=probe)
+        suite.shape_bandwidth[(n, k)] = bw_now.best_all
+        log(f"{n} x {k}: DRAM read now {bw_now.best_all:.1f} GB/s")
         for case in cases:
             try:
                 kb.run_case(suite, case, n, k, tokens, args.runs, args.min_run_ms / 1e3, log)
