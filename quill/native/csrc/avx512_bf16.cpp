@@ -32,69 +32,92 @@ inline __m512bh bcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// MT tokens x one row block x chunks [c0, c1), starting in segment s; partial
-// results in/out through `st` (kblock.h).  NA accumulators per token keep enough
-// vdpbf16ps chains in flight when MT is small.
-template <int MT, bool SPLIT>
-void tile(const Weights& w, const Bf16Acts& a, int nb, int m0, int c0, int c1, int s, LaneState<float>* st) {
+// MT tokens x RB row blocks x chunks [c0, c1), starting in segment s; partial
+// results in/out through st[r] (kblock.h).  The row blocks share the activation
+// broadcasts; NA accumulators per token and row block keep enough vdpbf16ps chains
+// in flight when MT is small.  The finished-segments total f stays in memory: it
+// changes once per segment.
+template <int MT, bool SPLIT, int RB>
+void tile(const Weights& w, const Bf16Acts& a, int nb, int m0, int c0, int c1, int s, LaneState<float>* const* st) {
   constexpr int WORDS = SPLIT ? 16 : 8;  // stream words per chunk
-  constexpr int DOTS = SPLIT ? 8 : 4;    // vdpbf16ps per chunk and token
-  constexpr int NA = MT == 1 ? DOTS : (MT == 2 ? 4 : (MT <= 4 ? 2 : 1));
+  constexpr int DOTS = SPLIT ? 8 : 4;    // vdpbf16ps per chunk, token and row block
+  constexpr int NA = MT == 1 ? (RB == 1 ? DOTS : 4) : (MT == 2 ? 4 : (MT <= 4 ? 2 : 1));
   const __m512i lut = nibble_table();
-  const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
-  const uint16_t* xs[MT];
-  __m512 f[MT], acc[MT][NA];
-  for (int m = 0; m < MT; ++m) {
-    xs[m] = a.x + (m0 + m) * a.ld;  // [KC, WORDS]
-    f[m] = _mm512_load_ps(st[m].f);
-    acc[m][0] = _mm512_load_ps(st[m].d);
-    for (int i = 1; i < NA; ++i) acc[m][i] = _mm512_setzero_ps();
-  }
+  const uint8_t* blocks[RB];  // [KC, 64] each
+  const uint16_t* xs[MT];     // [KC, WORDS] each
+  __m512 acc[RB][MT][NA];
+  for (int r = 0; r < RB; ++r) blocks[r] = w.codes + int64_t(nb + r) * w.kc * BLOCK_BYTES;
+  for (int m = 0; m < MT; ++m) xs[m] = a.x + (m0 + m) * a.ld;
+  for (int r = 0; r < RB; ++r)
+    for (int m = 0; m < MT; ++m) {
+      acc[r][m][0] = _mm512_load_ps(st[r][m].d);
+      for (int i = 1; i < NA; ++i) acc[r][m][i] = _mm512_setzero_ps();
+    }
   for (int c = c0; c < c1; ++s) {
     for (const int end = std::min(c1, w.seg_end[s]); c < end; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(c) * BLOCK_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(blocks + int64_t(c) * BLOCK_BYTES);
-      const __m512bh q[4] = {
-          (__m512bh)_mm512_permutexvar_epi16(v, lut), (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut),
-          (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), lut),
-          (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), lut)};
+      __m512bh q[RB][4];
+      for (int r = 0; r < RB; ++r) {
+        const uint8_t* p = blocks[r] + int64_t(c) * BLOCK_BYTES;
+        _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(p);
+        q[r][0] = (__m512bh)_mm512_permutexvar_epi16(v, lut);
+        q[r][1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+        q[r][2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), lut);
+        q[r][3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), lut);
+      }
       for (int m = 0; m < MT; ++m) {
         const uint16_t* x = xs[m] + int64_t(c) * WORDS;
-        for (int d = 0; d < DOTS; ++d)
-          acc[m][d % NA] = _mm512_dpbf16_ps(acc[m][d % NA], q[d % 4], bcast_pair(x + 2 * d));
+        for (int d = 0; d < DOTS; ++d) {
+          const __m512bh xp = bcast_pair(x + 2 * d);
+          for (int r = 0; r < RB; ++r) acc[r][m][d % NA] = _mm512_dpbf16_ps(acc[r][m][d % NA], q[r][d % 4], xp);
+        }
       }
     }
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
-    const SegConsts sc = v512::seg_consts(w, nb, s);
-    for (int m = 0; m < MT; ++m) {
-      __m512 d = acc[m][0];
-      for (int i = 1; i < NA; ++i) d = _mm512_add_ps(d, acc[m][i]);
-      f[m] = v512::epilogue(sc, d, _mm512_set1_ps(a.xsum[(m0 + m) * w.nseg + s]), f[m]);
-      for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_ps();
+    for (int r = 0; r < RB; ++r) {
+      const SegConsts sc = v512::seg_consts(w, nb + r, s);
+      for (int m = 0; m < MT; ++m) {
+        __m512 d = acc[r][m][0];
+        for (int i = 1; i < NA; ++i) d = _mm512_add_ps(d, acc[r][m][i]);
+        const __m512 x = _mm512_set1_ps(a.xsum[(m0 + m) * w.nseg + s]);
+        _mm512_store_ps(st[r][m].f, v512::epilogue(sc, d, x, _mm512_load_ps(st[r][m].f)));
+        for (int i = 0; i < NA; ++i) acc[r][m][i] = _mm512_setzero_ps();
+      }
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    __m512 d = acc[m][0];
-    for (int i = 1; i < NA; ++i) d = _mm512_add_ps(d, acc[m][i]);
-    _mm512_store_ps(st[m].d, d);
-    _mm512_store_ps(st[m].f, f[m]);
+  for (int r = 0; r < RB; ++r)
+    for (int m = 0; m < MT; ++m) {
+      __m512 d = acc[r][m][0];
+      for (int i = 1; i < NA; ++i) d = _mm512_add_ps(d, acc[r][m][i]);
+      _mm512_store_ps(st[r][m].d, d);
+    }
+}
+
+template <int RB, bool SPLIT>
+void tile_rb(int mt, const Weights& w, const Bf16Acts& a, int nb, int m0, int c0, int c1, int s,
+             LaneState<float>* const* st) {
+  switch (mt) {
+    case 1: return tile<1, SPLIT, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 2: return tile<2, SPLIT, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 3: return tile<3, SPLIT, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 4: return tile<4, SPLIT, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 5: return tile<5, SPLIT, RB>(w, a, nb, m0, c0, c1, s, st);
+    default: return tile<6, SPLIT, RB>(w, a, nb, m0, c0, c1, s, st);
   }
 }
 
 template <bool SPLIT>
 void run(const Weights& w, const Bf16Acts& a, const Out& o, int nb0, int nb1) {
-  auto tiles = [&](int mt, int nb, int m0, int c0, int c1, int s, LaneState<float>* st) {
-    switch (mt) {
-      case 1: return tile<1, SPLIT>(w, a, nb, m0, c0, c1, s, st);
-      case 2: return tile<2, SPLIT>(w, a, nb, m0, c0, c1, s, st);
-      case 3: return tile<3, SPLIT>(w, a, nb, m0, c0, c1, s, st);
-      case 4: return tile<4, SPLIT>(w, a, nb, m0, c0, c1, s, st);
-      case 5: return tile<5, SPLIT>(w, a, nb, m0, c0, c1, s, st);
-      default: return tile<6, SPLIT>(w, a, nb, m0, c0, c1, s, st);
-    }
+  auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<float>* st0,
+                   LaneState<float>* st1) {
+    LaneState<float>* const st[2] = {st0, st1};
+    if (rb == 2)
+      tile_rb<2, SPLIT>(mt, w, a, nb, m0, c0, c1, s, st);
+    else
+      tile_rb<1, SPLIT>(mt, w, a, nb, m0, c0, c1, s, st);
   };
   auto finish = [&](int nb, int m, const LaneState<float>& st) { v512::store_float(w, o, nb, m, _mm512_load_ps(st.f)); };
-  run_kblocked<float>(w, a.m, nb0, nb1, tiles, finish);
+  run_kblocked<float, 2>(w, a.m, nb0, nb1, tiles, finish);
 }
 
 // ---- the bf16 activation stream (stream.cpp's build_bf16_stream, vectorised) ----

@@ -80,7 +80,7 @@ void tile(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int
 
 template <int BITS>
 void run(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
-  auto tiles = [&](int mt, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st) {
+  auto tiles = [&](int mt, int, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st, LaneState<int32_t>*) {
     switch (mt) {
       case 1: return tile<BITS, 1>(w, a, nb, m0, c0, c1, s, st);
       case 2: return tile<BITS, 2>(w, a, nb, m0, c0, c1, s, st);
@@ -93,7 +93,7 @@ void run(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
     v512::store_int(w, a, o, nb, m, _mm512_load_ps(st.f));
   };
-  run_kblocked<int32_t>(w, a.m, nb0, nb1, tiles, finish);
+  run_kblocked<int32_t, 1>(w, a.m, nb0, nb1, tiles, finish);
 }
 
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {

@@ -27,20 +27,27 @@ struct alignas(64) LaneState {
   float f[LANES];  // the finished segments' total
 };
 
-// tile(mt, nb, m0, c0, c1, s, state + m0): tokens [m0, m0 + mt), chunks [c0, c1), starting in segment s.
-// finish(nb, m, state[m]): store the outputs of token m.
-template <class D, class Tile, class Finish>
+// Row blocks [nb0, nb1) for m tokens, RB row blocks per pass (they share the
+// activation loads).  tile(mt, rb, nb, m0, c0, c1, s, st0, st1): row blocks
+// nb .. nb+rb-1 (rb <= RB), tokens [m0, m0 + mt), chunks [c0, c1) starting in
+// segment s, partial results in st0[0..mt) (and st1 for the second row block).
+// finish(nb, m, state): store the outputs of token m for row block nb.
+template <class D, int RB, class Tile, class Finish>
 void run_kblocked(const Weights& w, int m, int nb0, int nb1, const Tile& tile, const Finish& finish) {
-  LaneState<D> state[MAX_BLOCK_TOKENS];
+  static_assert(RB == 1 || RB == 2, "one or two row blocks per pass");
+  LaneState<D> state[RB][MAX_BLOCK_TOKENS];
   const int kcb = m <= MT_MAX ? w.kc : KBLOCK_CHUNKS;
-  for (int nb = nb0; nb < nb1; ++nb) {
-    std::fill(reinterpret_cast<char*>(state), reinterpret_cast<char*>(state + m), 0);
+  for (int nb = nb0; nb < nb1; nb += RB) {
+    const int rb = std::min(RB, nb1 - nb);
+    for (int r = 0; r < rb; ++r) std::fill(reinterpret_cast<char*>(state[r]), reinterpret_cast<char*>(state[r] + m), 0);
     for (int c0 = 0, s = 0; c0 < w.kc; c0 += kcb) {
       const int c1 = std::min(w.kc, c0 + kcb);
       while (w.seg_end[s] <= c0) ++s;  // the segment holding chunk c0
-      for (int m0 = 0; m0 < m; m0 += MT_MAX) tile(std::min(MT_MAX, m - m0), nb, m0, c0, c1, s, state + m0);
+      for (int m0 = 0; m0 < m; m0 += MT_MAX)
+        tile(std::min(MT_MAX, m - m0), rb, nb, m0, c0, c1, s, state[0] + m0, state[rb - 1] + m0);
     }
-    for (int t = 0; t < m; ++t) finish(nb, t, state[t]);
+    for (int r = 0; r < rb; ++r)
+      for (int t = 0; t < m; ++t) finish(nb + r, t, state[r][t]);
   }
 }
 
