@@ -106,40 +106,59 @@ def _prepare(case: str, qw: QuantizedWeight | None, dense: torch.Tensor | None, 
     return (lambda x: kernel.apply(state, x)), w.storage_bytes(), kernel.state_bytes(state)
 
 
-def _time(calls: list[Callable[[], object]], runs: int, min_run_s: float) -> float:
-    """Median seconds per call; each run cycles through every copy at least once."""
-    for c in calls:
-        c()
-    t = time.perf_counter()
-    calls[0]()
-    est = max(time.perf_counter() - t, 1e-7)
-    per_run = len(calls) * max(1, math.ceil(min_run_s / (est * len(calls))))
-    samples = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        for i in range(per_run):
-            calls[i % len(calls)]()
-        samples.append((time.perf_counter() - t) / per_run)
-    return statistics.median(samples)
+@dataclass
+class Prepared:
+    """One kernel's copies of one layer, and the bytes it is credited with."""
+
+    case: str
+    calls: list[Callable[[torch.Tensor], torch.Tensor]]
+    weight_bytes: int
 
 
-def run_case(suite: Suite, case: str, n: int, k: int, tokens: tuple[int, ...], runs: int, min_run_s: float,
-             log: Callable[[str], None]) -> None:
+def prepare_case(suite: Suite, case: str, n: int, k: int) -> Prepared:
+    """Enough copies of the layer to fill ROTATION_L3 x L3 (tiny layers stay cached regardless)."""
     bits = CASES[case][0]
     qw = quantized_weight(n, k, bits) if bits in (4, 8) else None
     dense = quantized_weight(n, k, 4).dequantize() if qw is None else None
     l3 = suite.platform.cache("L3") or (32 << 20)
     first, wbytes, held = _prepare(case, qw, dense, suite.platform, suite.threads)
-    # 4 x L3: with 2 x L3 some copies still partly hit L3; tiny layers stay cached regardless
     n_copies = min(MAX_COPIES, max(2, math.ceil(ROTATION_L3 * l3 / held)))
-    copies = [first] + [_prepare(case, qw, dense, suite.platform, suite.threads)[0] for _ in range(n_copies - 1)]
-    xdtype = torch.float32 if case == "fp32" else torch.bfloat16
+    rest = [_prepare(case, qw, dense, suite.platform, suite.threads)[0] for _ in range(n_copies - 1)]
+    return Prepared(case, [first] + rest, wbytes)
+
+
+def _one_run(p: Prepared, x: torch.Tensor, calls_per_run: int) -> float:
+    """Seconds per call over ``calls_per_run`` calls cycling through the copies."""
+    t = time.perf_counter()
+    for i in range(calls_per_run):
+        p.calls[i % len(p.calls)](x)
+    return (time.perf_counter() - t) / calls_per_run
+
+
+def run_shape(suite: Suite, prepared: list[Prepared], n: int, k: int, tokens: tuple[int, ...], runs: int,
+              min_run_s: float, log: Callable[[str], None]) -> None:
+    """Time every prepared kernel at every M, the kernels interleaved run by run.
+
+    Interleaving keeps the ratios fair on a shared machine: a slow spell of the
+    neighbours hits every kernel's samples alike instead of one kernel's all.
+    """
     for m in tokens:
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdtype)  # [M, K]
-        sec = _time([lambda f=f: f(x) for f in copies], runs, min_run_s)
-        r = Result(case, n, k, m, sec * 1e6, wbytes, len(copies))
-        suite.results.append(r)
-        log(f"  {case:<13} {n:>5}x{k:<5} M={m:<4} {r.time_us:10.1f} us {r.gbs:7.1f} GB/s {r.gflops:8.1f} GFLOP/s")
+        xs = {dt: torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt)  # [M, K]
+              for dt in (torch.bfloat16, torch.float32)}
+        plan = []
+        for p in prepared:
+            x = xs[torch.float32 if p.case == "fp32" else torch.bfloat16]
+            est = max(_one_run(p, x, len(p.calls)), 1e-7)  # also the warm-up
+            per_run = len(p.calls) * max(1, math.ceil(min_run_s / (est * len(p.calls))))
+            plan.append((p, x, per_run, []))
+        for _ in range(runs):
+            for p, x, per_run, samples in plan:
+                samples.append(_one_run(p, x, per_run))
+        for p, _, _, samples in plan:
+            r = Result(p.case, n, k, m, statistics.median(samples) * 1e6, p.weight_bytes, len(p.calls))
+            suite.results.append(r)
+            log(f"  {p.case:<13} {n:>5}x{k:<5} M={m:<4} {r.time_us:10.1f} us {r.gbs:7.1f} GB/s "
+                f"{r.gflops:8.1f} GFLOP/s")
 
 
 def accuracy(n: int, k: int, platform: Platform, m: int = 8) -> dict:

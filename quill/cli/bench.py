@@ -84,11 +84,14 @@ def run_kernels(args) -> int:
         bw_now = memory.measure(platform.cache("L3") or (32 << 20), threads, runs=3, nbytes=probe)
         suite.shape_bandwidth[(n, k)] = bw_now.best_all
         log(f"{n} x {k}: DRAM read now {bw_now.best_all:.1f} GB/s")
+        prepared = []
         for case in cases:
             try:
-                kb.run_case(suite, case, n, k, tokens, args.runs, args.min_run_ms / 1e3, log)
+                prepared.append(kb.prepare_case(suite, case, n, k))
             except RuntimeError as e:  # a kernel that cannot run here is reported, not fatal
                 log(f"  {case:<13} {n}x{k}: skipped: {e}")
+        kb.run_shape(suite, prepared, n, k, tokens, args.runs, args.min_run_ms / 1e3, log)
+        del prepared
         if "native_w4a16" in cases and "native_w4a8" in cases:
             suite.accuracy.append(kb.accuracy(n, k, platform))
     log("")
