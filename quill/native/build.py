@@ -35,6 +35,7 @@ AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 # source -> extra flags (ISA of that translation unit only)
 SOURCES: dict[str, list[str]] = {
     "stream.cpp": [],
+    "hugepage.cpp": [],
     "scalar.cpp": [],
     "avx2.cpp": AVX2,
     "avx512_vnni.cpp": AVX512 + ["-mavx512vnni"],

@@ -131,13 +131,15 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
     if w.activation is not None and not w.activation.symmetric:
         rows = w.dequantize().double().sum(1).float()
         wsum = torch.cat([rows, rows.new_zeros(nb * LANES - w.out_features)])
-    codes = _codes(w, order, nb)
+    codes, scales = _codes(w, order, nb), _per_segment(scales, order, nb)
+    offsets = None if offsets is None else _per_segment(offsets, order, nb)
     ext = native.load().module
-    if ext is not None:  # the bulk of the bytes: on 2 MiB pages when large enough
-        codes = ext.huge_page_copy(codes)
+    if ext is not None:  # what the kernels stream goes on 2 MiB pages (quill/native/csrc/hugepage.cpp)
+        codes, scales = ext.huge_page_copy(codes), ext.huge_page_copy(scales)
+        zeros = None if zeros is None else ext.huge_page_copy(zeros)
+        offsets = None if offsets is None else ext.huge_page_copy(offsets)
     return PackedWeight(
-        codes=codes, scales=_per_segment(scales, order, nb),
-        zeros=zeros, offsets=None if offsets is None else _per_segment(offsets, order, nb),
+        codes=codes, scales=scales, zeros=zeros, offsets=offsets,
         seg_end=order.seg_end, src=order.src, wsum=wsum, bits=w.bits,
         out_features=w.out_features, in_features=w.in_features,
     )

@@ -11,7 +11,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <torch/csrc/utils/pybind.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -22,6 +21,7 @@
 #include <vector>
 
 #include "common.h"
+#include "hugepage.h"
 
 namespace quill {
 namespace {
@@ -313,27 +313,15 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, at::Tensor seg
   return {q, qsum, sc, zp};
 }
 
-// A copy of `t` in memory the kernel backs with 2 MiB pages (transparent huge pages,
-// madvise mode) when it spans at least one: streaming weights through 4 KiB pages costs a
-// TLB walk every 4 KiB, which under virtualisation (nested paging) measurably lowers the
-// read bandwidth (21 -> 29 GB/s single-threaded on the development VM).  The mapping is
-// exactly the tensor's size rounded to 4 KiB, so nothing is wasted; tensors under 2 MiB
-// are returned as they are.
+// A copy of `t` on 2 MiB pages (hugepage.cpp); `t` itself if no memory could be mapped.
 at::Tensor huge_page_copy(const at::Tensor& t) {
-  constexpr size_t kHuge = size_t(2) << 20, kPage = 4096;
   const at::Tensor src = t.contiguous();
-  const size_t nbytes = src.numel() * src.element_size();
-  if (nbytes < kHuge || src.device().is_cuda()) return src;
-  const size_t size = (nbytes + kPage - 1) / kPage * kPage;
-  void* raw = mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return src;  // no address space for the alignment slack: keep the plain copy
-  const uintptr_t base = reinterpret_cast<uintptr_t>(raw), start = (base + kHuge - 1) / kHuge * kHuge;
-  if (start > base) munmap(raw, start - base);  // trim to exactly [start, start + size)
-  if (base + size + kHuge > start + size) munmap(reinterpret_cast<void*>(start + size), base + size + kHuge - start - size);
-  void* p = reinterpret_cast<void*>(start);
-  madvise(p, size, MADV_HUGEPAGE);  // best effort: without THP the pages are simply 4 KiB
-  at::Tensor out = at::from_blob(p, src.sizes(), [size](void* q) { munmap(q, size); }, src.options());
-  out.copy_(src);  // first touch: faults the huge pages in
+  if (src.device().is_cuda() || src.numel() == 0) return src;
+  HugeBlock blk = huge_alloc(size_t(src.numel()) * src.element_size());
+  if (!blk.ptr) return src;
+  at::Tensor out = at::from_blob(blk.ptr, src.sizes(), [owner = blk.owner](void*) mutable { owner.reset(); },
+                                 src.options());
+  out.copy_(src);
   return out;
 }
 
