@@ -68,6 +68,7 @@ void tile_f32(const Weights& w, const F32Acts& a, const Out& o, int nb, int m0) 
         for (int i = 0; i < NA; ++i) acc[m][h][i] = _mm256_setzero_ps();
     for (int c = c0, c1 = w.seg_end[s]; c < c1; ++c) {
       const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));
       for (int t = 0; t < NV; ++t) {
@@ -103,6 +104,7 @@ void tile_i8(const Weights& w, const I8Acts& a, const Out& o, int nb, int m0) {
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
     for (int c = c0, c1 = w.seg_end[s]; c < c1; ++c) {
       const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * h));
         const __m256i lo = _mm256_and_si256(v, low);

@@ -58,7 +58,7 @@ void tile(const Weights& w, const Bf16Acts& a, int nb, int m0, int c0, int c1, i
       __m512bh q[RB][4];
       for (int r = 0; r < RB; ++r) {
         const uint8_t* p = blocks[r] + int64_t(c) * BLOCK_BYTES;
-        _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T1);
         const __m512i v = _mm512_loadu_si512(p);
         q[r][0] = (__m512bh)_mm512_permutexvar_epi16(v, lut);
         q[r][1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);

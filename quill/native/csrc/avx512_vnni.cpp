@@ -43,7 +43,7 @@ void tile(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int
     for (; c < end; c += 2) {  // two chunks per step, into disjoint accumulators when NA == 4
       for (int h = 0; h < (c + 1 < end ? 2 : 1); ++h) {
         const int cc = c + h, base = (NA == 4 ? 2 * h : 0);
-        _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(cc) * BLOCK_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(cc) * BLOCK_BYTES + PREFETCH_BYTES), _MM_HINT_T1);
         const __m512i v = _mm512_loadu_si512(blocks + int64_t(cc) * BLOCK_BYTES);
         if (BITS == 4) {
           const __m512i lo = _mm512_and_si512(v, low);

@@ -16,10 +16,7 @@ namespace quill {
 
 constexpr int MT_MAX = 6;           // widest token tile of the AVX-512 kernels
 constexpr int KBLOCK_CHUNKS = 64;   // chunks per K block (4 KiB of codes per row block)
-// Software prefetch distance of the code stream.  The hardware prefetchers alone left
-// W4A16 decode at ~35 GB/s from DRAM on the development machine; 2 KiB ahead gave ~39
-// (W4A8, lighter per byte, was at the bandwidth limit either way).
-constexpr int PREFETCH_BYTES = 2048;
+// PREFETCH_BYTES (common.h): how far ahead the tiles prefetch their code stream.
 
 template <class D>
 struct alignas(64) LaneState {
