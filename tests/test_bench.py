@@ -41,3 +41,10 @@ def test_llama_checkpoint_reads_back(tmp_path):
     dense = dict(ckpt.dense_tensors())
     assert dense["model.embed_tokens.weight"].shape == (100, 64)
     assert dense["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_bench_linears_on_a_fixture(capsys):
+    from tests.fixture_util import fixture_path
+    assert main(["bench", "linears", str(fixture_path("ct-w4a16-sym-g128-llama")), "--tokens", "1", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "selected 14 linears" in out and "'native_w4a16': 14" in out and "torch    14 linears" in out

@@ -3,6 +3,7 @@
     quill bench kernels                      # all shapes, M = 1 8 32 128 512, every kernel
     quill bench kernels --quick              # 4096 x 4096 only, M = 1 and 128
     quill bench kernels --json out.json --plot out.png
+    quill bench linears [CHECKPOINT]         # every quantized linear once per token (default model)
     quill bench checkpoint DIR               # write a 1B Llama-shaped W4 checkpoint (model benchmark)
 """
 
@@ -33,6 +34,12 @@ def register(sub) -> None:
     k.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     k.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
     k.set_defaults(func=run_kernels)
+    lin = bsub.add_parser("linears", help="every quantized linear of a checkpoint once per token: native vs torch")
+    lin.add_argument("checkpoint", nargs="?", default=None, help="checkpoint path (default: the default model)")
+    lin.add_argument("--tokens", type=int, default=10, help="tokens per timed run")
+    lin.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
+    lin.add_argument("--activation-quant", choices=("none", "int8"), default=None)
+    lin.set_defaults(func=run_linears)
     c = bsub.add_parser("checkpoint", help="write a 1B Llama-shaped 4-bit checkpoint for the model benchmark")
     c.add_argument("out", type=Path, help="output directory")
     c.add_argument("--layers", type=int, default=16)
@@ -103,6 +110,18 @@ def run_kernels(args) -> int:
     if args.plot:
         report.plot(suite, args.plot)
         log(f"wrote {args.plot}")
+    return 0
+
+
+def run_linears(args) -> int:
+    from quill.bench import linears
+    from quill.kernels import KernelPolicy
+
+    if args.checkpoint is None:
+        from quill.default_model import default_model_path
+        args.checkpoint = default_model_path()
+    policies = {"selected": KernelPolicy(), "torch": KernelPolicy(force="torch")}
+    linears.run(args.checkpoint, detect(), policies, args.tokens, args.runs, args.activation_quant)
     return 0
 
 
