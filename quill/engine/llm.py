@@ -68,6 +68,10 @@ class RequestOutput:
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
 
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        return self.outputs[0].logprobs
+
 
 @dataclass
 class StreamChunk:
