@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import quill
-from model_util import hf_model, save_hf_dir
+from tests.model_util import hf_model, save_hf_dir
 from quill.engine.sampling import apply_repetition_penalty, filter_logits
 from quill.errors import GenerationError
 

@@ -7,7 +7,7 @@ so results agree to float32 rounding (checked at rtol 1e-4, atol 1e-5).
 import pytest
 import torch
 
-from model_util import MemoryCheckpoint, hf_model, save_hf_dir
+from tests.model_util import MemoryCheckpoint, hf_model, save_hf_dir
 from quill.engine.cache import KVCache
 from quill.engine.loader import build_model
 from quill.errors import ModelError
