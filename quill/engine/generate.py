@@ -181,7 +181,7 @@ class BatchGenerator:
             r.finish_reason, stop_reason = "stop", token
         elif token in self.eos and not r.params.ignore_eos:
             r.finish_reason = "stop"
-        elif len(r.output) >= self._budget(r) or len(r.prompt) + len(r.output) >= self.context_length:
+        elif len(r.output) >= self._budget(r):  # max_tokens, or the context window is full
             r.finish_reason = "length"
         return TokenEvent(index, token, lp, r.finish_reason, stop_reason)
 

@@ -176,7 +176,7 @@ class _SlotFiller:
     def _check_complete(self) -> None:
         for name, m in self.modules.items():
             if isinstance(m, (Linear, Embedding, RMSNorm)) and not m.filled:
-                what = "a quantized layer or tensor" if isinstance(m, Linear) else "tensor"
+                what = "quantized layer or tensor" if isinstance(m, Linear) else "tensor"
                 raise CheckpointError(f"{self.where}: the checkpoint has no {what} for '{name}' "
                                       f"(expected '{name}.weight')")
 

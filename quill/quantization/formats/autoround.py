@@ -38,10 +38,9 @@ from typing import Any
 from quill.errors import ConfigError, UnsupportedFormatError
 from quill.quantization.formats import awq, gptq
 from quill.quantization.formats.base import FormatReader, ModuleMap, ModuleTensors, config_field
-from quill.quantization.formats.layer_rules import (Dense, LayerScheme, OverrideRules, apply_overrides,
-                                                    block_prefixes, check_int_data_type, check_weight_only,
-                                                    in_blocks, is_lm_head, parse_extra_config,
-                                                    plan_packed_modules, refuse_rotation)
+from quill.quantization.formats.layer_rules import (Dense, LayerScheme, OverrideRules, apply_overrides, block_prefixes,
+                                                    check_int_data_type, check_weight_only, in_blocks, is_lm_head,
+                                                    parse_extra_config, plan_packed_modules, refuse_rotation)
 from quill.quantization.weight import QuantizedWeight
 
 # packing_format -> (layout, GPTQ v1 zeros)

@@ -54,9 +54,9 @@ import torch
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 from quill.quantization.formats.base import (FormatReader, ModuleMap, ModuleTensors, check_bits, config_field,
                                              resolve_group_size)
-from quill.quantization.formats.layer_rules import (Dense, LayerScheme, parse_dynamic, plan_packed_modules,
-                                                    refuse_rotation, resolve_scheme, check_int_data_type,
-                                                    check_weight_only)
+from quill.quantization.formats.layer_rules import (Dense, LayerScheme, check_int_data_type, check_weight_only,
+                                                    parse_dynamic, plan_packed_modules, refuse_rotation,
+                                                    resolve_scheme)
 from quill.quantization.packing import pack_int32, unpack_int32
 from quill.quantization.weight import FLOAT_DTYPES, QuantizedWeight
 
@@ -129,8 +129,8 @@ def _in_features(layer: str, qweight: torch.Tensor, bits: int, g_idx: torch.Tens
 
 def _implied_bits(words: int, count: int) -> str:
     """A hint naming the bit width that would explain a packed length, when one does."""
-    fits = [b for b in GPTQ_BITS if -(-count * b // 32) == words]
-    return f" (the tensor is shaped for bits={fits[0]})" if fits else ""
+    fits = [str(b) for b in GPTQ_BITS if -(-count * b // 32) == words]
+    return f" (the tensor is shaped for bits={' or '.join(fits)})" if fits else ""
 
 
 def _check_packed_width(layer: str, name: str, t: torch.Tensor, shape: list, dim: int, count: int,
@@ -264,6 +264,8 @@ class GPTQReader(FormatReader):
 
     def read(self, tensors: ModuleTensors) -> QuantizedWeight:
         s = self.schemes.get(tensors.module) or self.scheme_for(tensors.module)
+        if isinstance(s, Dense):
+            raise ConfigError(f"layer {tensors.module}: {s.why}, so it is not a quantized layer")
         return gptq_to_canonical(tensors, s.bits, s.group_size, self.v1, s.sym, s.desc_act)
 
     def describe(self) -> str:

@@ -257,6 +257,11 @@ def plan_packed_modules(
     schemes: dict[str, LayerScheme] = {}
     marker = required[0]
     for module, suffixes in modules.items():
+        if marker not in suffixes and any(s in suffixes for s in required[1:]):
+            raise CheckpointError(
+                f"layer {module}: tensor '{module}.{marker}' is missing from the checkpoint, but "
+                f"{sorted(f'{module}.{s}' for s in set(required[1:]) & set(suffixes))} are there; {method} layers "
+                f"store {', '.join(required)}")
         if marker not in suffixes:
             why = lm_head_expected(module) if is_lm_head(module) and "weight" in suffixes else None
             if why:
@@ -272,12 +277,12 @@ def plan_packed_modules(
         if missing:
             raise CheckpointError(
                 f"layer {module}: tensor(s) {[f'{module}.{s}' for s in missing]} missing from the checkpoint; "
-                f"a {method} layer stores {', '.join(required)} (and optionally {', '.join(optional)})")
+                f"{method} layers store {', '.join(required)} (and optionally {', '.join(optional)})")
         extra = sorted(set(suffixes) - set(required) - set(optional))
         if extra:
             raise CheckpointError(
                 f"layer {module}: unexpected tensors {[f'{module}.{s}' for s in extra]} beside '{marker}'; "
-                f"a {method} layer stores {', '.join(required + optional)}")
+                f"{method} layers store {', '.join(required + optional)}")
         plan[module] = [s for s in required + optional if s in suffixes]
         schemes[module] = scheme
     return plan, schemes

