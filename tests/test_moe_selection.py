@@ -30,8 +30,8 @@ def test_default_priority_picks_grouped():
 
 
 def test_unknown_backend_names_are_errors():
-    with pytest.raises(KernelSelectionError,
-                       match="unknown MoE backend name.*nosuch.*QUILL_MOE_BACKEND.*known MoE backends: grouped, reference"):
+    with pytest.raises(KernelSelectionError, match="unknown MoE backend name.*nosuch.*QUILL_MOE_BACKEND.*"
+                                                   "known MoE backends: grouped, reference"):
         MoESelector(PLAT, KernelPolicy(force="nosuch"))
     with pytest.raises(KernelSelectionError, match="both forced \\(QUILL_MOE_BACKEND\\)"):
         MoESelector(PLAT, KernelPolicy(force="grouped", disabled=frozenset({"grouped"})))
@@ -70,4 +70,5 @@ def test_choice_logged_once(caplog):
         for layer in range(3):
             build_fused_moe(f"model.layers.{layer}.mlp", experts, 2, moe_sel, lin_sel)
     msgs = [r.getMessage() for r in caplog.records if r.name == "quill.moe"]
-    assert len(msgs) == 1 and msgs[0].startswith("MoE backend grouped for MoE 4x top2") and "model.layers.0.mlp" in msgs[0]
+    assert len(msgs) == 1 and msgs[0].startswith("MoE backend grouped for MoE 4x top2")
+    assert "model.layers.0.mlp" in msgs[0]

@@ -24,6 +24,7 @@ from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.text import SequenceText
 from quill.errors import GenerationError, ModelError
 from quill.kernels import KernelPolicy, KernelSelector
+from quill.moe import MOE_REGISTRY, MoESelector
 from quill.platform import Platform, detect
 from quill.quantization.checkpoint import open_checkpoint
 from quill.tokenizer import Tokenizer, eos_token_ids
@@ -94,6 +95,7 @@ class LLM:
             a checkpoint that prescribes its own activation quantization (W8A8) always gets it.
         threads: torch threads (default: the physical cores).
         kernel: force one linear kernel by name (default: the best that can run each layer).
+        moe_backend: force one MoE backend by name (default: the best that can run each MoE layer).
         skip_tokenizer_init: load no tokenizer; prompts must then be token ids and outputs have no text.
         max_model_len: cap the context window below the model's own.
         seed: seed of the sampler used by requests that give no seed of their own.
@@ -103,6 +105,7 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
                  activation_quant: str | None = None, threads: int | None = None, kernel: str | None = None,
+                 moe_backend: str | None = None,
                  skip_tokenizer_init: bool = False, max_model_len: int | None = None, seed: int = 0,
                  offline: bool = False, progress: bool | None = None, platform: Platform | None = None):
         if dtype not in DTYPES:
@@ -114,11 +117,16 @@ class LLM:
         if kernel is not None:
             policy = KernelPolicy(force=kernel, disabled=policy.disabled - {kernel})
         self.selector = KernelSelector(self.platform, policy)
+        moe_policy = MOE_REGISTRY.policy_from_env()
+        if moe_backend is not None:
+            moe_policy = KernelPolicy(force=moe_backend, disabled=moe_policy.disabled - {moe_backend})
+        self.moe_selector = MoESelector(self.platform, moe_policy)
         self.path = resolve_model(model, offline)
         checkpoint = open_checkpoint(self.path)
         if progress is None:
             progress = _stderr_is_tty()
-        self.loaded: LoadedModel = build_model(checkpoint, self.selector, DTYPES[dtype], activation_quant, progress)
+        self.loaded: LoadedModel = build_model(checkpoint, self.selector, DTYPES[dtype], activation_quant, progress,
+                                               self.moe_selector)
         self.model = self.loaded.model
         self.tokenizer = None if skip_tokenizer_init else Tokenizer(checkpoint.tokenizer_spec())
         directory = self.path if self.path.is_dir() else None

@@ -26,6 +26,8 @@ from quill.kernels import KernelSelector, build_dense_linear, build_quant_linear
 from quill.engine.memory import LoadMemory, MemoryMeter
 from quill.models import model_module
 from quill.models.layers import Embedding, Linear, PostLoad, RMSNorm
+from quill.models.moe_block import ExpertSlot, LoadContext
+from quill.moe import DenseWeight, MoESelector
 from quill.quantization.checkpoint import open_checkpoint
 from quill.quantization.weight import QuantizedWeight
 
@@ -38,7 +40,7 @@ class LayerInfo:
     """How one linear layer was loaded, for ``quill inspect``."""
 
     name: str
-    kind: str  # "quantized", "dense" or "tied" (lm_head sharing the embedding)
+    kind: str  # "quantized", "dense", "tied" (lm_head sharing the embedding) or "expert" (an MoE expert projection)
     summary: str  # e.g. "W4A16 g128 sym 256x128"
     bits: int | None
     group_size: int | None
@@ -73,20 +75,28 @@ class LoadedModel:
 class _SlotFiller:
     """Routes each checkpoint tensor or quantized layer to the model slot of the same name."""
 
-    def __init__(self, model: nn.Module, selector: KernelSelector, activation: str | None,
-                 dtype: torch.dtype, where: str, progress: tqdm):
-        self.model, self.selector, self.activation, self.dtype = model, selector, activation, dtype
+    def __init__(self, model: nn.Module, ctx: LoadContext, where: str, progress: tqdm):
+        self.model, self.ctx = model, ctx
+        self.selector, self.activation, self.dtype = ctx.selector, ctx.activation, ctx.dtype
         self.where, self.progress = where, progress
         self.modules = dict(model.named_modules())
+        # checkpoint spellings the architecture also accepts (e.g. Mixtral experts' gate_proj for w1)
+        self.aliases = [(re.compile(pattern), repl) for pattern, repl in model.checkpoint_aliases]
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # dense linear parts by module
         self.unexpected: list[str] = []
         self.infos: dict[str, LayerInfo] = {}
 
     # ---- dense tensors -----------------------------------------------------
+    def _canonical(self, name: str) -> str:
+        for pattern, repl in self.aliases:
+            name = pattern.sub(repl, name)
+        return name
+
     def dense(self, name: str, tensor: torch.Tensor) -> None:
+        name = self._canonical(name)
         module_name, _, attr = name.rpartition(".")
         m = self.modules.get(module_name)
-        if isinstance(m, Linear) and attr in ("weight", "bias"):
+        if isinstance(m, (Linear, ExpertSlot)) and attr in ("weight", "bias"):
             self.pending.setdefault(module_name, {})[attr] = tensor
         elif isinstance(m, RMSNorm) and attr == "weight":
             m.weight = self._checked(name, tensor, (m.dim,)).to(self.dtype)
@@ -105,10 +115,18 @@ class _SlotFiller:
 
     # ---- quantized layers --------------------------------------------------
     def quantized(self, name: str, qw: QuantizedWeight) -> None:
+        name = self._canonical(name)
         m = self.modules.get(name)
         if isinstance(m, Embedding):
             self._check_qshape(name, qw, m.num_embeddings, m.embedding_dim)
             m.quantized = qw
+            return
+        if isinstance(m, ExpertSlot):  # kept canonical: its MoE block prepares all experts at once
+            self._check_qshape(name, qw, m.out_features, m.in_features)
+            bias = self._bias(name, m, qw.bias)
+            self.pending.pop(name, None)
+            m.fill(name, qw.with_(bias=bias, name=name), self.ctx)
+            self.progress.update(1)
             return
         if not isinstance(m, Linear):
             self.unexpected.append(f"{name} (quantized layer)")
@@ -145,8 +163,12 @@ class _SlotFiller:
             if "weight" not in parts:
                 continue  # reported as missing below
             w = self._checked(f"{name}.weight", parts["weight"], (m.out_features, m.in_features))
-            m.impl = build_dense_linear(name, w, self._bias(name, m, parts.get("bias")), self.dtype)
-            self.infos[name] = _dense_info(name, m.impl)
+            bias = self._bias(name, m, parts.get("bias"))
+            if isinstance(m, ExpertSlot):
+                m.fill(name, DenseWeight(w, bias, name), self.ctx)
+            else:
+                m.impl = build_dense_linear(name, w, bias, self.dtype)
+                self.infos[name] = _dense_info(name, m.impl)
             self.progress.update(1)
         self._tie_lm_head()
         if self.unexpected:
@@ -157,7 +179,11 @@ class _SlotFiller:
         for m in self.model.modules():
             if isinstance(m, PostLoad):
                 m.post_load()
-        return [self.infos[n] for n, m in self.modules.items() if isinstance(m, Linear)]
+        for n, m in self.modules.items():
+            if isinstance(m, ExpertSlot):
+                self.infos[n] = LayerInfo(n, "expert", kernel=m.kernel_name, refusals=m.refusals,
+                                          num_weights=m.in_features * m.out_features, **m.facts)
+        return [self.infos[n] for n, m in self.modules.items() if isinstance(m, (Linear, ExpertSlot))]
 
     def _tie_lm_head(self) -> None:
         head = self.modules.get("lm_head")
@@ -175,7 +201,7 @@ class _SlotFiller:
 
     def _check_complete(self) -> None:
         for name, m in self.modules.items():
-            if isinstance(m, (Linear, Embedding, RMSNorm)) and not m.filled:
+            if isinstance(m, (Linear, Embedding, RMSNorm)) and not m.filled:  # experts: their block says
                 what = "quantized layer or tensor" if isinstance(m, Linear) else "tensor"
                 raise CheckpointError(f"{self.where}: the checkpoint has no {what} for '{name}' "
                                       f"(expected '{name}.weight')")
@@ -195,26 +221,30 @@ def _dense_info(name: str, dl, kind: str = "dense") -> LayerInfo:
 
 def _largest_layer_bytes(model: nn.Module) -> int:
     """float32 bytes of the biggest decoder layer's linears (one layer unpacked in flight)."""
-    sizes = [sum(m.in_features * m.out_features * 4 for m in layer.modules() if isinstance(m, Linear))
+    slots = (Linear, ExpertSlot)
+    sizes = [sum(m.in_features * m.out_features * 4 for m in layer.modules() if isinstance(m, slots))
              for layer in model.model.layers]
     return max(sizes, default=0)
 
 
 def build_model(checkpoint, selector: KernelSelector, dtype: torch.dtype = torch.float32,
-                activation: str | None = None, progress: bool = False) -> LoadedModel:
+                activation: str | None = None, progress: bool = False,
+                moe_selector: MoESelector | None = None) -> LoadedModel:
     """Build the architecture named by ``checkpoint.config`` and fill it from ``checkpoint``.
 
     ``checkpoint`` is anything with the Checkpoint interface: ``config``,
     ``dense_tensors()``, ``quantized_layers()`` (safetensors directories, GGUF files).
+    ``moe_selector`` chooses MoE backends (default: the default policy on ``selector``'s platform).
     """
     where = str(getattr(checkpoint, "path", "checkpoint"))
     module = model_module(checkpoint.config.get("model_type"))
     model = module.Model(module.ModelArgs.from_dict(checkpoint.config), dtype)
-    n_slots = sum(1 for m in model.modules() if isinstance(m, Linear))
+    n_slots = sum(1 for m in model.modules() if isinstance(m, (Linear, ExpertSlot)))
+    ctx = LoadContext(selector, moe_selector or MoESelector(selector.platform), activation, dtype)
     meter = MemoryMeter()
     with tqdm(total=n_slots, desc="loading", unit="layer", file=sys.stderr, disable=not progress,
               leave=False) as bar:
-        filler = _SlotFiller(model, selector, activation, dtype, where, bar)
+        filler = _SlotFiller(model, ctx, where, bar)
         for name, tensor in checkpoint.dense_tensors():
             filler.dense(name, tensor)
         for name, qw in checkpoint.quantized_layers():
@@ -226,6 +256,7 @@ def build_model(checkpoint, selector: KernelSelector, dtype: torch.dtype = torch
 
 
 def load_model(path: str | os.PathLike, selector: KernelSelector, dtype: torch.dtype = torch.float32,
-               activation: str | None = None, progress: bool = False) -> LoadedModel:
+               activation: str | None = None, progress: bool = False,
+               moe_selector: MoESelector | None = None) -> LoadedModel:
     """Open a checkpoint directory or ``.gguf`` file and build its model."""
-    return build_model(open_checkpoint(path), selector, dtype, activation, progress)
+    return build_model(open_checkpoint(path), selector, dtype, activation, progress, moe_selector)

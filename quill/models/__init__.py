@@ -16,6 +16,9 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "llama",  # dense Mistral is the Llama decoder (a sliding window caps the context)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
 }
 
 

@@ -134,18 +134,27 @@ class Model(nn.Module):
 
     qkv_bias = False  # subclasses (qwen2) switch these
     Attention = Attention
+    # (regex, replacement) applied to checkpoint names before they are matched to slots
+    checkpoint_aliases: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.args = args
         self.dtype = dtype
-        layers = [DecoderLayer(args, self.make_attention(args), MLP(args)) for _ in range(args.num_hidden_layers)]
+        layers = [self.make_layer(args, i) for i in range(args.num_hidden_layers)]
         self.model = DecoderModel(args, layers)
         self.lm_head = linear(args.hidden_size, args.vocab_size, False)
         self.rotary = RotaryEmbedding(args.rope, args.head_dim)
 
     def make_attention(self, args: ModelArgs) -> nn.Module:
         return self.Attention(args, self.qkv_bias or args.attention_bias, args.attention_bias)
+
+    def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
+        """The feed-forward block of decoder layer ``layer`` (MoE models choose dense or sparse per layer)."""
+        return MLP(args)
+
+    def make_layer(self, args: ModelArgs, layer: int) -> nn.Module:
+        return DecoderLayer(args, self.make_attention(args), self.make_mlp(args, layer))
 
     @property
     def tied_embeddings(self) -> bool:

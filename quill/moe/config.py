@@ -22,11 +22,12 @@ class MoELayerConfig:
     """Everything an MoE backend may need to decide whether it can run a layer.
 
     The weight fields describe every projection of every expert.  When they
-    differ within the layer (``uniform`` False, e.g. down_proj kept at 8 bits),
-    they hold the most demanding value: the widest ``bits``, the smallest
-    ``group_size`` (``per_channel`` only if every projection is), and ``True`` for asymmetric / offsets / act-order if any
-    projection has them, so a backend that refuses a feature refuses the layer.
-    Float experts have ``bits`` 16 or 32 and ``group_size`` 0.
+    differ within the layer (``uniform`` False, e.g. down_proj kept at 8
+    bits), they hold the most demanding value: the widest ``bits``, the
+    smallest ``group_size`` (``per_channel`` only if every projection is), and
+    ``True`` for asymmetric / offsets / act-order if any projection has them,
+    so a backend that refuses a feature refuses the layer.  Float experts
+    have ``bits`` 16 or 32 and ``group_size`` 0.
     """
 
     num_experts: int

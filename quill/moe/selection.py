@@ -45,5 +45,5 @@ class MoESelector(PrioritySelector):
     registry: ClassVar[Registry] = MOE_REGISTRY
 
     def log_key(self, cfg: MoELayerConfig) -> Hashable:
-        return (cfg.bits, cfg.group_size, cfg.per_channel, cfg.symmetric, cfg.has_offsets, cfg.act_order, cfg.act, cfg.uniform,
-                cfg.top_k, cfg.num_experts)
+        return (cfg.bits, cfg.group_size, cfg.per_channel, cfg.symmetric, cfg.has_offsets, cfg.act_order, cfg.act,
+                cfg.uniform, cfg.top_k, cfg.num_experts)
