@@ -21,8 +21,6 @@ def test_default_model_answers_paris(llm):
     out = llm.chat(QUESTION, quill.SamplingParams(temperature=0, max_tokens=24))[0]
     assert "Paris" in out.text, out.text
     assert out.finish_reason in ("stop", "length")
-    streamed = "".join(c.text for c in llm.stream_chat(QUESTION, quill.SamplingParams(temperature=0, max_tokens=24)))
-    assert streamed == out.text
 
 
 def test_default_model_loads_within_memory_bound(llm):

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from quill.errors import CheckpointError
 from quill.kernels import KernelSelector, build_dense_linear, build_quant_linear
-from quill.engine.memory import LoadMemory, MemoryMeter
+from quill.engine.memory import LoadMemory, MemoryMeter, release_freed_memory
 from quill.models import model_module
 from quill.models.layers import Embedding, Linear, PostLoad, RMSNorm
 from quill.quantization.checkpoint import open_checkpoint
@@ -120,6 +120,7 @@ class _SlotFiller:
         m.impl = build_quant_linear(qw, self.selector, self.activation, bias_dtype=self.dtype)
         self.infos[name] = _quant_info(name, m.impl, "quantized")
         self.progress.update(1)
+        release_freed_memory()
 
     def _check_qshape(self, name: str, qw: QuantizedWeight, out: int, inp: int) -> None:
         if (qw.out_features, qw.in_features) != (out, inp):
@@ -172,6 +173,7 @@ class _SlotFiller:
             head.impl = build_quant_linear(emb.quantized.with_(name="lm_head", bias=None), self.selector,
                                            self.activation, bias_dtype=self.dtype)
             self.infos["lm_head"] = _quant_info("lm_head", head.impl, "tied")
+        release_freed_memory()
 
     def _check_complete(self) -> None:
         for name, m in self.modules.items():
