@@ -35,10 +35,10 @@ IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """How one linear layer was loaded, for ``quill inspect``."""
+    """How one weight matrix (a linear layer or the embedding) was loaded, for ``quill inspect``."""
 
     name: str
-    kind: str  # "quantized", "dense" or "tied" (lm_head sharing the embedding)
+    kind: str  # "quantized", "dense", "tied" (lm_head sharing the embedding) or "embedding"
     summary: str  # e.g. "W4A16 g128 sym 256x128"
     bits: int | None
     group_size: int | None
@@ -92,6 +92,9 @@ class _SlotFiller:
             m.weight = self._checked(name, tensor, (m.dim,)).to(self.dtype)
         elif isinstance(m, Embedding) and attr == "weight":
             m.weight = self._checked(name, tensor, (m.num_embeddings, m.embedding_dim)).to(self.dtype)
+            self.infos[module_name] = LayerInfo(
+                module_name, "embedding", f"dense {_dtype_name(m.weight.dtype)} {m.num_embeddings}x{m.embedding_dim}",
+                None, None, None, "lookup", (), tensor.numel() * tensor.element_size(), tensor.numel())
         elif not IGNORED_TENSORS.search(name):
             self.unexpected.append(name)
 
@@ -109,6 +112,10 @@ class _SlotFiller:
         if isinstance(m, Embedding):
             self._check_qshape(name, qw, m.num_embeddings, m.embedding_dim)
             m.quantized = qw
+            g = "ch" if qw.per_channel else f"g{qw.group_size}"
+            self.infos[name] = LayerInfo(
+                name, "embedding", f"W{qw.bits} {g} {'sym' if qw.symmetric else 'asym'} rows dequantized on lookup",
+                qw.bits, qw.group_size, qw.symmetric, "lookup", (), qw.storage_bytes(), qw.codes.numel())
             return
         if not isinstance(m, Linear):
             self.unexpected.append(f"{name} (quantized layer)")
@@ -158,7 +165,7 @@ class _SlotFiller:
         for m in self.model.modules():
             if isinstance(m, PostLoad):
                 m.post_load()
-        return [self.infos[n] for n, m in self.modules.items() if isinstance(m, Linear)]
+        return [self.infos[n] for n, m in self.modules.items() if isinstance(m, (Linear, Embedding))]
 
     def _tie_lm_head(self) -> None:
         head = self.modules.get("lm_head")
@@ -190,9 +197,13 @@ def _quant_info(name: str, ql, kind: str) -> LayerInfo:
 
 
 def _dense_info(name: str, dl, kind: str = "dense") -> LayerInfo:
-    summary = f"dense {str(dl.weight.dtype).removeprefix('torch.')} {dl.out_features}x{dl.in_features}"
+    summary = f"dense {_dtype_name(dl.weight.dtype)} {dl.out_features}x{dl.in_features}"
     return LayerInfo(name, kind, summary, None, None, None, dl.kernel_name, (), dl.weight_bytes,
                      dl.in_features * dl.out_features)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _largest_layer_bytes(model: nn.Module) -> int:
