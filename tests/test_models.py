@@ -39,10 +39,11 @@ def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(4, 320, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["mistral"])
 def test_logits_without_cache(arch, tmp_path):
     hf = hf_model(arch)
     model = load_dir(hf, tmp_path)
+    assert model.args.context_length == (64 if arch == "mistral" else 128)
     ids = ids_of(12, batch=2)
     got = model(ids, ForwardContext.causal(2, 12))
     ref = hf_logits(hf, ids)
