@@ -24,6 +24,7 @@ ARCH_EXTRA = {
     "llama": dict(tie_word_embeddings=False),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(tie_word_embeddings=True, head_dim=32),  # head_dim != hidden / heads (16)
+    "mistral": dict(tie_word_embeddings=False, sliding_window=64),  # window < max positions: context capped
 }
 
 
@@ -31,9 +32,9 @@ def hf_model(model_type: str, seed: int = 0, **overrides):
     """A random float32 transformers model of ``model_type`` (eager attention: the reference)."""
     import transformers
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config}[model_type]
+               "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[model_type]
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM}[model_type]
+                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM}[model_type]
     cfg = cfg_cls(**{**BASE, **ARCH_EXTRA[model_type], **overrides})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

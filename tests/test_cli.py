@@ -59,12 +59,13 @@ def test_inspect_reports_layers_kernels_and_memory(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "auto-round" in out and "extra_config" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("model.", "lm_head"))}
-    assert len(rows) == 15
+    assert len(rows) == 16  # the embedding and 15 linear layers
+    assert rows["model.embed_tokens"][1:6] == ["embedding", "-", "-", "-", "lookup"]
     assert rows["model.layers.0.self_attn.q_proj"][1:6] == ["quantized", "8", "ch", "yes", "reference"]
     assert rows["model.layers.0.mlp.down_proj"][1:6] == ["quantized", "8", "32", "yes", "reference"]
     assert rows["model.layers.1.mlp.gate_proj"][1:6] == ["dense", "-", "-", "-", "dense"]
     assert out.count("skipped torch: disabled by QUILL_DISABLED_KERNELS") == 12
-    assert "bits per weight" in out and "load memory:" in out
+    assert "bits per weight" in out and "load memory:" in out and "within" in out
 
 
 def test_errors_are_reported_not_raised(capsys, tmp_path):

@@ -6,7 +6,7 @@ import torch
 import quill
 from tests.model_util import hf_model, save_hf_dir
 from quill.engine.sampling import apply_repetition_penalty, filter_logits
-from quill.errors import GenerationError
+from quill.errors import CheckpointError, GenerationError, ModelError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -212,7 +212,7 @@ def test_bad_prompts(tiny):
 def test_skip_tokenizer_init(tiny, tmp_path):
     hf, _ = tiny
     d = save_hf_dir(hf, tmp_path / "notok", tokenizer=False)
-    with pytest.raises(quill.errors.CheckpointError, match="no tokenizer.json.*skip_tokenizer_init=True"):
+    with pytest.raises(CheckpointError, match="no tokenizer.json.*skip_tokenizer_init=True"):
         quill.LLM(str(d))
     llm = quill.LLM(str(d), skip_tokenizer_init=True, kernel="reference")
     out = llm.generate({"prompt_token_ids": [5, 6]}, quill.SamplingParams(max_tokens=3, **GREEDY))[0]
@@ -221,3 +221,17 @@ def test_skip_tokenizer_init(tiny, tmp_path):
         llm.generate("hello")
     with pytest.raises(GenerationError, match="stop strings need a tokenizer"):
         llm.generate([5], quill.SamplingParams(stop=["x"]))
+
+
+def test_bad_options(tiny, tmp_path):
+    _, llm = tiny
+    with pytest.raises(GenerationError, match="prompt_token_ids should be a list of token ids"):
+        llm.generate({"prompt_token_ids": ["a", "b"]})
+    with pytest.raises(GenerationError, match="a prompt should be text, a list of token ids or a dict"):
+        llm.generate([3.5])
+    for kwargs, match in ((dict(dtype="float16"), "dtype 'float16' is not supported; supported: float32, bfloat16"),
+                          (dict(activation_quant="int4"), "activation_quant 'int4' is not supported"),
+                          (dict(threads=0), "threads: expected a positive integer"),
+                          (dict(max_model_len=-1), "max_model_len: expected a positive integer")):
+        with pytest.raises(ModelError, match=match):
+            quill.LLM(str(tmp_path), **kwargs)

@@ -8,7 +8,7 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from gguf_util import T, V, llama_permute, write_gguf
-from quill.errors import UnsupportedFormatError
+from quill.errors import ConfigError, UnsupportedFormatError
 from quill.quantization import open_checkpoint
 from quill.quantization.formats.gguf import GGUFCheckpoint
 from quill.quantization.formats.gguf_quants import block_weight
@@ -189,6 +189,44 @@ def test_stacked_experts_become_one_module_per_expert(tmp_path, arch, moe_prefix
     if arch == "qwen3moe":
         assert "model.layers.0.self_attn.q_norm.weight" in dense
         assert cfg["moe_intermediate_size"] == FFN and cfg["norm_topk_prob"] is True
+
+
+def test_qwen2moe_shared_expert_and_legacy_mixtral_experts(tmp_path):
+    rng = np.random.default_rng(8)
+    shexp = {p: rng.standard_normal((FFN, HIDDEN) if p != "down" else (HIDDEN, FFN)).astype(np.float32)
+             for p in ("gate", "up", "down")}
+    gate_vec = rng.standard_normal(HIDDEN).astype(np.float32)
+    tensors = [(f"blk.0.ffn_{p}_shexp.weight", m, T.Q4_1) for p, m in shexp.items()]
+    tensors.append(("blk.0.ffn_gate_inp_shexp.weight", gate_vec, T.F32))
+    kv = _arch_kv("qwen2moe", 4) + [("qwen2moe.expert_shared_feed_forward_length", FFN, V.UINT32)]
+    ckpt, quant, dense = _read_all(write_gguf(tmp_path / "q2.gguf", "qwen2moe", kv, tensors))
+    for p, m in shexp.items():
+        assert torch.equal(quant[f"model.layers.0.mlp.shared_expert.{p}_proj"].dequantize(), _roundtrip(m, T.Q4_1))
+    gate = dense["model.layers.0.mlp.shared_expert_gate.weight"]  # HF Linear(hidden, 1): [1, hidden]
+    assert gate.shape == (1, HIDDEN) and torch.equal(gate[0], torch.from_numpy(gate_vec))
+    assert ckpt.config["model_type"] == "qwen2_moe" and ckpt.config["shared_expert_intermediate_size"] == FFN
+    assert ckpt.config["norm_topk_prob"] is False
+
+    w1 = rng.standard_normal((FFN, HIDDEN)).astype(np.float32)  # pre-2024 Mixtral files: one tensor per expert
+    path = write_gguf(tmp_path / "mx.gguf", "llama", _arch_kv("llama", 2), [("blk.0.ffn_gate.1.weight", w1, T.Q8_0)])
+    _, quant, _ = _read_all(path)
+    assert list(quant) == ["model.layers.0.block_sparse_moe.experts.1.gate_proj"]
+    assert torch.equal(quant["model.layers.0.block_sparse_moe.experts.1.gate_proj"].dequantize(),
+                       _roundtrip(w1, T.Q8_0))
+
+
+def test_rope_scaling_rope_freqs_and_missing_config(tmp_path):
+    kv = _arch_kv("llama") + [("llama.rope.scaling.type", "linear", V.STRING),
+                              ("llama.rope.scaling.factor", 4.0, V.FLOAT32),
+                              ("llama.rope.scaling.original_context_length", 2048, V.UINT32)]
+    freqs = np.linspace(1, 8, HEAD_DIM // 2, dtype=np.float32)
+    ckpt, _, dense = _read_all(write_gguf(tmp_path / "r.gguf", "llama", kv, [("rope_freqs.weight", freqs, T.F32)]))
+    assert ckpt.config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0,
+                                           "original_max_position_embeddings": 2048}
+    assert torch.equal(dense["model.rotary_emb.freq_factors"], torch.from_numpy(freqs))
+    kv = [k for k in _arch_kv("llama") if k[0] != "llama.embedding_length"]
+    with pytest.raises(ConfigError, match="'llama.embedding_length' is missing"):
+        GGUFCheckpoint(write_gguf(tmp_path / "m.gguf", "llama", kv))
 
 
 def test_unsupported_tensor_type_names_tensor_and_supported_types(tmp_path):

@@ -39,10 +39,11 @@ def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(4, 320, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["mistral"])
 def test_logits_without_cache(arch, tmp_path):
     hf = hf_model(arch)
     model = load_dir(hf, tmp_path)
+    assert model.args.context_length == (64 if arch == "mistral" else 128)
     ids = ids_of(12, batch=2)
     got = model(ids, ForwardContext.causal(2, 12))
     ref = hf_logits(hf, ids)
@@ -200,3 +201,25 @@ def test_unsupported_model_type_lists_supported():
     with pytest.raises(ModelError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"):
         model_module("gpt2")
     assert supported_model_types() == ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def test_int8_activations_on_request():
+    """activation="int8" (W4A8): every quantized layer's input is quantized per token, as compressed-tensors does."""
+    hf = hf_model("llama", seed=18)
+    ckpt = quantized_checkpoint(hf, skip=("model.layers.1.mlp.gate_proj",))
+    hf = load_reference(hf, ckpt)
+
+    def qdq(module, args):  # int8 symmetric per token, written out from compressed-tensors' formula
+        x = args[0]
+        s = x.abs().amax(-1, keepdim=True) / 127.5
+        return (torch.round(torch.clamp(x / s, -128, 127)) * s,)
+    for name in ckpt.layers:
+        hf.get_submodule(name).register_forward_pre_hook(qdq)
+    loaded = build_model(ckpt, selector(), activation="int8")
+    assert all(i.summary.startswith(("W4A8 dyn", "W3A8 dyn", "W8A8 dyn")) for i in loaded.layers if i.kind == "quantized")
+    ids = ids_of(10, batch=2, seed=19)
+    err = (loaded.model(ids, ForwardContext.causal(2, 10)) - hf_logits(hf, ids)).abs().amax(-1)  # [2, 10]
+    # SDPA vs eager attention can tip an activation sitting on a rounding boundary by one int8 step
+    assert int((err > 1e-4).sum()) <= 2 and float(err.max()) < 2e-2, err
+    plain = build_model(ckpt, selector()).model(ids, ForwardContext.causal(2, 10))
+    assert float((plain - hf_logits(hf, ids)).abs().max()) > 1e-3  # the hooks (and int8) really change the result

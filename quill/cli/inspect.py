@@ -37,7 +37,7 @@ def report(llm) -> str:
     m = loaded.memory
     lines += [
         "",
-        f"linear weights: {n:,} ({nbytes / MB:.1f} MiB as stored, {nbytes / max(n, 1):.3f} bytes = "
+        f"weights:        {n:,} ({nbytes / MB:.1f} MiB as stored, {nbytes / max(n, 1):.3f} bytes = "
         f"{8 * nbytes / max(n, 1):.2f} bits per weight)",
         f"load memory:    peak +{m.peak / MB:.1f} MiB, resident +{m.resident / MB:.1f} MiB; bound 1.3 x resident "
         f"+ one layer ({m.largest_layer / MB:.1f} MiB) = {m.bound / MB:.1f} MiB: "

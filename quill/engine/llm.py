@@ -30,6 +30,7 @@ from quill.quantization.checkpoint import open_checkpoint
 from quill.tokenizer import Tokenizer, eos_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ACTIVATION_QUANT = (None, "none", "int8")
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Messages = Sequence[Mapping[str, Any]]
@@ -110,6 +111,12 @@ class LLM:
                  offline: bool = False, progress: bool | None = None, platform: Platform | None = None):
         if dtype not in DTYPES:
             raise ModelError(f"dtype '{dtype}' is not supported; supported: {', '.join(DTYPES)}")
+        if activation_quant not in ACTIVATION_QUANT:
+            raise ModelError(f"activation_quant '{activation_quant}' is not supported; supported: none, int8")
+        activation_quant = None if activation_quant == "none" else activation_quant
+        for name, value in (("threads", threads), ("max_model_len", max_model_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ModelError(f"{name}: expected a positive integer, found {value!r}")
         self.platform = platform or detect()
         self.threads = threads or self.platform.physical_cores
         torch.set_num_threads(self.threads)
@@ -134,8 +141,6 @@ class LLM:
                               else eos_token_ids(directory, checkpoint.config))
         self.context_length = self.model.args.context_length
         if max_model_len is not None:
-            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
-                raise ModelError(f"max_model_len: expected a positive integer, found {max_model_len!r}")
             self.context_length = min(self.context_length, max_model_len)
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -143,7 +148,11 @@ class LLM:
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or \
+                        not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise GenerationError(f"prompt_token_ids should be a list of token ids, found {ids!r:.80}")
+                return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
                 return self._encode(prompt["prompt"])
             raise GenerationError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', found keys {list(prompt)}")

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from quill.errors import CheckpointError
 from quill.kernels import KernelSelector, build_dense_linear, build_quant_linear
-from quill.engine.memory import LoadMemory, MemoryMeter
+from quill.engine.memory import LoadMemory, MemoryMeter, release_freed_memory
 from quill.models import model_module
 from quill.models.layers import Embedding, Linear, PostLoad, RMSNorm
 from quill.models.moe_block import ExpertSlot, LoadContext
@@ -37,10 +37,11 @@ IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """How one linear layer was loaded, for ``quill inspect``."""
+    """How one weight matrix (a linear layer or the embedding) was loaded, for ``quill inspect``."""
 
     name: str
-    kind: str  # "quantized", "dense", "tied" (lm_head sharing the embedding) or "expert" (an MoE expert projection)
+    # "quantized", "dense", "tied" (lm_head sharing the embedding), "embedding" or "expert" (an MoE expert projection)
+    kind: str
     summary: str  # e.g. "W4A16 g128 sym 256x128"
     bits: int | None
     group_size: int | None
@@ -102,6 +103,9 @@ class _SlotFiller:
             m.weight = self._checked(name, tensor, (m.dim,)).to(self.dtype)
         elif isinstance(m, Embedding) and attr == "weight":
             m.weight = self._checked(name, tensor, (m.num_embeddings, m.embedding_dim)).to(self.dtype)
+            self.infos[module_name] = LayerInfo(
+                module_name, "embedding", f"dense {_dtype_name(m.weight.dtype)} {m.num_embeddings}x{m.embedding_dim}",
+                None, None, None, "lookup", (), tensor.numel() * tensor.element_size(), tensor.numel())
         elif not IGNORED_TENSORS.search(name):
             self.unexpected.append(name)
 
@@ -120,6 +124,10 @@ class _SlotFiller:
         if isinstance(m, Embedding):
             self._check_qshape(name, qw, m.num_embeddings, m.embedding_dim)
             m.quantized = qw
+            g = "ch" if qw.per_channel else f"g{qw.group_size}"
+            self.infos[name] = LayerInfo(
+                name, "embedding", f"W{qw.bits} {g} {'sym' if qw.symmetric else 'asym'} rows dequantized on lookup",
+                qw.bits, qw.group_size, qw.symmetric, "lookup", (), qw.storage_bytes(), qw.codes.numel())
             return
         if isinstance(m, ExpertSlot):  # kept canonical: its MoE block prepares all experts at once
             self._check_qshape(name, qw, m.out_features, m.in_features)
@@ -138,6 +146,7 @@ class _SlotFiller:
         m.impl = build_quant_linear(qw, self.selector, self.activation, bias_dtype=self.dtype)
         self.infos[name] = _quant_info(name, m.impl, "quantized")
         self.progress.update(1)
+        release_freed_memory()
 
     def _check_qshape(self, name: str, qw: QuantizedWeight, out: int, inp: int) -> None:
         if (qw.out_features, qw.in_features) != (out, inp):
@@ -183,7 +192,7 @@ class _SlotFiller:
             if isinstance(m, ExpertSlot):
                 self.infos[n] = LayerInfo(n, "expert", kernel=m.kernel_name, refusals=m.refusals,
                                           num_weights=m.in_features * m.out_features, **m.facts)
-        return [self.infos[n] for n, m in self.modules.items() if isinstance(m, (Linear, ExpertSlot))]
+        return [self.infos[n] for n, m in self.modules.items() if isinstance(m, (Linear, Embedding, ExpertSlot))]
 
     def _tie_lm_head(self) -> None:
         head = self.modules.get("lm_head")
@@ -198,6 +207,7 @@ class _SlotFiller:
             head.impl = build_quant_linear(emb.quantized.with_(name="lm_head", bias=None), self.selector,
                                            self.activation, bias_dtype=self.dtype)
             self.infos["lm_head"] = _quant_info("lm_head", head.impl, "tied")
+        release_freed_memory()
 
     def _check_complete(self) -> None:
         for name, m in self.modules.items():
@@ -214,9 +224,13 @@ def _quant_info(name: str, ql, kind: str) -> LayerInfo:
 
 
 def _dense_info(name: str, dl, kind: str = "dense") -> LayerInfo:
-    summary = f"dense {str(dl.weight.dtype).removeprefix('torch.')} {dl.out_features}x{dl.in_features}"
+    summary = f"dense {_dtype_name(dl.weight.dtype)} {dl.out_features}x{dl.in_features}"
     return LayerInfo(name, kind, summary, None, None, None, dl.kernel_name, (), dl.weight_bytes,
                      dl.in_features * dl.out_features)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _largest_layer_bytes(model: nn.Module) -> int:

@@ -111,18 +111,16 @@ class GGUFCheckpoint:
                 self._dense[_EXTRA_NAMES[info.name]] = _Source(info.name)
                 continue
             named.append((map_name(info.name, self.spec, is_moe, self.path), info.ggml_type, info.shape))
-        quantized_modules = set()
         for tn, ggml_type, shape in named:
             if tn.suffix == "weight" and ggml_type in QUANTIZED_TYPES:
                 self._expect_matrix(tn.gguf, ggml_type, shape)
                 for module, src in self._sources(tn, shape):
-                    quantized_modules.add(module)
                     self._quantized[module] = (src, None)
         for tn, ggml_type, shape in named:
             if tn.suffix == "weight" and ggml_type in QUANTIZED_TYPES:
                 continue
             for module, src in self._sources(tn, shape):
-                if tn.suffix == "bias" and module in quantized_modules:
+                if tn.suffix == "bias" and module in self._quantized:  # a quantized layer's own bias
                     self._quantized[module] = (self._quantized[module][0], src)
                 else:
                     self._dense[f"{module}.{tn.suffix}"] = src

@@ -173,8 +173,9 @@ def build_config(meta: dict, arch: str, tensors: dict, n_tokens: int | None, pat
     n_experts = _int(meta, f"{a}.expert_count", path, 0)
     is_moe = n_experts > 0
     if is_moe and spec.moe_model_type is None:
+        moe_archs = format_choices(name for name, s in ARCHS.items() if s.moe_model_type)
         raise UnsupportedFormatError(f"{path}: '{arch}' with {n_experts} experts is not supported; "
-                                     f"MoE architectures: {format_choices(s for s in ARCHS if ARCHS[s].moe_model_type)}")
+                                     f"MoE architectures: {moe_archs}")
     hidden = _int(meta, f"{a}.embedding_length", path)
     heads = _int(meta, f"{a}.attention.head_count", path)
     head_dim = _int(meta, f"{a}.attention.key_length", path, hidden // heads)

@@ -164,6 +164,10 @@ class _Cursor:
         raise self.fail(f"{what} has value type {vtype}; known types are 0..12")
 
     def array(self, what: str, depth: int) -> list:
+        return self.typed_array(what, depth)[1]
+
+    def typed_array(self, what: str, depth: int) -> tuple[int, list]:
+        """(element type, values) of an array value."""
         if depth >= _MAX_ARRAY_DEPTH:
             raise self.fail(f"{what} nests arrays deeper than {_MAX_ARRAY_DEPTH}")
         etype = self.u32(f"element type of {what}")
@@ -172,13 +176,13 @@ class _Cursor:
             fmt, dtype, _ = _SCALARS[etype]
             start = self.take(count * struct.calcsize(fmt), f"{count} elements of {what}")
             values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=start).tolist()
-            return [bool(v) for v in values] if etype == ValueType.BOOL else values
+            return etype, [bool(v) for v in values] if etype == ValueType.BOOL else values
         if etype not in (ValueType.STRING, ValueType.ARRAY):
             raise self.fail(f"{what} has element type {etype}; known types are 0..12")
         # Every element takes at least 8 bytes (a length or a count): reject absurd counts before looping.
         if count * 8 > self.size - self.pos:
             raise self.fail(f"{what} claims {count} elements, more than the {self.size - self.pos} bytes left")
-        return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
+        return etype, [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
 
 
 def _align(n: int, alignment: int) -> int:
@@ -246,13 +250,12 @@ class GGUFFile:
             if key in self.metadata:
                 raise cur.fail(f"metadata key '{key}' appears twice")
             if vtype == ValueType.ARRAY:
-                # Peek at the element type for value_types, then parse the array itself.
-                etype = cur.scalar("<I", f"element type of '{key}'")
-                cur.pos -= 4
-                self.value_types[key] = ("array", VALUE_TYPE_NAMES.get(etype, str(etype)))
+                etype, value = cur.typed_array(f"metadata '{key}'", 0)
+                self.value_types[key] = ("array", VALUE_TYPE_NAMES[etype])
             else:
-                self.value_types[key] = VALUE_TYPE_NAMES.get(vtype, str(vtype))
-            self.metadata[key] = cur.value(vtype, f"metadata '{key}'")
+                value = cur.value(vtype, f"metadata '{key}'")
+                self.value_types[key] = VALUE_TYPE_NAMES[vtype]
+            self.metadata[key] = value
 
     def _alignment(self) -> int:
         if "general.alignment" not in self.metadata:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
 from quill.errors import CheckpointError, UnsupportedFormatError, format_choices
 from quill.tokenizer_spec import TokenizerSpec
 
@@ -123,8 +125,6 @@ def _token_id(meta: dict, name: str, n_tokens: int, path) -> int | None:
 # ---- builders ------------------------------------------------------------------
 
 def _byte_level(meta: dict, tokens: list[str], path):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
     pre = meta.get("tokenizer.ggml.pre") or "default"
     if pre not in PRE_TOKENIZERS:
         raise UnsupportedFormatError(
@@ -141,8 +141,6 @@ def _byte_level(meta: dict, tokens: list[str], path):
 
 
 def _sentencepiece(meta: dict, tokens: list[str], types: list[int], path):
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
     scores = meta.get("tokenizer.ggml.scores")
     if not isinstance(scores, list) or len(scores) < len(tokens):
         raise CheckpointError(f"{path}: tokenizer.ggml.scores should hold one score per token ({len(tokens)})")
@@ -201,8 +199,6 @@ def _merges_from_scores(tokens: list[str], types: list[int], scores: list[float]
 
 def _add_special_tokens(tokenizer, tokens: list[str], types: list[int]) -> None:
     """CONTROL tokens as special, USER_DEFINED as plain added tokens: both matched whole, never split."""
-    from tokenizers import AddedToken
-
     control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
     user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
     if control:
