@@ -89,10 +89,14 @@ class GroupedBackend(MoEBackend):
     @staticmethod
     def _one_token(state: GroupedState, x: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:
+        experts, act = state.experts, state.act
         y = None
         for e, w in zip(topk_ids[0].tolist(), topk_weights[0].tolist()):
-            out = state.experts[e](x, state.act).float() * w  # [1, H]
-            y = out if y is None else y + out
+            out = experts[e](x, act)  # [1, H]
+            if y is None:
+                y = out.float() * w
+            else:
+                y.add_(out, alpha=w)  # float32 accumulation, one op
         return y.to(x.dtype)
 
     @staticmethod

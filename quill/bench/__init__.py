@@ -1,0 +1,1 @@
+"""Benchmarks: kernels (quill bench kernels) and the model-level checkpoint."""
