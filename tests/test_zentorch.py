@@ -1,0 +1,171 @@
+"""The zentorch kernel: when it refuses and why, that it stays quiet, and the hazards it guards against.
+
+Its arithmetic is covered by the generic matrix in test_kernels.py; these tests
+cover what is specific to wrapping AMD's library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quill.kernels import KernelPolicy, KernelSelector, LinearLayerConfig, build_quant_linear
+from quill.kernels import zentorch_ops
+from quill.kernels.reference import ReferenceKernel
+from quill.kernels.zentorch_ops import REQUIRED_FLAGS, ZentorchKernel, load_zentorch
+from quill.platform import Platform, detect, parse_cpuinfo
+from quill.quantization.quantize import quantize_rtn
+from quill.quantization.weight import ActivationQuant
+
+DATA = Path(__file__).parent / "data" / "cpuinfo"
+ZEN3 = parse_cpuinfo((DATA / "zen3_epyc7763_1s8c16t.txt").read_text())
+ZEN4 = parse_cpuinfo((DATA / "zen4_epyc9654_2s4c16t.txt").read_text())
+SPR = parse_cpuinfo((DATA / "spr_xeon8480_2s4c16t.txt").read_text())
+HOST = detect()
+INSTALLED = importlib.util.find_spec("zentorch") is not None
+HOST_QUALIFIES = HOST.is_zen and HOST.has(*REQUIRED_FLAGS)
+needs_zentorch = pytest.mark.skipif(not (INSTALLED and HOST_QUALIFIES),
+                                    reason="zentorch not installed or this CPU is not an AMD Zen with AVX-512")
+
+
+def sqnr_db(ref, y):
+    ref, y = ref.double(), y.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - y).pow(2).sum()))
+
+
+def test_refuses_zen3_without_avx512():
+    reason = ZentorchKernel.supported(ZEN3)
+    assert reason.startswith("zentorch needs AVX-512")
+    assert "this zen3 CPU lacks avx512f, avx512bw, avx512vl, avx512dq, avx512_vnni, avx512_bf16" in reason
+
+
+def test_refuses_zen4_vm_with_avx512_vnni_masked():
+    masked = Platform(vendor="AMD", microarch="zen4", flags=ZEN4.flags - {"avx512_vnni"})
+    assert ZentorchKernel.supported(masked).endswith("this zen4 CPU lacks avx512_vnni")
+
+
+def test_refuses_intel():
+    assert ZentorchKernel.supported(SPR) == "zentorch runs on AMD Zen CPUs only; this is Intel sapphire_rapids"
+
+
+def test_zen3_selection_falls_through_with_reason():
+    w = quantize_rtn(torch.randn(32, 64), 4, 32)
+    w.name = "model.layers.0.mlp.down_proj"
+    layer = build_quant_linear(w, KernelSelector(ZEN3))
+    assert layer.kernel_name == "torch"
+    assert dict(layer.selection.refusals)["zentorch"].startswith("zentorch needs AVX-512")
+
+
+def test_not_installed_reason(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    module, reason = load_zentorch.__wrapped__()
+    assert module is None and reason == "zentorch is not installed (pip install 'quill[zen]')"
+
+
+@needs_zentorch
+def test_missing_op_reason(monkeypatch):
+    monkeypatch.setattr(zentorch_ops, "REQUIRED_OPS", zentorch_ops.REQUIRED_OPS + ("zentorch_no_such_op",))
+    module, reason = load_zentorch.__wrapped__()
+    assert module is None
+    assert reason.startswith("zentorch 2.") and reason.endswith("does not register torch.ops.zentorch.zentorch_no_such_op")
+
+
+@needs_zentorch
+def test_available_on_this_zen_host():
+    assert ZentorchKernel.supported(HOST) is None
+    assert ZentorchKernel.supported(ZEN4) is None  # a recorded Zen 4 on a Zen 4 host
+
+
+@pytest.mark.parametrize("bits,group,act,reason", [
+    (2, 32, None, "zentorch runs 4-bit weight-only and 8-bit W8A8 layers; this layer has 2-bit weights"),
+    (4, 32, "int8", "zentorch has no W4A8 op (4-bit weights with int8 activations)"),
+    (8, -1, None, "zentorch has no weight-only int8 op (W8A16); its int8 GEMM needs int8 activations"),
+    (8, 32, "int8", "zentorch_qlinear takes one weight scale per output channel; this layer has groups of 32"),
+])
+def test_layer_refusals(bits, group, act, reason):
+    w = quantize_rtn(torch.randn(16, 64), bits, group)
+    if act:
+        w = w.with_(activation=ActivationQuant())
+    assert ZentorchKernel.can_implement(LinearLayerConfig.from_weight(w, ZEN4)) == reason
+
+
+def test_k_not_multiple_of_8_refused():
+    w = quantize_rtn(torch.randn(16, 36), 4, -1)
+    assert ZentorchKernel.can_implement(LinearLayerConfig.from_weight(w, ZEN4)) == (
+        "zentorch_woq_repack_weight needs in_features divisible by 8, found 36")
+
+
+_QUIET_SCRIPT = """
+import torch
+from quill.kernels.zentorch_ops import ZentorchKernel
+from quill.kernels import LinearLayerConfig
+from quill.platform import detect
+from quill.quantization.quantize import quantize_rtn
+from quill.quantization.weight import ActivationQuant
+plat = detect()
+assert ZentorchKernel.supported(plat) is None
+for bits, act in ((4, None), (8, ActivationQuant(dynamic=True, symmetric=False))):
+    w = quantize_rtn(torch.randn(64, 256), bits, -1 if bits == 8 else 32).with_(activation=act)
+    cfg = LinearLayerConfig.from_weight(w, plat)
+    ZentorchKernel.apply(ZentorchKernel.prepare(w, cfg), torch.randn(5, 256))
+# an op called outside its limits raises, and zendnnl's logger stays silent
+try:
+    torch.ops.zentorch.zentorch_woq_linear(torch.randn(3, 256), torch.zeros(32, 64, dtype=torch.int32),
+                                           torch.ones(8, 64), None, None)
+except RuntimeError:
+    pass
+else:
+    raise SystemExit("expected a RuntimeError")
+"""
+
+
+@needs_zentorch
+def test_zentorch_prints_nothing():
+    """Importing zentorch and running both paths (first calls included) writes nothing to stdout or stderr."""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("ZENDNNL_")}
+    res = subprocess.run([sys.executable, "-c", _QUIET_SCRIPT], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parent.parent, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "" and res.stderr == ""
+
+
+@needs_zentorch
+def test_freed_weights_do_not_poison_new_layers():
+    """zendnnl caches reordered weights by address: layers created where freed ones lived must stay correct."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 384, generator=gen)
+    for i in range(10):  # same shape every time, so a freed buffer's address is likely reused
+        w = quantize_rtn(torch.randn(64, 384, generator=gen), 4, 96, generator=gen)
+        cfg = LinearLayerConfig.from_weight(w, HOST)
+        ref = ReferenceKernel.apply(ReferenceKernel.prepare(w, cfg), x)
+        y = ZentorchKernel.apply(ZentorchKernel.prepare(w, cfg), x)
+        assert sqnr_db(ref, y) >= 40, f"layer {i}: stale zendnnl cache entry"
+        del w, cfg, y
+
+
+@needs_zentorch
+def test_int8_weight_buffer_is_not_reordered_in_place():
+    """zendnnl may reorder int8 weights in the caller's buffer (weight cache mode 2); quill's must stay intact."""
+    w = quantize_rtn(torch.randn(48, 256), 8, -1).with_(activation=ActivationQuant())
+    cfg = LinearLayerConfig.from_weight(w, HOST)
+    state = ZentorchKernel.prepare(w, cfg)
+    for m in (1, 16):
+        ZentorchKernel.apply(state, torch.randn(m, 256))
+    assert torch.equal(state.weight, (w.codes.to(torch.int16) - 128).to(torch.int8))
+
+
+@needs_zentorch
+def test_default_choice_on_this_host():
+    w4 = quantize_rtn(torch.randn(32, 64), 4, 32)
+    w8 = quantize_rtn(torch.randn(32, 64), 8, -1)
+    sel = KernelSelector(HOST, KernelPolicy())
+    assert build_quant_linear(w4, sel).kernel_name == "zentorch"
+    assert build_quant_linear(w8, sel, activation="int8").kernel_name == "zentorch"
+    w8_float = build_quant_linear(w8, sel)  # W8A16: zentorch refuses, torch runs it
+    assert w8_float.kernel_name == "torch"
+    assert "no weight-only int8 op" in dict(w8_float.selection.refusals)["zentorch"]
