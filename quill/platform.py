@@ -234,8 +234,11 @@ def _cpu_list_len(text: str) -> int:
     return n
 
 
-def read_sysfs_caches(cpu_root: Path = SYSFS_CPU_ROOT) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]]:
-    """(sizes, sharing) of cpu0's data/unified caches under ``cpu_root``; empty where unreadable."""
+CacheInfo = tuple[tuple[str, int], ...]  # (("L1d", n), ("L2", n), ...)
+
+
+def read_sysfs_caches(cpu_root: Path = SYSFS_CPU_ROOT) -> tuple[CacheInfo, CacheInfo]:
+    """(sizes in bytes, CPUs sharing each) of cpu0's data/unified caches under ``cpu_root``; empty where unreadable."""
     sizes: list[tuple[str, int]] = []
     shared: list[tuple[str, int]] = []
     for idx in sorted((cpu_root / "cpu0" / "cache").glob("index*")):

@@ -19,7 +19,7 @@ RECORDED = {
     "zen3_epyc7763_1s8c16t.txt": ("AMD", "zen3", 25, 1, "avx2", 8, 16, 1, "AMD EPYC 7763"),
     "zen4_epyc9654_2s4c16t.txt": ("AMD", "zen4", 25, 17, "avx512_vnni", 8, 16, 2, "AMD EPYC 9654"),
     "zen4_epyc_genoa_vm2.txt": ("AMD", "zen4", 25, 17, "avx512_vnni", 2, 2, 1, "AMD EPYC"),
-    "spr_xeon8480_2s4c16t.txt": ("Intel", "sapphire_rapids", 6, 143, "amx", 8, 16, 2, "Intel(R) Xeon(R) Platinum 8480+"),
+    "spr_xeon8480_2s4c16t.txt": ("Intel", "sapphire_rapids", 6, 143, "amx", 8, 16, 2, "Intel(R) Xeon(R) Platinum"),
     "zen3_epyc7763_notopology4.txt": ("AMD", "zen3", 25, 1, "avx2", 4, 4, 1, "AMD EPYC 7763"),
 }
 
@@ -85,7 +85,8 @@ def test_no_topology_uses_sysfs_count_or_logical():
 
 def test_empty_and_foreign_text():
     p = parse_cpuinfo("")
-    assert (p.vendor, p.microarch, p.isa_level, p.physical_cores, p.logical_cpus) == ("unknown", "unknown", "scalar", 1, 1)
+    assert (p.vendor, p.microarch, p.isa_level) == ("unknown", "unknown", "scalar")
+    assert (p.physical_cores, p.logical_cpus) == (1, 1)
     arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n\n"
     p = parse_cpuinfo(arm)
     assert (p.vendor, p.isa_level, p.logical_cpus) == ("unknown", "scalar", 1)

@@ -32,7 +32,8 @@ def test_policy_from_env():
 
 
 def test_unknown_kernel_names_are_errors():
-    with pytest.raises(KernelSelectionError, match=f"unknown kernel name.*nosuch.*known kernels: {format_choices(KERNELS)}"):
+    known = format_choices(KERNELS)
+    with pytest.raises(KernelSelectionError, match=f"unknown kernel name.*nosuch.*known kernels: {known}"):
         KernelSelector(PLAT, KernelPolicy(force="nosuch"))
     with pytest.raises(KernelSelectionError, match="nosuch"):
         KernelSelector(PLAT, KernelPolicy(disabled=frozenset({"nosuch"})))
@@ -96,7 +97,7 @@ def eightbit(tmp_path, monkeypatch):
 
 
 def test_refusals_are_recorded_in_priority_order(eightbit):
-    qw = _weight(bits=4)
+    qw = _weight(bits=4)  # zentorch refuses the platform, eightbit the layer
     sel = KernelSelector(ZEN3, priorities=("zentorch", eightbit, "torch", "reference")).select(
         LinearLayerConfig.from_weight(qw, ZEN3), qw.name)
     assert sel.name == "torch" and not sel.forced

@@ -17,7 +17,7 @@ import torch
 from quill.kernels import KernelPolicy, KernelSelector, LinearLayerConfig, build_quant_linear
 from quill.kernels import zentorch_ops
 from quill.kernels.reference import ReferenceKernel
-from quill.kernels.zentorch_ops import REQUIRED_FLAGS, ZentorchKernel, load_zentorch
+from quill.kernels.zentorch_ops import REQUIRED_FLAGS, ZentorchKernel, ZentorchWoqKernel, load_zentorch
 from quill.platform import Platform, detect, parse_cpuinfo
 from quill.quantization.quantize import quantize_rtn
 from quill.quantization.weight import ActivationQuant
@@ -38,25 +38,31 @@ def sqnr_db(ref, y):
     return float(10 * torch.log10(ref.pow(2).sum() / (ref - y).pow(2).sum()))
 
 
-def test_refuses_zen3_without_avx512():
-    reason = ZentorchKernel.supported(ZEN3)
+KERNELS = (ZentorchKernel, ZentorchWoqKernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_refuses_zen3_without_avx512(kernel):
+    reason = kernel.supported(ZEN3)
     assert reason.startswith("zentorch needs AVX-512")
     assert "this zen3 CPU lacks avx512f, avx512bw, avx512vl, avx512dq, avx512_vnni, avx512_bf16" in reason
 
 
-def test_refuses_zen4_vm_with_avx512_vnni_masked():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_refuses_zen4_vm_with_avx512_vnni_masked(kernel):
     masked = Platform(vendor="AMD", microarch="zen4", flags=ZEN4.flags - {"avx512_vnni"})
-    assert ZentorchKernel.supported(masked).endswith("this zen4 CPU lacks avx512_vnni")
+    assert kernel.supported(masked).endswith("this zen4 CPU lacks avx512_vnni")
 
 
-def test_refuses_intel():
-    assert ZentorchKernel.supported(SPR) == "zentorch runs on AMD Zen CPUs only; this is Intel sapphire_rapids"
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_refuses_intel(kernel):
+    assert kernel.supported(SPR) == "zentorch runs on AMD Zen CPUs only; this is Intel sapphire_rapids"
 
 
 def test_zen3_selection_falls_through_with_reason():
-    w = quantize_rtn(torch.randn(32, 64), 4, 32)
+    w = quantize_rtn(torch.randn(32, 64), 8, -1)
     w.name = "model.layers.0.mlp.down_proj"
-    layer = build_quant_linear(w, KernelSelector(ZEN3))
+    layer = build_quant_linear(w, KernelSelector(ZEN3), activation="int8")
     assert layer.kernel_name == "torch"
     assert dict(layer.selection.refusals)["zentorch"].startswith("zentorch needs AVX-512")
 
@@ -72,47 +78,59 @@ def test_missing_op_reason(monkeypatch):
     monkeypatch.setattr(zentorch_ops, "REQUIRED_OPS", zentorch_ops.REQUIRED_OPS + ("zentorch_no_such_op",))
     module, reason = load_zentorch.__wrapped__()
     assert module is None
-    assert reason.startswith("zentorch 2.") and reason.endswith("does not register torch.ops.zentorch.zentorch_no_such_op")
+    assert reason.startswith("zentorch 2.")
+    assert reason.endswith("does not register torch.ops.zentorch.zentorch_no_such_op")
 
 
 @needs_zentorch
-def test_available_on_this_zen_host():
-    assert ZentorchKernel.supported(HOST) is None
-    assert ZentorchKernel.supported(ZEN4) is None  # a recorded Zen 4 on a Zen 4 host
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_available_on_this_zen_host(kernel):
+    assert kernel.supported(HOST) is None
+    assert kernel.supported(ZEN4) is None  # a recorded Zen 4 on a Zen 4 host
 
 
-@pytest.mark.parametrize("bits,group,act,reason", [
-    (2, 32, None, "zentorch runs 4-bit weight-only and 8-bit W8A8 layers; this layer has 2-bit weights"),
-    (4, 32, "int8", "zentorch has no W4A8 op (4-bit weights with int8 activations)"),
-    (8, -1, None, "zentorch has no weight-only int8 op (W8A16); its int8 GEMM needs int8 activations"),
-    (8, 32, "int8", "zentorch_qlinear takes one weight scale per output channel; this layer has groups of 32"),
+@pytest.mark.parametrize("kernel,bits,group,act,reason", [
+    (ZentorchKernel, 4, 32, None, "zentorch runs W8A8 layers (int8 weights and activations); this layer has 4-bit "
+                                  "weights (4-bit weight-only layers: kernel 'zentorch_woq')"),
+    (ZentorchKernel, 8, -1, None, "zentorch has no weight-only int8 op (W8A16); its int8 GEMM needs int8 activations"),
+    (ZentorchKernel, 8, 32, "int8", "zentorch_qlinear takes one weight scale per output channel; "
+                                    "this layer has groups of 32"),
+    (ZentorchWoqKernel, 2, 32, None, "zentorch_woq runs 4-bit weight-only layers; this layer has 2-bit weights"),
+    (ZentorchWoqKernel, 8, -1, "int8", "zentorch_woq runs 4-bit weight-only layers; this layer has 8-bit weights"),
+    (ZentorchWoqKernel, 4, 32, "int8", "zentorch has no W4A8 op (4-bit weights with int8 activations)"),
 ])
-def test_layer_refusals(bits, group, act, reason):
+def test_layer_refusals(kernel, bits, group, act, reason):
     w = quantize_rtn(torch.randn(16, 64), bits, group)
     if act:
         w = w.with_(activation=ActivationQuant())
-    assert ZentorchKernel.can_implement(LinearLayerConfig.from_weight(w, ZEN4)) == reason
+    assert kernel.can_implement(LinearLayerConfig.from_weight(w, ZEN4)) == reason
+
+
+def test_asymmetric_int8_weights_refused():
+    w = quantize_rtn(torch.randn(16, 64), 8, -1, symmetric=False).with_(activation=ActivationQuant())
+    assert ZentorchKernel.can_implement(LinearLayerConfig.from_weight(w, ZEN4)) == (
+        "zentorch_qlinear takes symmetric int8 weights; this layer has zero points or offsets")
 
 
 def test_k_not_multiple_of_8_refused():
     w = quantize_rtn(torch.randn(16, 36), 4, -1)
-    assert ZentorchKernel.can_implement(LinearLayerConfig.from_weight(w, ZEN4)) == (
+    assert ZentorchWoqKernel.can_implement(LinearLayerConfig.from_weight(w, ZEN4)) == (
         "zentorch_woq_repack_weight needs in_features divisible by 8, found 36")
 
 
 _QUIET_SCRIPT = """
 import torch
-from quill.kernels.zentorch_ops import ZentorchKernel
+from quill.kernels.zentorch_ops import ZentorchKernel, ZentorchWoqKernel
 from quill.kernels import LinearLayerConfig
 from quill.platform import detect
 from quill.quantization.quantize import quantize_rtn
 from quill.quantization.weight import ActivationQuant
 plat = detect()
 assert ZentorchKernel.supported(plat) is None
-for bits, act in ((4, None), (8, ActivationQuant(dynamic=True, symmetric=False))):
+for kernel, bits, act in ((ZentorchWoqKernel, 4, None), (ZentorchKernel, 8, ActivationQuant(symmetric=False))):
     w = quantize_rtn(torch.randn(64, 256), bits, -1 if bits == 8 else 32).with_(activation=act)
     cfg = LinearLayerConfig.from_weight(w, plat)
-    ZentorchKernel.apply(ZentorchKernel.prepare(w, cfg), torch.randn(5, 256))
+    kernel.apply(kernel.prepare(w, cfg), torch.randn(5, 256))
 # an op called outside its limits raises, and zendnnl's logger stays silent
 try:
     torch.ops.zentorch.zentorch_woq_linear(torch.randn(3, 256), torch.zeros(32, 64, dtype=torch.int32),
@@ -143,7 +161,7 @@ def test_freed_weights_do_not_poison_new_layers():
         w = quantize_rtn(torch.randn(64, 384, generator=gen), 4, 96, generator=gen)
         cfg = LinearLayerConfig.from_weight(w, HOST)
         ref = ReferenceKernel.apply(ReferenceKernel.prepare(w, cfg), x)
-        y = ZentorchKernel.apply(ZentorchKernel.prepare(w, cfg), x)
+        y = ZentorchWoqKernel.apply(ZentorchWoqKernel.prepare(w, cfg), x)
         assert sqnr_db(ref, y) >= 40, f"layer {i}: stale zendnnl cache entry"
         del w, cfg, y
 
@@ -160,12 +178,14 @@ def test_int8_weight_buffer_is_not_reordered_in_place():
 
 
 @needs_zentorch
-def test_default_choice_on_this_host():
+def test_default_and_forced_choices_on_this_host():
     w4 = quantize_rtn(torch.randn(32, 64), 4, 32)
     w8 = quantize_rtn(torch.randn(32, 64), 8, -1)
     sel = KernelSelector(HOST, KernelPolicy())
-    assert build_quant_linear(w4, sel).kernel_name == "zentorch"
     assert build_quant_linear(w8, sel, activation="int8").kernel_name == "zentorch"
     w8_float = build_quant_linear(w8, sel)  # W8A16: zentorch refuses, torch runs it
     assert w8_float.kernel_name == "torch"
     assert "no weight-only int8 op" in dict(w8_float.selection.refusals)["zentorch"]
+    assert build_quant_linear(w4, sel).kernel_name == "torch"  # zentorch_woq is in no priority list
+    forced = build_quant_linear(w4, KernelSelector(HOST, KernelPolicy(force="zentorch_woq")))
+    assert forced.kernel_name == "zentorch_woq" and forced.selection.forced

@@ -59,19 +59,18 @@ def report(platform: Platform) -> str:
     lines = _platform_lines(platform)
     priority = PRIORITIES.get(platform.isa_level, PRIORITIES["scalar"])
     statuses = {name: kernel_status(name, platform) for name in KERNELS}
-    first = next((n for n in priority if statuses[n] is None), None)
-    lines.append(f"kernels (priority order for {platform.isa_level}; "
-                 f"default: {first or 'none'}, a layer it cannot run falls through the list):")
-    for name in priority:
-        reason = statuses[name]
-        lines.append(f"  {name:<14} {'available' if reason is None else 'unavailable: ' + reason}")
+    lines.append(f"kernels (tried in this order on {platform.isa_level}; "
+                 "each layer runs on the first that accepts it):")
+    lines += [_kernel_line(name, statuses[name]) for name in priority]
     others = sorted(set(KERNELS) - set(priority))
     if others:
         lines.append("other registered kernels (used only when forced with QUILL_KERNEL):")
-        for name in others:
-            reason = statuses[name]
-            lines.append(f"  {name:<14} {'available' if reason is None else 'unavailable: ' + reason}")
+        lines += [_kernel_line(name, statuses[name]) for name in others]
     return "\n".join(lines)
+
+
+def _kernel_line(name: str, reason: str | None) -> str:
+    return f"  {name:<14} {'available' if reason is None else 'unavailable: ' + reason}"
 
 
 def run(args) -> int:
