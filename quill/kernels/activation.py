@@ -10,7 +10,11 @@ W8A8 checkpoint runs as the tool that wrote it ran it:
 * then  q = round(clamp(x / scale + zero, -128, 127))  (round half to even), int8
 
 A zero scale is replaced by float32 epsilon (as compressed-tensors does), so an
-all-zero row quantizes to zeros.  Everything is computed in float32.
+all-zero row quantizes to zeros.  (compressed-tensors derives the asymmetric zero
+point before that replacement, from 0/0; only all-zero rows have a zero scale and
+they give 0 with any zero point, so the results agree.)  Everything is computed in
+float32; compressed-tensors computes in the input's dtype, the same thing for the
+float32 inputs tests/test_conformance_ct.py checks against its formula.
 """
 
 from __future__ import annotations

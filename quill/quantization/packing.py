@@ -8,6 +8,11 @@ straddle words, which the same bitstream rule covers.
 
 Some formats also permute the values inside each word (AWQ: slot i holds logical
 column ``order[i]``); ``order`` describes that permutation.
+
+``straddle=False`` selects the other layout some writers use for widths that do
+not divide 32: ``32 // b`` whole values per word, lowest bits first, the top
+``32 % b`` bits unused (compressed-tensors <= 0.17 stored 3-bit values this way,
+10 per word).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def unpack_int32(
     count: int | None = None,
     order: Sequence[int] | None = None,
     what: str = "tensor",
+    straddle: bool = True,
 ) -> torch.Tensor:
     """Unpack b-bit unsigned fields from int32 words along ``dim``; returns uint8 (int16 for b > 8 never occurs).
 
@@ -49,17 +55,20 @@ def unpack_int32(
         count: number of logical values along ``dim`` (default: all that fit).
         order: in-word slot permutation (AWQ), only for b dividing 32.
         what: name used in error messages.
+        straddle: for b not dividing 32, whether values straddle words (bitstream,
+            the default) or each word holds ``32 // b`` values and wastes the rest.
     """
     _check_packed(packed, what)
     x = packed.movedim(dim, -1).contiguous()
     words = x.shape[-1]
-    capacity = words * 32 // bits
+    whole_words = 32 % bits == 0 or not straddle
+    capacity = words * (32 // bits) if whole_words else words * 32 // bits
     count = capacity if count is None else count
     if count > capacity or count < 0:
         raise CheckpointError(
             f"{what}: {words} int32 words along dim {dim} hold {capacity} {bits}-bit values, "
             f"but {count} are needed")
-    if 32 % bits == 0:
+    if whole_words:
         per = 32 // bits
         shifts = torch.arange(per, dtype=torch.int32) * bits
         vals = (x.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per]
@@ -87,6 +96,7 @@ def pack_int32(
     bits: int,
     dim: int,
     order: Sequence[int] | None = None,
+    straddle: bool = True,
 ) -> torch.Tensor:
     """Inverse of :func:`unpack_int32`: pack unsigned b-bit values along ``dim`` into int32 words.
 
@@ -96,7 +106,7 @@ def pack_int32(
         raise ValueError(f"values must lie in [0, {1 << bits}) to pack into {bits} bits")
     x = values.movedim(dim, -1).to(torch.int64).contiguous()
     n = x.shape[-1]
-    if 32 % bits == 0:
+    if 32 % bits == 0 or not straddle:
         per = 32 // bits
         words = -(-n // per)
         x = torch.nn.functional.pad(x, (0, words * per - n)).reshape(*x.shape[:-1], words, per)

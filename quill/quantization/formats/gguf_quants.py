@@ -1,0 +1,82 @@
+"""GGUF (ggml) block formats -> the canonical :class:`QuantizedWeight`.
+
+Block layouts (ggml-common.h; 32 weights per block, one row of ``ne[0]`` weights
+is ``ne[0] / 32`` consecutive blocks)::
+
+    Q4_0  { f16 d;           u8 qs[16]; }   w = (q - 8) * d
+    Q4_1  { f16 d; f16 m;    u8 qs[16]; }   w = q * d + m
+    Q8_0  { f16 d;           i8 qs[32]; }   w = qs * d
+
+In Q4_0/Q4_1 the low nibble of ``qs[j]`` is weight ``j`` and the high nibble is
+weight ``j + 16`` (not ``2j``/``2j + 1``).  The canonical forms, exact because
+every step is the same float32 operation ggml/gguf-py perform:
+
+* Q4_0: codes = q, symmetric (implicit zero 8), scales = d.
+* Q4_1: codes = q, zeros = 0, offsets = m, scales = d.
+* Q8_0: codes = qs + 128 (the int8 bit pattern XOR 0x80), symmetric, scales = d.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quill.errors import UnsupportedFormatError
+from quill.quantization.formats.gguf_file import GGML_TYPE_IDS, GGML_TYPES
+from quill.quantization.weight import QuantizedWeight
+
+GROUP = 32
+Q4_0, Q4_1, Q8_0 = GGML_TYPE_IDS["Q4_0"], GGML_TYPE_IDS["Q4_1"], GGML_TYPE_IDS["Q8_0"]
+F32, F16, BF16 = GGML_TYPE_IDS["F32"], GGML_TYPE_IDS["F16"], GGML_TYPE_IDS["BF16"]
+
+QUANTIZED_TYPES = (Q4_0, Q4_1, Q8_0)
+DENSE_TYPES: dict[int, torch.dtype] = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+SUPPORTED_TYPE_NAMES = tuple(GGML_TYPES[t][0] for t in (*QUANTIZED_TYPES, *DENSE_TYPES))
+
+
+def check_supported(ggml_type: int, tensor: str) -> None:
+    """Raise ``UnsupportedFormatError`` naming the tensor unless quill reads its ggml type."""
+    if ggml_type not in QUANTIZED_TYPES and ggml_type not in DENSE_TYPES:
+        raise UnsupportedFormatError(
+            f"tensor '{tensor}' has ggml type {GGML_TYPES[ggml_type][0]}, which quill does not read; "
+            f"supported: {', '.join(SUPPORTED_TYPE_NAMES)}")
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The f16 field at byte ``start`` of every block: uint8 [R, B, bytes] -> float16 [R, B]."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).squeeze(-1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, B, 16] -> codes uint8 [R, B * 32]: low nibbles are weights 0..15, high 16..31."""
+    rows = qs.shape[0]
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, -1)
+
+
+def block_weight(raw: torch.Tensor, ggml_type: int, name: str) -> QuantizedWeight:
+    """Convert one matrix of blocks, uint8 ``[out, row_bytes]``, into a canonical ``[out, in]`` weight."""
+    _, block, type_size = GGML_TYPES[ggml_type]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, type_size)  # [out, in / 32, type_size]
+    if ggml_type == Q4_0:
+        d = _half(blocks, 0)
+        return QuantizedWeight(codes=_nibbles(blocks[..., 2:]), bits=4, group_size=GROUP, scales=d,
+                               dtype=torch.float32, name=name)
+    if ggml_type == Q4_1:
+        d, m = _half(blocks, 0), _half(blocks, 2)
+        return QuantizedWeight(codes=_nibbles(blocks[..., 4:]), bits=4, group_size=GROUP, scales=d,
+                               zeros=torch.zeros(d.shape, dtype=torch.int16), offsets=m,
+                               dtype=torch.float32, name=name)
+    if ggml_type == Q8_0:
+        d = _half(blocks, 0)
+        codes = (blocks[..., 2:] ^ 0x80).reshape(rows, -1)  # int8 q -> q + 128 as uint8
+        return QuantizedWeight(codes=codes, bits=8, group_size=GROUP, scales=d, dtype=torch.float32, name=name)
+    raise UnsupportedFormatError(
+        f"tensor '{name}' has ggml type {GGML_TYPES[ggml_type][0]}, which has no canonical quantized form; "
+        f"supported: {', '.join(GGML_TYPES[t][0] for t in QUANTIZED_TYPES)}")
+
+
+def permute_rows(qw: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    """Reorder output rows (codes, scales, zeros, offsets, bias): exact, no requantization."""
+    pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+    return qw.with_(codes=pick(qw.codes), scales=pick(qw.scales), zeros=pick(qw.zeros),
+                    offsets=pick(qw.offsets), bias=pick(qw.bias))

