@@ -189,3 +189,40 @@ def test_default_and_forced_choices_on_this_host():
     assert build_quant_linear(w4, sel).kernel_name == "torch"  # zentorch_woq is in no priority list
     forced = build_quant_linear(w4, KernelSelector(HOST, KernelPolicy(force="zentorch_woq")))
     assert forced.kernel_name == "zentorch_woq" and forced.selection.forced
+
+
+# ---- real checkpoints ------------------------------------------------------------
+
+def _real_layers(fixture: str, limit: int = 6):
+    from quill.quantization.checkpoint import open_checkpoint
+    from tests.fixture_util import fixture_path
+
+    layers = []
+    for name, qw in open_checkpoint(fixture_path(fixture)).quantized_layers():
+        layers.append((name, qw))
+        if len(layers) == limit:
+            break
+    return layers
+
+
+@needs_zentorch
+@pytest.mark.parametrize("fixture", ["ct-w8a8-dynamic-llama", "ct-w8a8-static-qwen2"])
+def test_w8a8_checkpoints_run_on_zentorch_by_default(fixture):
+    gen = torch.Generator().manual_seed(1)
+    default, oracle = KernelSelector(HOST), KernelSelector(HOST, KernelPolicy(force="reference"))
+    for name, qw in _real_layers(fixture):
+        layer = build_quant_linear(qw, default)
+        assert layer.kernel_name == "zentorch", f"{fixture} {name}: {layer.selection.refusals}"
+        x = torch.randn(2, 16, qw.in_features, generator=gen)
+        assert sqnr_db(build_quant_linear(qw, oracle)(x), layer(x)) >= 60, f"{fixture} {name}"
+
+
+@needs_zentorch
+@pytest.mark.parametrize("fixture", ["ct-w4a16-actorder-llama", "ct-w4a16-asym-g32-qwen2",
+                                     "ar-autogptq-asym-g128-llama", "ar-autoawq-asym-g64-qwen2"])
+def test_w4a16_checkpoints_run_on_forced_zentorch_woq(fixture):
+    gen = torch.Generator().manual_seed(2)
+    forced, oracle = (KernelSelector(HOST, KernelPolicy(force=k)) for k in ("zentorch_woq", "reference"))
+    for name, qw in _real_layers(fixture):
+        x = torch.randn(2, 16, qw.in_features, generator=gen)
+        assert sqnr_db(build_quant_linear(qw, oracle)(x), build_quant_linear(qw, forced)(x)) >= 40, f"{fixture} {name}"
