@@ -24,19 +24,23 @@ __all__ = ["KERNELS", "LINEAR_KERNELS", "PRIORITIES", "KernelPolicy", "KernelSel
 
 # Every linear kernel quill knows, by name -> "module:Class" (imported on first use).
 KERNELS: dict[str, str] = {
+    "zentorch": "quill.kernels.zentorch_ops:ZentorchKernel",
+    "zentorch_woq": "quill.kernels.zentorch_ops:ZentorchWoqKernel",
     "torch": "quill.kernels.torch_ops:TorchKernel",
     "reference": "quill.kernels.reference:ReferenceKernel",
 }
 
 # Priority lists per ISA level (Platform.isa_level), best first.  Kernels that
-# cannot run on a CPU say so through ``supported``; the lists only say what to try.
+# cannot run on a CPU say so through ``supported`` (zentorch: AMD Zen with AVX-512
+# only); the lists only say what to try.  Registered kernels listed nowhere
+# (zentorch_woq) run only when forced with QUILL_KERNEL.
 PRIORITIES: dict[str, tuple[str, ...]] = {
-    "amx": ("torch", "reference"),
-    "avx512_vnni": ("torch", "reference"),
-    "avx512": ("torch", "reference"),
-    "avx_vnni": ("torch", "reference"),
-    "avx2": ("torch", "reference"),
-    "scalar": ("torch", "reference"),
+    "amx": ("zentorch", "torch", "reference"),
+    "avx512_vnni": ("zentorch", "torch", "reference"),
+    "avx512": ("zentorch", "torch", "reference"),
+    "avx_vnni": ("zentorch", "torch", "reference"),
+    "avx2": ("zentorch", "torch", "reference"),
+    "scalar": ("zentorch", "torch", "reference"),
 }
 
 
