@@ -198,9 +198,10 @@ def test_model_args_from_dict():
 
 
 def test_unsupported_model_type_lists_supported():
-    with pytest.raises(ModelError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ModelError, match="model_type .gpt2. is not supported; supported: llama, mistral, mixtral, "
+                       "qwen2, qwen2_moe, qwen3, qwen3_moe"):
         model_module("gpt2")
-    assert supported_model_types() == ["llama", "mistral", "qwen2", "qwen3"]
+    assert supported_model_types() == ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
 
 
 def test_int8_activations_on_request():

@@ -77,3 +77,13 @@ def test_greedy_matches_transformers(name):
             for _ in range(12):
                 seq.append(int(twin(torch.tensor([seq])).logits[0, -1].argmax()))
         assert out.token_ids == seq[len(prompt):]
+
+
+def test_inspect_collapses_experts(capsys):
+    from quill.cli import main
+    assert main(["inspect", str(fixture_path("ct-w4a16-mixtral")), "--moe-backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("model.")}
+    w1 = rows["model.layers.0.block_sparse_moe.experts.*.w1"]
+    assert w1[1:8] == ["expert", "x4", "4", "32", "yes", "moe:reference", "W4A16"]
+    assert not any(".experts.0." in name for name in rows)

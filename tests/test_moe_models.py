@@ -141,7 +141,8 @@ def quantized_checkpoint(hf, dense_expert: str | None = None) -> MemoryCheckpoin
         parts = module.split(".")
         if "experts" in parts and module != dense_expert:
             e = int(parts[parts.index("experts") + 1])
-            plan[module] = EXPERT_FORMATS[e % len(EXPERT_FORMATS)][("gate_proj", "up_proj", "down_proj").index(parts[-1])]
+            proj = ("gate_proj", "up_proj", "down_proj").index(parts[-1])
+            plan[module] = EXPERT_FORMATS[e % len(EXPERT_FORMATS)][proj]
         elif parts[-1] in ATTN:
             plan[module] = ATTN[parts[-1]]
     return MemoryCheckpoint(hf.config.to_dict(), state, plan)

@@ -20,6 +20,7 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> None
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
     p.add_argument("--kernel", default=None, help="force one linear kernel by name (see `quill info`)")
+    p.add_argument("--moe-backend", default=None, help="force one MoE backend by name (grouped, reference)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context window")
     p.add_argument("--offline", action="store_true", help="resolve Hub ids from the local cache only")
 
@@ -38,7 +39,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def build_llm(args, skip_tokenizer_init: bool = False):
     from quill.engine.llm import LLM
     return LLM(args.model, dtype=args.dtype, activation_quant=None if args.act_quant == "none" else args.act_quant,
-               threads=args.threads, kernel=args.kernel, max_model_len=args.max_model_len,
+               threads=args.threads, kernel=args.kernel, moe_backend=args.moe_backend,
+               max_model_len=args.max_model_len,
                offline=args.offline, skip_tokenizer_init=skip_tokenizer_init)
 
 

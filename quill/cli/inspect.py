@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 from quill.cli.common import add_model_args, build_llm
 
 MB = 1024 * 1024
@@ -26,11 +29,12 @@ def report(llm) -> str:
         "",
         f"{'layer':<44} {'kind':<9} {'bits':>4} {'group':>6} {'sym':>4}  {'kernel':<12} weights",
     ]
-    for i in loaded.layers:
+    for i, count in _collapse_experts(loaded.layers):
         bits = "-" if i.bits is None else str(i.bits)
         group = "-" if i.group_size is None else ("ch" if "ch " in i.summary else str(i.group_size))
         sym = "-" if i.symmetric is None else ("yes" if i.symmetric else "no")
-        lines.append(f"{i.name:<44} {i.kind:<9} {bits:>4} {group:>6} {sym:>4}  {i.kernel:<12} {i.summary}")
+        kind = i.kind if count == 1 else f"{i.kind} x{count}"
+        lines.append(f"{i.name:<44} {kind:<9} {bits:>4} {group:>6} {sym:>4}  {i.kernel:<12} {i.summary}")
         for name, why in i.refusals:
             lines.append(f"{'':<46}skipped {name}: {why}")
     n, nbytes = loaded.num_weights, loaded.weight_bytes
@@ -44,6 +48,22 @@ def report(llm) -> str:
         f"{'within' if m.within_bound else 'OVER'}" + ("" if m.peak_reset else " (peak includes pre-load use)"),
     ]
     return "\n".join(lines)
+
+
+def _collapse_experts(layers):
+    """(info, count) rows: an MoE layer's experts become one row per projection and format, named ``experts.*``."""
+    rows: dict = {}
+    for i in layers:
+        if i.kind != "expert":
+            rows[i.name] = [i, 1]
+            continue
+        name = re.sub(r"\.experts\.\d+\.", ".experts.*.", i.name)
+        key = (name, i.summary, i.kernel)
+        if key in rows:
+            rows[key][1] += 1
+        else:
+            rows[key] = [replace(i, name=name), 1]
+    return [tuple(r) for r in rows.values()]
 
 
 def run(args) -> int:
