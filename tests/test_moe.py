@@ -101,10 +101,11 @@ def test_no_tokens_and_unused_experts_cost_nothing():
     assert moe.bytes_read(ids) == moe.expert_bytes[0] + moe.expert_bytes[1]
 
 
-def test_bfloat16_activations():
+@pytest.mark.parametrize("T", [1, 5])
+def test_bfloat16_activations(T):
     experts = make_experts(E, H, I, FORMATS["w4-sym-g32"], seed=9)
-    w, ids = _routing(5, 2)
-    x = _x(5, dtype=torch.bfloat16)
+    w, ids = _routing(T, 2)
+    x = _x(T, dtype=torch.bfloat16)
     ref = build(experts, 2, "reference")(x.float(), ids, w)
     out = build(experts, 2, "grouped", dtype=torch.bfloat16)(x, ids, w)
     assert out.dtype == torch.bfloat16
