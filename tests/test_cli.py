@@ -6,7 +6,8 @@ import pytest
 
 import quill
 from quill.cli import main
-from tests.fixture_util import fixture_path
+from quill.default_model import default_model_path
+from tests.fixture_util import fixture_names, fixture_path
 from tests.model_util import hf_model, save_hf_dir
 
 GREEDY = quill.SamplingParams(temperature=0, max_tokens=6)
@@ -73,3 +74,42 @@ def test_errors_are_reported_not_raised(capsys, tmp_path):
     assert "no such file or directory" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def _inspect_rows(capsys, model: str) -> dict[str, list[str]]:
+    assert main(["inspect", model]) == 0
+    out = capsys.readouterr().out
+    header = next(i for i, line in enumerate(out.splitlines()) if line.startswith("layer "))
+    rows = {}
+    for line in out.splitlines()[header + 1:]:
+        if not line.strip():
+            break
+        if not line.startswith(" "):  # indented lines explain refusals of the row above
+            rows[line.split()[0]] = line.split()
+    return rows
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_inspect_names_a_kernel_for_every_layer_of_every_fixture(capsys, name):
+    from quill.kernels.selection import KERNELS
+    from quill.moe import MOE_BACKENDS
+
+    rows = _inspect_rows(capsys, str(fixture_path(name)))
+    quantized = [r for r in rows.values() if r[1] == "quantized"]
+    experts = [r for r in rows.values() if r[1] == "expert"]  # "expert xE bits group sym moe:<backend>"
+    assert quantized, f"{name}: inspect listed no quantized layer"
+    for r in quantized:
+        assert r[5] in KERNELS, f"{name}: {r[0]} names no registered kernel: {r}"
+    for r in experts:
+        assert r[6].startswith("moe:") and r[6][4:] in MOE_BACKENDS, f"{name}: {r[0]} names no MoE backend: {r}"
+
+
+def test_inspect_default_model_names_a_kernel_for_every_layer(capsys):
+    from quill.kernels.selection import KERNELS
+
+    rows = _inspect_rows(capsys, str(default_model_path()))
+    quantized = [r for r in rows.values() if r[1] == "quantized"]
+    assert len(quantized) == 30 * 7  # every projection of the 30 blocks
+    assert all(r[5] in KERNELS for r in quantized)
+    assert rows["model.embed_tokens"][1:6] == ["embedding", "8", "32", "yes", "lookup"]  # Q8_0, tied
+    assert rows["lm_head"][1] == "tied" and rows["lm_head"][5] in KERNELS  # the Q8_0 weight through a kernel
