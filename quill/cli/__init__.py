@@ -13,7 +13,7 @@ import sys
 
 from quill.errors import QuillError
 
-COMMANDS = ("quill.cli.info", "quill.cli.bench")
+COMMANDS = ("quill.cli.info", "quill.cli.generate", "quill.cli.chat", "quill.cli.inspect", "quill.cli.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

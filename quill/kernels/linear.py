@@ -69,3 +69,35 @@ def build_quant_linear(
     bias = None if weight.bias is None else weight.bias.to(bias_dtype).contiguous()
     return QuantLinear(weight.name, weight.in_features, weight.out_features, sel, cfg, state, bias,
                        weight.storage_bytes())
+
+
+@dataclass
+class DenseLinear:
+    """y = x @ W^T + b for a layer the checkpoint left unquantized (``ignore``, ``extra_config`` bits=16, ...).
+
+    The weight is held in the compute dtype; float32 keeps the layer exact
+    against a float32 reference.  Activations are never quantized here: a
+    layer left in float by its checkpoint stays float (as the tools run it).
+    """
+
+    name: str
+    in_features: int
+    out_features: int
+    weight: torch.Tensor  # [out, in], compute dtype
+    bias: torch.Tensor | None
+    weight_bytes: int  # bytes as stored in the checkpoint
+
+    kernel_name = "dense"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+def build_dense_linear(
+    name: str, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+) -> DenseLinear:
+    """Wrap a float weight [out, in] (converted once to ``dtype``; no copy when it already is)."""
+    stored = weight.numel() * weight.element_size()
+    w = weight.to(dtype).contiguous()
+    b = None if bias is None else bias.to(dtype).contiguous()
+    return DenseLinear(name, w.shape[1], w.shape[0], w, b, stored)

@@ -51,6 +51,26 @@ def _sort_act_order(w: QuantizedWeight) -> tuple[QuantizedWeight, torch.Tensor |
     return w.with_(codes=w.codes[:, perm].contiguous(), g_idx=None), perm
 
 
+_DEQUANT_CHUNK = 1 << 20  # weights per slice: bounds the float32 temporaries of a large layer
+
+
+def _dequantize_bf16(w: QuantizedWeight) -> torch.Tensor:
+    """bfloat16 [out, in], dequantized a slice of rows at a time.
+
+    A whole-matrix float32 dequantization of a large layer (a 49152-row
+    embedding used as lm_head) would briefly need several float32 copies of it.
+    """
+    out = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16)
+    step = max(1, _DEQUANT_CHUNK // max(1, w.in_features))
+    for r0 in range(0, w.out_features, step):
+        rows = slice(r0, r0 + step)
+        part = w.with_(codes=w.codes[rows], scales=w.scales[rows],
+                       zeros=None if w.zeros is None else w.zeros[rows],
+                       offsets=None if w.offsets is None else w.offsets[rows], bias=None)
+        out[rows] = part.dequantize()
+    return out
+
+
 def _int4pack_group(group_size: int) -> int | None:
     return next((g for g in INT4PACK_GROUPS if group_size % g == 0), None)
 
@@ -72,7 +92,7 @@ class TorchKernel(LinearKernel):
             codes = (w.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
             return TorchState("int8pack", codes, w.scales[:, 0].float().contiguous(), w.group_size,
                               w.out_features, perm, w.activation)
-        dense = weight.dequantize().to(torch.bfloat16).contiguous()
+        dense = _dequantize_bf16(weight)
         return TorchState("dense", dense, None, weight.group_size, weight.out_features, None, weight.activation)
 
     @classmethod

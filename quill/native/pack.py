@@ -86,27 +86,44 @@ class PackedWeight:
 
 
 def _per_segment(t: torch.Tensor, order: StreamOrder, nb: int) -> torch.Tensor:
-    """[N, G] -> [NB, S, 16]: one value per segment and lane, padded rows zero."""
+    """[N, G] -> [NB, S, 16] view: one value per segment and lane, padded rows zero."""
     seg = t[:, order.seg_group]  # [N, S]
-    seg = torch.cat([seg, seg.new_zeros(nb * LANES - seg.shape[0], seg.shape[1])])
-    return seg.view(nb, LANES, -1).transpose(1, 2).contiguous()
+    if nb * LANES != seg.shape[0]:
+        seg = torch.cat([seg, seg.new_zeros(nb * LANES - seg.shape[0], seg.shape[1])])
+    return seg.view(nb, LANES, -1).transpose(1, 2)
 
 
 def _codes(w: QuantizedWeight, order: StreamOrder, nb: int) -> torch.Tensor:
-    """uint8 [N, K] codes -> [NB, KC, 64] blocks."""
+    """uint8 [N, K] codes -> a [NB, KC, 16 lanes, 4 bytes] view of the blocks (made contiguous by the caller).
+
+    Copies are made only where needed (reordering, padding, nibble packing): a large
+    layer's transient memory is what bounds the peak while a model loads.
+    """
     codes = w.codes
     if order.src is not None:
         codes = codes[:, order.src.clamp(min=0)]
         codes[:, order.src < 0] = 0
-    else:
+    elif order.kp != w.in_features:
         codes = torch.nn.functional.pad(codes, (0, order.kp - w.in_features))
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, nb * LANES - w.out_features))  # [Np, Kp]
+    if nb * LANES != w.out_features:
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, nb * LANES - w.out_features))  # [Np, Kp]
     chunk = chunk_k(w.bits)
     kc = order.kp // chunk
     q = codes.view(nb, LANES, kc, chunk)
     if w.bits == 4:  # byte b of a lane: positions b (low nibble) and b + 4 (high nibble)
-        q = q[..., :4] | (q[..., 4:] << 4)
-    return q.permute(0, 2, 1, 3).contiguous().view(nb, kc, BLOCK_BYTES)
+        hi = q[..., 4:] << 4
+        q = hi.bitwise_or_(q[..., :4])
+    return q.permute(0, 2, 1, 3)  # [NB, KC, 16, 4]
+
+
+def _row_sums(w: QuantizedWeight, rows: int = 1024) -> torch.Tensor:
+    """float32 [N]: sums of the dequantized rows, computed in float64 a slice of rows at a time."""
+    def part(t, r0):
+        return None if t is None else t[r0:r0 + rows]
+    return torch.cat([
+        w.with_(codes=w.codes[r0:r0 + rows], scales=w.scales[r0:r0 + rows], zeros=part(w.zeros, r0),
+                offsets=part(w.offsets, r0), bias=None).dequantize().double().sum(1)
+        for r0 in range(0, w.out_features, rows)]).float()
 
 
 def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
@@ -126,18 +143,19 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
         limit = 255 if w.bits == 4 else 32767
         if lo < 0 or hi > limit:
             raise KernelError(f"{w.name}: zero points span [{lo}, {hi}], expected [0, {1 << w.bits}]")
-        zeros = _per_segment(w.zeros, order, nb).to(torch.uint8 if w.bits == 4 else torch.int16)
+        zeros = _per_segment(w.zeros.to(torch.uint8 if w.bits == 4 else torch.int16), order, nb)
     wsum = None
     if w.activation is not None and not w.activation.symmetric:
-        rows = w.dequantize().double().sum(1).float()
+        rows = _row_sums(w)
         wsum = torch.cat([rows, rows.new_zeros(nb * LANES - w.out_features)])
-    codes, scales = _codes(w, order, nb), _per_segment(scales, order, nb)
-    offsets = None if offsets is None else _per_segment(offsets, order, nb)
+    # what the kernels stream goes on 2 MiB pages (quill/native/csrc/hugepage.cpp), gathered
+    # straight from the strided views
     ext = native.load().module
-    if ext is not None:  # what the kernels stream goes on 2 MiB pages (quill/native/csrc/hugepage.cpp)
-        codes, scales = ext.huge_page_copy(codes), ext.huge_page_copy(scales)
-        zeros = None if zeros is None else ext.huge_page_copy(zeros)
-        offsets = None if offsets is None else ext.huge_page_copy(offsets)
+    place = ext.huge_page_copy if ext is not None else (lambda t: t.contiguous())
+    codes = place(_codes(w, order, nb)).view(nb, -1, BLOCK_BYTES)  # [NB, KC, 64]
+    scales = place(_per_segment(scales, order, nb))
+    zeros = None if zeros is None else place(zeros)
+    offsets = None if offsets is None else place(_per_segment(offsets, order, nb))
     return PackedWeight(
         codes=codes, scales=scales, zeros=zeros, offsets=offsets,
         seg_end=order.seg_end, src=order.src, wsum=wsum, bits=w.bits,

@@ -125,6 +125,11 @@ class Checkpoint:
             if name not in consumed:
                 yield name, self.store.get(name)
 
+    def tokenizer_spec(self):
+        """The tokenizer files of this directory as a ``TokenizerSpec`` (CheckpointError if absent)."""
+        from quill.tokenizer import hf_tokenizer_spec
+        return hf_tokenizer_spec(self.path, self.config)
+
     def describe(self) -> str:
         return "dense (no quantization_config)" if self.reader is None else self.reader.describe()
 

@@ -313,15 +313,16 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, at::Tensor seg
   return {q, qsum, sc, zp};
 }
 
-// A copy of `t` on 2 MiB pages (hugepage.cpp); `t` itself if no memory could be mapped.
+// A contiguous copy of `t` (any strides: a permuted view is gathered straight into place,
+// with no intermediate) on 2 MiB pages (hugepage.cpp); `t.contiguous()` if no memory
+// could be mapped.
 at::Tensor huge_page_copy(const at::Tensor& t) {
-  const at::Tensor src = t.contiguous();
-  if (src.device().is_cuda() || src.numel() == 0) return src;
-  HugeBlock blk = huge_alloc(size_t(src.numel()) * src.element_size());
-  if (!blk.ptr) return src;
-  at::Tensor out = at::from_blob(blk.ptr, src.sizes(), [owner = blk.owner](void*) mutable { owner.reset(); },
-                                 src.options());
-  out.copy_(src);
+  if (t.device().is_cuda() || t.numel() == 0) return t.contiguous();
+  HugeBlock blk = huge_alloc(size_t(t.numel()) * t.element_size());
+  if (!blk.ptr) return t.contiguous();
+  at::Tensor out = at::from_blob(blk.ptr, t.sizes(), [owner = blk.owner](void*) mutable { owner.reset(); },
+                                 t.options().memory_format(at::MemoryFormat::Contiguous));
+  out.copy_(t);
   return out;
 }
 

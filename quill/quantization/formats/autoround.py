@@ -39,8 +39,8 @@ from quill.errors import ConfigError, UnsupportedFormatError
 from quill.quantization.formats import awq, gptq
 from quill.quantization.formats.base import FormatReader, ModuleMap, ModuleTensors, config_field
 from quill.quantization.formats.layer_rules import (Dense, LayerScheme, OverrideRules, apply_overrides, block_prefixes,
-                                                    check_int_data_type, check_weight_only, in_blocks, is_lm_head,
-                                                    parse_extra_config, plan_packed_modules, refuse_rotation)
+                                                    check_plain_int_weights, in_blocks, is_lm_head,
+                                                    parse_extra_config, plan_packed_modules)
 from quill.quantization.weight import QuantizedWeight
 
 # packing_format -> (layout, GPTQ v1 zeros)
@@ -63,9 +63,7 @@ class AutoRoundReader(FormatReader):
     def __init__(self, qcfg: Mapping[str, Any], model_config: Mapping[str, Any]):
         super().__init__(qcfg, model_config)
         where = "quantization_config"
-        refuse_rotation(qcfg, where)
-        check_int_data_type(config_field(qcfg, "data_type", str, "int", where), f"{where}.data_type")
-        check_weight_only(qcfg, where)
+        check_plain_int_weights(qcfg, where)
         self.packing = str(config_field(qcfg, "packing_format", str, DEFAULT_PACKING, where)).lower()
         if self.packing not in PACKING_FORMATS:
             raise UnsupportedFormatError(

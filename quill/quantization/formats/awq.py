@@ -39,8 +39,8 @@ import torch
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 from quill.quantization.formats.base import (FormatReader, ModuleMap, ModuleTensors, check_bits, config_field,
                                              resolve_group_size)
-from quill.quantization.formats.layer_rules import (Dense, LayerScheme, check_int_data_type, check_weight_only,
-                                                    matches_name, plan_packed_modules, refuse_rotation)
+from quill.quantization.formats.layer_rules import (Dense, LayerScheme, check_plain_int_weights,
+                                                    matches_name, plan_packed_modules)
 from quill.quantization.packing import pack_int32, unpack_int32
 from quill.quantization.weight import FLOAT_DTYPES, QuantizedWeight
 
@@ -142,9 +142,7 @@ class AWQReader(FormatReader):
     def __init__(self, qcfg: Mapping[str, Any], model_config: Mapping[str, Any]):
         super().__init__(qcfg, model_config)
         where = "quantization_config"
-        refuse_rotation(qcfg, where)
-        check_int_data_type(config_field(qcfg, "data_type", str, "int", where), f"{where}.data_type")
-        check_weight_only(qcfg, where)
+        check_plain_int_weights(qcfg, where)
         self.version = awq_version(qcfg, where)
         bits = config_field(qcfg, ("bits", "w_bit"), int, where=where)
         if bits not in AWQ_BITS:

@@ -54,8 +54,8 @@ import torch
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 from quill.quantization.formats.base import (FormatReader, ModuleMap, ModuleTensors, check_bits, config_field,
                                              resolve_group_size)
-from quill.quantization.formats.layer_rules import (Dense, LayerScheme, check_int_data_type, check_weight_only,
-                                                    parse_dynamic, plan_packed_modules, refuse_rotation,
+from quill.quantization.formats.layer_rules import (Dense, LayerScheme, check_plain_int_weights,
+                                                    parse_dynamic, plan_packed_modules,
                                                     resolve_scheme)
 from quill.quantization.packing import pack_int32, unpack_int32
 from quill.quantization.weight import FLOAT_DTYPES, QuantizedWeight
@@ -226,9 +226,7 @@ class GPTQReader(FormatReader):
     def __init__(self, qcfg: Mapping[str, Any], model_config: Mapping[str, Any]):
         super().__init__(qcfg, model_config)
         where = "quantization_config"
-        refuse_rotation(qcfg, where)
-        check_int_data_type(config_field(qcfg, "data_type", str, "int", where), f"{where}.data_type")
-        check_weight_only(qcfg, where)
+        check_plain_int_weights(qcfg, where)
         pack_dtype = str(config_field(qcfg, "pack_dtype", str, "int32", where))
         if pack_dtype.rpartition(".")[2] != "int32":
             raise UnsupportedFormatError(f"{where}.pack_dtype: '{pack_dtype}' is not supported; supported: int32")

@@ -182,6 +182,13 @@ def refuse_rotation(qcfg: Mapping[str, Any], where: str = "quantization_config")
                 "supported: checkpoints without a rotation")
 
 
+def check_plain_int_weights(qcfg: Mapping[str, Any], where: str = "quantization_config") -> None:
+    """The checks every GPTQ/AWQ-layout config shares: no rotation, integer data type, weight-only."""
+    refuse_rotation(qcfg, where)
+    check_int_data_type(config_field(qcfg, "data_type", str, "int", where), f"{where}.data_type")
+    check_weight_only(qcfg, where)
+
+
 # ---- module names -------------------------------------------------------------
 
 def matches_name(module: str, pattern: str) -> bool:

@@ -1,0 +1,1 @@
+"""Loading a checkpoint into a model and generating text with it."""

@@ -1,0 +1,275 @@
+"""The offline API: ``quill.LLM(model).generate(prompts, quill.SamplingParams(...))``.
+
+    llm = quill.LLM("path/to/checkpoint")             # or a .gguf file, a Hub id, or None (default model)
+    out = llm.generate(["Hello"], quill.SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].text, out[0].finish_reason, out[0].timings.decode_tps)
+    for chunk in llm.stream("Hello"):                  # text pieces as they are generated
+        print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quill.engine.generate import BatchGenerator, Timings
+from quill.engine.hub import resolve_model
+from quill.engine.loader import LoadedModel, build_model
+from quill.engine.sampling import Logprob, SamplingParams
+from quill.engine.text import SequenceText
+from quill.errors import GenerationError, ModelError
+from quill.kernels import KernelPolicy, KernelSelector
+from quill.moe import MOE_REGISTRY, MoESelector
+from quill.platform import Platform, detect
+from quill.quantization.checkpoint import open_checkpoint
+from quill.tokenizer import Tokenizer, eos_token_ids
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ACTIVATION_QUANT = (None, "none", "int8")
+
+Prompt = str | Sequence[int] | Mapping[str, Any]
+Messages = Sequence[Mapping[str, Any]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's field names)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string) or "length"
+    stop_reason: int | str | None  # the stop token id or stop string; None for EOS or length
+
+
+@dataclass
+class RequestOutput:
+    """The result for one prompt: its tokens, its completion, and timings."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    timings: Timings
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclass
+class StreamChunk:
+    """One step of a streamed generation: the new text (may be empty) and the token behind it."""
+
+    text: str
+    token_id: int
+    logprobs: dict[int, Logprob] | None
+    finish_reason: str | None
+    timings: Timings
+
+
+class LLM:
+    """A loaded model with its tokenizer, ready to generate.
+
+    Args:
+        model: a checkpoint directory, a ``.gguf`` file, a Hugging Face Hub id, or None for the default model.
+        dtype: "float32" (default; exact against float32 references) or "bfloat16".
+        activation_quant: "int8" runs every quantized layer with int8 activations (W4A8 / W8A8);
+            a checkpoint that prescribes its own activation quantization (W8A8) always gets it.
+        threads: torch threads (default: the physical cores).
+        kernel: force one linear kernel by name (default: the best that can run each layer).
+        moe_backend: force one MoE backend by name (default: the best that can run each MoE layer).
+        skip_tokenizer_init: load no tokenizer; prompts must then be token ids and outputs have no text.
+        max_model_len: cap the context window below the model's own.
+        seed: seed of the sampler used by requests that give no seed of their own.
+        offline: resolve Hub ids from the local cache only.
+        progress: show a loading progress bar on stderr (default: when stderr is a terminal).
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
+                 activation_quant: str | None = None, threads: int | None = None, kernel: str | None = None,
+                 moe_backend: str | None = None,
+                 skip_tokenizer_init: bool = False, max_model_len: int | None = None, seed: int = 0,
+                 offline: bool = False, progress: bool | None = None, platform: Platform | None = None):
+        if dtype not in DTYPES:
+            raise ModelError(f"dtype '{dtype}' is not supported; supported: {', '.join(DTYPES)}")
+        if activation_quant not in ACTIVATION_QUANT:
+            raise ModelError(f"activation_quant '{activation_quant}' is not supported; supported: none, int8")
+        activation_quant = None if activation_quant == "none" else activation_quant
+        for name, value in (("threads", threads), ("max_model_len", max_model_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ModelError(f"{name}: expected a positive integer, found {value!r}")
+        self.platform = platform or detect()
+        self.threads = threads or self.platform.physical_cores
+        torch.set_num_threads(self.threads)
+        policy = KernelPolicy.from_env()
+        if kernel is not None:
+            policy = KernelPolicy(force=kernel, disabled=policy.disabled - {kernel})
+        self.selector = KernelSelector(self.platform, policy)
+        moe_policy = MOE_REGISTRY.policy_from_env()
+        if moe_backend is not None:
+            moe_policy = KernelPolicy(force=moe_backend, disabled=moe_policy.disabled - {moe_backend})
+        self.moe_selector = MoESelector(self.platform, moe_policy)
+        self.path = resolve_model(model, offline)
+        checkpoint = open_checkpoint(self.path)
+        if progress is None:
+            progress = _stderr_is_tty()
+        self.loaded: LoadedModel = build_model(checkpoint, self.selector, DTYPES[dtype], activation_quant, progress,
+                                               self.moe_selector)
+        self.model = self.loaded.model
+        self.tokenizer = None if skip_tokenizer_init else Tokenizer(checkpoint.tokenizer_spec())
+        directory = self.path if self.path.is_dir() else None
+        self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
+                              else eos_token_ids(directory, checkpoint.config))
+        self.context_length = self.model.args.context_length
+        if max_model_len is not None:
+            self.context_length = min(self.context_length, max_model_len)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    # ---- prompts -------------------------------------------------------------
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or \
+                        not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise GenerationError(f"prompt_token_ids should be a list of token ids, found {ids!r:.80}")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return self._encode(prompt["prompt"])
+            raise GenerationError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', found keys {list(prompt)}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise GenerationError("text prompts need a tokenizer, but this LLM was loaded with "
+                                      "skip_tokenizer_init=True; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise GenerationError(f"a prompt should be text, a list of token ids or a dict, found {type(prompt).__name__}")
+
+    def _prompts(self, prompts: Prompt | Sequence[Prompt]) -> list[tuple[str | None, list[int]]]:
+        single = isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(t, int) for t in prompts))
+        items = [prompts] if single else list(prompts)
+        if not items:
+            raise GenerationError("no prompts given")
+        return [self._encode(p) for p in items]
+
+    def _params(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        plist = [params] * n if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != n:
+            raise GenerationError(f"{n} prompts but {len(plist)} SamplingParams")
+        for p in plist:
+            if p.stop_strings and self.tokenizer is None:
+                raise GenerationError("stop strings need a tokenizer (this LLM has skip_tokenizer_init=True)")
+        return plist
+
+    # ---- generation ----------------------------------------------------------
+    def _start(self, prompts: Prompt | Sequence[Prompt], params) -> "_Batch":
+        encoded = self._prompts(prompts)
+        plist = self._params(params, len(encoded))
+        spec = None if self.tokenizer is None else self.tokenizer.spec
+        pad = 0 if spec is None or spec.pad_token_id is None else spec.pad_token_id
+        gen = BatchGenerator(self.model, [ids for _, ids in encoded], plist, self.eos_token_ids,
+                             self.context_length, self.generator, pad)
+        texts = [SequenceText(None if self.tokenizer is None else
+                              self.tokenizer.detokenizer(ids, p.skip_special_tokens), p.stop_strings)
+                 for (_, ids), p in zip(encoded, plist)]
+        return _Batch(encoded, gen, texts, [[] for _ in encoded])
+
+    def _events(self, batch: "_Batch") -> Iterator[tuple[int, StreamChunk]]:
+        gen = batch.gen
+        while not gen.done:
+            for e in gen.step():
+                seq = batch.texts[e.index]
+                as_token = e.finish_reason == "stop"  # EOS or a stop token id: never part of the text
+                piece = seq.add(e.token_id, emit=not as_token, last=e.finish_reason is not None)
+                if seq.stopped_by is not None and e.finish_reason is None:
+                    gen.finish(e.index, "stop")
+                    e.finish_reason = "stop"
+                lp = self._decorate(e.logprobs)
+                if lp is not None:
+                    batch.logprobs[e.index].append(lp)
+                yield e.index, StreamChunk(piece, e.token_id, lp, e.finish_reason, gen.requests[e.index].timings)
+
+    def _outputs(self, batch: "_Batch") -> list[RequestOutput]:
+        outs = []
+        for (prompt, ids), req, seq, lps in zip(batch.encoded, batch.gen.requests, batch.texts, batch.logprobs):
+            stop_reason: int | str | None = seq.stopped_by
+            if stop_reason is None and req.finish_reason == "stop" and req.output[-1] in req.params.stop_token_ids:
+                stop_reason = req.output[-1]
+            comp = CompletionOutput(0, seq.text, list(req.output),
+                                    lps if req.params.logprobs is not None else None, req.finish_reason, stop_reason)
+            prompt_lp = None if req.prompt_logprobs is None else [self._decorate(d) for d in req.prompt_logprobs]
+            outs.append(RequestOutput(prompt, ids, prompt_lp, [comp], req.timings))
+        return outs
+
+    def _decorate(self, lps: dict[int, Logprob] | None) -> dict[int, Logprob] | None:
+        """Add each token's text to its Logprob (when a tokenizer is loaded)."""
+        if lps is None or self.tokenizer is None:
+            return lps
+        return {t: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([t], skip_special_tokens=False))
+                for t, lp in lps.items()}
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}) as one batch."""
+        batch = self._start(prompts, sampling_params)
+        for _ in self._events(batch):
+            pass
+        return self._outputs(batch)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Generate for one prompt, yielding text pieces as they are decided."""
+        batch = self._start([prompt], sampling_params)
+        for _, chunk in self._events(batch):
+            yield chunk
+
+    def chat_prompt(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        if self.tokenizer is None:
+            raise GenerationError("chat needs a tokenizer, but this LLM was loaded with skip_tokenizer_init=True")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Answer one conversation ([{"role", "content"}, ...]) or a list of them, via the chat template."""
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        return self.generate([{"prompt_token_ids": self.chat_prompt(c)} for c in convs], sampling_params)
+
+    def stream_chat(self, messages: Messages, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Stream the answer to one conversation."""
+        return self.stream({"prompt_token_ids": self.chat_prompt(messages)}, sampling_params)
+
+
+@dataclass
+class _Batch:
+    encoded: list[tuple[str | None, list[int]]]
+    gen: BatchGenerator
+    texts: list[SequenceText]
+    logprobs: list[list[dict[int, Logprob]]]
+
+
+def _stderr_is_tty() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()

@@ -1,0 +1,144 @@
+"""Sampling parameters (vLLM's names and defaults), logits processing, and log-probabilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from quill.errors import GenerationError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop (the fields vLLM users know).
+
+    temperature 0 is greedy.  ``top_k`` 0 or -1, ``top_p`` 1 and ``min_p`` 0
+    disable those filters.  ``stop`` strings end generation and are not part of
+    the text; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it too.
+    ``logprobs=k`` returns, for each generated token, the k most likely tokens'
+    log-probabilities plus the sampled token's own; ``prompt_logprobs=k`` does
+    the same for every prompt position after the first.  ``-1`` means the whole
+    vocabulary.  Log-probabilities are those of the model's raw distribution
+    (before temperature, penalties and filters), as vLLM reports them.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        _check_int(self.max_tokens, "max_tokens", 1, allow_none=True)
+        _check_number(self.temperature, "temperature", lo=0.0)
+        _check_int(self.top_k, "top_k", -1)
+        _check_number(self.top_p, "top_p", lo=0.0, hi=1.0, lo_open=True)
+        _check_number(self.min_p, "min_p", lo=0.0, hi=1.0)
+        _check_number(self.repetition_penalty, "repetition_penalty", lo=0.0, lo_open=True)
+        _check_int(self.seed, "seed", None, allow_none=True)
+        _check_int(self.logprobs, "logprobs", -1, allow_none=True)
+        _check_int(self.prompt_logprobs, "prompt_logprobs", -1, allow_none=True)
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise GenerationError(f"SamplingParams.stop: expected non-empty strings, found {self.stop!r}")
+        self.stop_strings = tuple(stop)
+        ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise GenerationError(f"SamplingParams.stop_token_ids: expected token ids >= 0, found {ids!r}")
+        self.stop_token_ids = ids
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(v, name: str, lo: int | None, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+        bound = "" if lo is None else f" >= {lo}"
+        raise GenerationError(f"SamplingParams.{name}: expected an integer{bound}, found {v!r}")
+
+
+def _check_number(v, name: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    if ok:
+        ok = (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
+        raise GenerationError(f"SamplingParams.{name}: expected a number in {rng}, found {v!r}")
+
+
+# ---- logits processing -------------------------------------------------------
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty on tokens already in the prompt or output: divide positive logits, multiply negative."""
+    if penalty == 1.0 or seen.numel() == 0:
+        return logits
+    out = logits.clone()
+    score = out[seen]
+    out[seen] = torch.where(score < 0, score * penalty, score / penalty)
+    return out
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """logits [V] with the tokens that top-k, then top-p, then min-p exclude set to -inf."""
+    out = logits.clone()
+    if top_k > 0 and top_k < out.numel():
+        kth = torch.topk(out, top_k).values[-1]
+        out[out < kth] = float("-inf")
+    if top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(out, -1), descending=True)
+        before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above each one
+        drop = before >= top_p  # the smallest prefix whose mass reaches top_p is kept (always >= 1 token)
+        out[order[drop]] = float("-inf")
+    if min_p > 0.0:
+        probs = torch.softmax(out, -1)
+        out[probs < min_p * probs.max()] = float("-inf")
+    return out
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor,
+                 generator: torch.Generator) -> int:
+    """One token id from float32 logits [V]."""
+    logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    probs = torch.softmax(logits, -1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# ---- log-probabilities -------------------------------------------------------
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability, its rank (1 = most likely) and its text (when a tokenizer is loaded)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
+    """The top-k entries of log-probabilities [V] plus ``token``'s own, keyed by token id (k=-1: all)."""
+    k = logprobs.numel() if k == -1 else min(k, logprobs.numel())
+    out: dict[int, Logprob] = {}
+    chosen = float(logprobs[token])
+    out[token] = Logprob(chosen, int((logprobs > logprobs[token]).sum()) + 1)
+    if k:
+        values, ids = torch.topk(logprobs, k)
+        for rank, (v, i) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            if i != token:
+                out[i] = Logprob(v, rank)
+    return out

@@ -1,0 +1,34 @@
+"""Model architectures, one module per HF ``model_type``, resolved by name.
+
+Each module defines ``ModelArgs`` (a dataclass with ``from_dict``) and ``Model``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from quill.errors import ModelError
+
+# model_type -> module under quill.models implementing it
+ARCHITECTURES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",  # dense Mistral is the Llama decoder (a sliding window caps the context)
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def model_module(model_type: str | None) -> ModuleType:
+    """The module implementing ``model_type``, or a ModelError listing the supported ones."""
+    if model_type not in ARCHITECTURES:
+        raise ModelError(f"config model_type '{model_type}' is not supported; supported: "
+                         f"{', '.join(supported_model_types())}")
+    return importlib.import_module(f"quill.models.{ARCHITECTURES[model_type]}")

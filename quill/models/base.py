@@ -1,0 +1,77 @@
+"""What every model file shares: config parsing into ``ModelArgs`` and the per-forward context."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from quill.errors import ModelError
+
+
+@dataclass
+class BaseModelArgs:
+    """A model's hyper-parameters, read from an HF ``config.json`` (unknown keys are dropped)."""
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any]) -> "BaseModelArgs":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = [n for n, f in fields.items()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if params.get(n) is None]
+        if missing:
+            raise ModelError(f"config ({params.get('model_type', '?')}): required field(s) missing: "
+                             f"{', '.join(missing)}")
+        return cls(**{k: v for k, v in params.items() if k in fields and v is not None})
+
+    def check_positive(self, *names: str) -> None:
+        for n in names:
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ModelError(f"config field '{n}': expected a positive integer, found {v!r}")
+
+
+class LayerCache(Protocol):
+    """One layer's view of a KV cache (see ``quill.engine.cache``)."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, D] after the cached ones; return all keys/values [B, Hkv, S, D]."""
+
+
+@dataclass
+class ForwardContext:
+    """Everything one forward needs besides the tokens, passed explicitly down the layers.
+
+    positions: int64 [B, T], the rotary position of each new token.
+    mask: bool [B or 1, 1, T, S] (True = may attend), or None when every key is visible.
+    caches: one LayerCache per decoder layer, or None (no cache: keys are the new tokens only).
+    """
+
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    caches: Sequence[LayerCache] | None = None
+
+    @classmethod
+    def causal(cls, batch: int, length: int) -> "ForwardContext":
+        """A cache-less forward over whole sequences starting at position 0."""
+        pos = torch.arange(length).expand(batch, length)
+        mask = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+        return cls(pos, mask, None)
+
+    def layer_cache(self, i: int) -> LayerCache | None:
+        return None if self.caches is None else self.caches[i]
+
+
+def sliding_window_limit(sliding_window: int | None, enabled: bool, max_positions: int) -> int:
+    """Context limit under sliding-window attention.
+
+    quill runs full attention.  Up to the window, sliding-window attention *is*
+    full attention, so a model with a window is exact when its context is
+    capped at the window; beyond it would need a windowed mask, which we refuse.
+    """
+    if enabled and sliding_window:
+        return min(max_positions, int(sliding_window))
+    return max_positions

@@ -1,0 +1,192 @@
+"""Mixture-of-experts building blocks the MoE model files wire together.
+
+Experts are slots like linears, with HF names (``mlp.experts.<e>.gate_proj``),
+but an :class:`ExpertSlot` keeps the checkpoint's canonical weight (a
+``QuantizedWeight`` of any format, or a float tensor) instead of building a
+kernel: its :class:`SparseMoeBlock` hands all of them to one MoE backend
+(``quill.moe``) the moment the last one arrives.  Loading stays streamed: one
+MoE layer's canonical experts are in memory at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quill.errors import CheckpointError, ModelError
+from quill.kernels import KernelSelector, LinearLayerConfig
+from quill.models.layers import PostLoad, linear
+from quill.moe import ExpertWeights, FusedMoE, MoESelector, build_fused_moe, route
+from quill.moe.experts import Proj
+from quill.quantization.weight import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    """What a slot that builds its own run-time object needs from the loader."""
+
+    selector: KernelSelector  # linear kernels
+    moe_selector: MoESelector
+    activation: str | None  # the user's activation quantization request ("int8" or None)
+    dtype: torch.dtype  # compute dtype
+
+
+class ExpertSlot(nn.Module):
+    """One expert projection; the loader fills it with a canonical weight, its block consumes it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.has_bias = bias
+        self.weight: Proj | None = None  # until the block has built its backend
+        self.loaded = False
+        self.facts: dict = {}  # what `quill inspect` shows about the stored weight
+        self.kernel_name = "empty"
+        self.refusals: tuple[tuple[str, str], ...] = ()
+        self.on_fill: Callable[[LoadContext], None] | None = None
+
+    @property
+    def filled(self) -> bool:
+        return self.loaded
+
+    def fill(self, name: str, weight: Proj, ctx: LoadContext) -> None:
+        if self.loaded:
+            raise CheckpointError(f"expert projection '{name}' is provided twice by the checkpoint")
+        self.weight, self.loaded = weight, True
+        self.facts = _facts(weight, ctx)
+        if self.on_fill is not None:
+            self.on_fill(ctx)
+
+    def take(self) -> Proj:
+        w, self.weight = self.weight, None
+        return w
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.kernel_name}"
+
+
+def _facts(w: Proj, ctx: LoadContext) -> dict:
+    if isinstance(w, QuantizedWeight):
+        summary = LinearLayerConfig.from_weight(w, ctx.selector.platform).summary()
+        return dict(summary=summary, bits=w.bits, group_size=w.group_size, symmetric=w.symmetric,
+                    weight_bytes=w.storage_bytes())
+    dtype = str(w.weight.dtype).removeprefix("torch.")
+    return dict(summary=f"dense {dtype} {w.out_features}x{w.in_features}", bits=None, group_size=None,
+                symmetric=None, weight_bytes=w.storage_bytes())
+
+
+class ExpertMLP(nn.Module):
+    """One expert's three projection slots, under the checkpoint's names (gate, up, down order)."""
+
+    def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str]):
+        super().__init__()
+        self.names = names
+        shapes = ((hidden, intermediate), (hidden, intermediate), (intermediate, hidden))
+        for n, (i, o) in zip(names, shapes):
+            setattr(self, n, ExpertSlot(i, o))
+
+    def slots(self) -> tuple[ExpertSlot, ExpertSlot, ExpertSlot]:
+        return tuple(getattr(self, n) for n in self.names)
+
+
+class SparseMoeBlock(nn.Module, PostLoad):
+    """Router (``gate``) and routed experts: softmax, top-k, optional renormalization, fused experts.
+
+    ``round_weights``: cast the routing weights to the model dtype before
+    combining, as transformers' Qwen-MoE routers do (a no-op in float32).
+    """
+
+    def __init__(self, name: str, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 renormalize: bool, hidden_act: str = "silu", round_weights: bool = False,
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.name = name
+        self.top_k, self.renormalize, self.hidden_act = top_k, renormalize, hidden_act
+        self.round_weights = round_weights
+        self.gate = linear(hidden, num_experts, False)
+        self.experts = nn.ModuleList([ExpertMLP(hidden, intermediate, expert_names) for _ in range(num_experts)])
+        self._missing = 3 * num_experts
+        for ex in self.experts:
+            for s in ex.slots():
+                s.on_fill = self._slot_filled
+        self.fused: FusedMoE | None = None
+
+    def _slot_filled(self, ctx: LoadContext) -> None:
+        self._missing -= 1
+        if self._missing == 0:
+            self._build(ctx)
+
+    def _build(self, ctx: LoadContext) -> None:
+        """All experts are in: choose a backend and prepare them once, then drop the canonical weights."""
+        experts = [ExpertWeights(*(s.take() for s in ex.slots())) for ex in self.experts]
+        self.fused = build_fused_moe(self.name, experts, self.top_k, ctx.moe_selector, ctx.selector,
+                                     ctx.activation, self.hidden_act, ctx.dtype)
+        for ex in self.experts:
+            for s in ex.slots():
+                s.kernel_name, s.refusals = f"moe:{self.fused.backend_name}", self.fused.selection.refusals
+
+    def post_load(self) -> None:
+        """Every expert arrived (the block was built when the last did), or a CheckpointError saying which not."""
+        if self.fused is not None:
+            return
+        missing = [f"{self.name}.experts.{e}.{n}" for e, ex in enumerate(self.experts)
+                   for n, s in zip(ex.names, ex.slots()) if not s.filled]
+        absent = [e for e, ex in enumerate(self.experts) if not any(s.filled for s in ex.slots())]
+        whole = f"; experts with no tensors at all: {absent}" if absent else ""
+        raise CheckpointError(f"{self.name}: the config says {len(self.experts)} experts, but the checkpoint lacks "
+                              f"{len(missing)} expert projection(s), first '{missing[0]}'{whole}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
+        B, T, H = x.shape
+        x2 = x.reshape(-1, H)  # [BT, H]
+        logits = self.gate(x2)  # [BT, E]
+        weights, ids = route(logits, self.top_k, self.renormalize)  # [BT, k] each
+        if self.round_weights:
+            weights = weights.to(logits.dtype)
+        return self.fused(x2, ids, weights).reshape(B, T, H)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen2-MoE: routed experts plus an always-on ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    def __init__(self, name: str, shared_expert: nn.Module, hidden: int, **moe):
+        super().__init__(name, hidden, **moe)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = linear(hidden, 1, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
+        routed = super().forward(x)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+def check_moe_config(model_type: str, num_layers: int, num_experts: int, top_k: int, moe_intermediate: int,
+                     sparse_step: int = 1, mlp_only_layers=()) -> None:
+    """The MoE fields of a config, checked with ModelErrors naming the field."""
+    for field, v in (("num_experts", num_experts), ("num_experts_per_tok", top_k),
+                     ("moe_intermediate_size", moe_intermediate), ("decoder_sparse_step", sparse_step)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ModelError(f"config ({model_type}) field '{field}': expected a positive integer, found {v!r}")
+    if top_k > num_experts:
+        raise ModelError(f"config ({model_type}): num_experts_per_tok {top_k} exceeds the {num_experts} experts")
+    bad = [i for i in mlp_only_layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise ModelError(f"config ({model_type}) field 'mlp_only_layers': {bad} are not layer indices "
+                         f"in [0, {num_layers})")
+
+
+def is_sparse_layer(layer: int, num_experts: int, sparse_step: int, mlp_only_layers) -> bool:
+    """Qwen-MoE's rule: sparse unless listed in mlp_only_layers, every ``decoder_sparse_step``-th layer."""
+    return layer not in mlp_only_layers and num_experts > 0 and (layer + 1) % sparse_step == 0
+
+
+def expert_count(model_type: str, num_experts: int | None, num_local_experts: int | None, default: int) -> int:
+    """The expert count under either spelling (transformers 5 writes ``num_local_experts`` for every MoE)."""
+    if num_experts is not None and num_local_experts is not None and num_experts != num_local_experts:
+        raise ModelError(f"config ({model_type}): num_experts {num_experts} and num_local_experts "
+                         f"{num_local_experts} disagree")
+    n = num_experts if num_experts is not None else num_local_experts
+    return default if n is None else n

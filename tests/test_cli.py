@@ -1,0 +1,116 @@
+"""The quill command: generate, chat (stdin), inspect, and typed errors at the command line."""
+
+import io
+
+import pytest
+
+import quill
+from quill.cli import main
+from quill.default_model import default_model_path
+from tests.fixture_util import fixture_names, fixture_path
+from tests.model_util import hf_model, save_hf_dir
+
+GREEDY = quill.SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_hf_dir(hf_model("qwen2", seed=31), tmp_path_factory.mktemp("cli") / "qwen2"))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return quill.LLM(model_dir)
+
+
+def test_generate_streams_the_chat_answer(model_dir, llm, capsys):
+    assert main(["generate", "--model", model_dir, "--max-tokens", "6", "hello world"]) == 0
+    out, err = capsys.readouterr()
+    want = llm.chat([{"role": "user", "content": "hello world"}], GREEDY)[0].text
+    assert out == want + "\n"
+    assert "generation: 6 tokens" in err and "finish: length" in err
+
+
+def test_generate_raw_prompt_and_sampling_flags(model_dir, llm, capsys):
+    argv = ["generate", "-m", model_dir, "--no-chat-template", "--max-tokens", "5", "--temperature", "0.8",
+            "--top-k", "20", "--top-p", "0.9", "--min-p", "0.01", "--seed", "7", "--repetition-penalty", "1.1",
+            "--threads", "1", "--act-quant", "int8", "the capital"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    w4a8 = quill.LLM(model_dir, activation_quant="int8", threads=1)
+    sp = quill.SamplingParams(max_tokens=5, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=7,
+                              repetition_penalty=1.1)
+    assert out == w4a8.generate("the capital", sp)[0].text + "\n"
+
+
+def test_chat_reads_stdin_with_reset_and_exit(model_dir, llm, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n/reset\nhello\n/exit\nnever read\n"))
+    assert main(["chat", "--model", model_dir, "--max-tokens", "6"]) == 0
+    replies = capsys.readouterr().out.splitlines()
+    first = llm.chat([{"role": "user", "content": "hello"}], GREEDY)[0].text
+    second = llm.chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                       {"role": "user", "content": "again"}], GREEDY)[0].text
+    assert "\n" not in first + second
+    assert replies == [first, second, first]  # after /reset the history is gone
+
+
+def test_inspect_reports_layers_kernels_and_memory(capsys, monkeypatch):
+    # the native kernels too, so the layers fall through to the oracle on any CPU
+    monkeypatch.setenv("QUILL_DISABLED_KERNELS", "torch,native_w4a16,native_w8a16,native_w4a8,native_w8a8")
+    assert main(["inspect", str(fixture_path("ar-mixed-llama"))]) == 0
+    out = capsys.readouterr().out
+    assert "auto-round" in out and "extra_config" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("model.", "lm_head"))}
+    assert len(rows) == 16  # the embedding and 15 linear layers
+    assert rows["model.embed_tokens"][1:6] == ["embedding", "-", "-", "-", "lookup"]
+    assert rows["model.layers.0.self_attn.q_proj"][1:6] == ["quantized", "8", "ch", "yes", "reference"]
+    assert rows["model.layers.0.mlp.down_proj"][1:6] == ["quantized", "8", "32", "yes", "reference"]
+    assert rows["model.layers.1.mlp.gate_proj"][1:6] == ["dense", "-", "-", "-", "dense"]
+    assert out.count("skipped torch: disabled by QUILL_DISABLED_KERNELS") == 12
+    assert "bits per weight" in out and "load memory:" in out and "within" in out
+
+
+def test_errors_are_reported_not_raised(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), "hi"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def _inspect_rows(capsys, model: str) -> dict[str, list[str]]:
+    assert main(["inspect", model]) == 0
+    out = capsys.readouterr().out
+    header = next(i for i, line in enumerate(out.splitlines()) if line.startswith("layer "))
+    rows = {}
+    for line in out.splitlines()[header + 1:]:
+        if not line.strip():
+            break
+        if not line.startswith(" "):  # indented lines explain refusals of the row above
+            rows[line.split()[0]] = line.split()
+    return rows
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_inspect_names_a_kernel_for_every_layer_of_every_fixture(capsys, name):
+    from quill.kernels.selection import KERNELS
+    from quill.moe import MOE_BACKENDS
+
+    rows = _inspect_rows(capsys, str(fixture_path(name)))
+    quantized = [r for r in rows.values() if r[1] == "quantized"]
+    experts = [r for r in rows.values() if r[1] == "expert"]  # "expert xE bits group sym moe:<backend>"
+    assert quantized, f"{name}: inspect listed no quantized layer"
+    for r in quantized:
+        assert r[5] in KERNELS, f"{name}: {r[0]} names no registered kernel: {r}"
+    for r in experts:
+        assert r[6].startswith("moe:") and r[6][4:] in MOE_BACKENDS, f"{name}: {r[0]} names no MoE backend: {r}"
+
+
+def test_inspect_default_model_names_a_kernel_for_every_layer(capsys):
+    from quill.kernels.selection import KERNELS
+
+    rows = _inspect_rows(capsys, str(default_model_path()))
+    quantized = [r for r in rows.values() if r[1] == "quantized"]
+    assert len(quantized) == 30 * 7  # every projection of the 30 blocks
+    assert all(r[5] in KERNELS for r in quantized)
+    assert rows["model.embed_tokens"][1:6] == ["embedding", "8", "32", "yes", "lookup"]  # Q8_0, tied
+    assert rows["lm_head"][1] == "tied" and rows["lm_head"][5] in KERNELS  # the Q8_0 weight through a kernel
