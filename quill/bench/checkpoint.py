@@ -4,8 +4,10 @@ Random weights quantized with round-to-nearest (:func:`quantize_rtn`) and writte
 as compressed-tensors pack-quantized (llm-compressor's W4A16 layout) through
 quill's own format writer, so the benchmark needs no model hub.  Defaults match
 Llama-3.2-1B's shapes: hidden 2048, MLP 8192, 32 heads of 64 (8 KV heads),
-16 layers, vocabulary 128256, tied embeddings.  One safetensors shard per layer
-keeps memory bounded while writing.
+16 layers, vocabulary 128256.  By default the lm_head is a 4-bit layer of its own
+(untied; the bfloat16 embedding is only looked up), so every linear a decoded
+token reads is 4-bit; ``lm_head="tied"`` keeps Llama-3.2's tied bfloat16 head.
+One safetensors shard per layer keeps memory bounded while writing.
 """
 
 from __future__ import annotations
@@ -43,18 +45,23 @@ class LlamaShape:
                 "mlp.down_proj": (h, i)}
 
 
-def hf_config(shape: LlamaShape, quant: dict) -> dict:
+def hf_config(shape: LlamaShape, quant: dict, tied: bool = True) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **asdict(shape), "head_dim": shape.head_dim,
         "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": tied, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
         "quantization_config": quant,
     }
 
 
 def write_llama_w4(out: Path, layers: int = 16, group_size: int = 128, seed: int = 0,
-                   shape: LlamaShape | None = None) -> Path:
-    """Write the checkpoint directory ``out`` (config.json, one shard per layer, index); returns ``out``."""
+                   shape: LlamaShape | None = None, lm_head: str = "w4") -> Path:
+    """Write the checkpoint directory ``out`` (config.json, one shard per layer, index); returns ``out``.
+
+    ``lm_head``: "w4" (a 4-bit untied head, the default) or "tied" (the bfloat16 embedding).
+    """
+    if lm_head not in ("w4", "tied"):
+        raise ValueError(f"lm_head '{lm_head}' is not supported; supported: w4, tied")
     shape = shape or LlamaShape(num_hidden_layers=layers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -66,7 +73,17 @@ def write_llama_w4(out: Path, layers: int = 16, group_size: int = 128, seed: int
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / fname))
         weight_map.update({k: fname for k in tensors})
 
+    def quantized(name: str, n: int, k: int) -> dict[str, torch.Tensor]:
+        nonlocal scheme
+        w = torch.randn(n, k, generator=g) * (1.0 / k ** 0.5)
+        qw = quantize_rtn(w, 4, group_size, symmetric=True, generator=g, scale_dtype=torch.bfloat16)
+        qw.name = name
+        scheme = scheme or scheme_config(qw)
+        return {f"{name}.{s}": t for s, t in to_compressed_tensors(qw).items()}
+
     h = shape.hidden_size
+    if lm_head == "w4":
+        save(quantized("lm_head", shape.vocab_size, h), "model-lm-head.safetensors")
     save({"model.embed_tokens.weight": (torch.randn(shape.vocab_size, h, generator=g) * 0.02).to(torch.bfloat16),
           "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}, "model-embed.safetensors")
     for li in range(shape.num_hidden_layers):
@@ -74,13 +91,9 @@ def write_llama_w4(out: Path, layers: int = 16, group_size: int = 128, seed: int
         tensors = {f"{prefix}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
                    f"{prefix}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
         for module, (n, k) in shape.linears().items():
-            w = torch.randn(n, k, generator=g) * (1.0 / k ** 0.5)
-            qw = quantize_rtn(w, 4, group_size, symmetric=True, generator=g, scale_dtype=torch.bfloat16)
-            qw.name = f"{prefix}.{module}"
-            scheme = scheme or scheme_config(qw)
-            tensors.update({f"{prefix}.{module}.{s}": t for s, t in to_compressed_tensors(qw).items()})
+            tensors.update(quantized(f"{prefix}.{module}", n, k))
         save(tensors, f"model-layer{li:03d}.safetensors")
-    quant = quantization_config({"group_0": scheme}, ignore=["lm_head"])
-    (out / "config.json").write_text(json.dumps(hf_config(shape, quant), indent=1))
+    quant = quantization_config({"group_0": scheme}, ignore=[] if lm_head == "w4" else ["lm_head"])
+    (out / "config.json").write_text(json.dumps(hf_config(shape, quant, tied=lm_head == "tied"), indent=1))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
