@@ -35,12 +35,15 @@ def test_llama_checkpoint_reads_back(tmp_path):
     path = write_llama_w4(tmp_path / "ckpt", group_size=32, shape=shape)
     ckpt = open_checkpoint(path)
     layers = dict(ckpt.quantized_layers())
-    assert len(layers) == 14 and ckpt.config["num_key_value_heads"] == 2
+    assert len(layers) == 15 and ckpt.config["num_key_value_heads"] == 2  # 2 x 7 projections + lm_head
+    assert layers["lm_head"].out_features == 100 and ckpt.config["tie_word_embeddings"] is False
     qw = layers["model.layers.1.mlp.down_proj"]
     assert (qw.out_features, qw.in_features, qw.bits, qw.group_size) == (64, 128, 4, 32)
     dense = dict(ckpt.dense_tensors())
     assert dense["model.embed_tokens.weight"].shape == (100, 64)
     assert dense["model.embed_tokens.weight"].dtype == torch.bfloat16
+    tied = open_checkpoint(write_llama_w4(tmp_path / "tied", group_size=32, shape=shape, lm_head="tied"))
+    assert len(dict(tied.quantized_layers())) == 14 and tied.config["tie_word_embeddings"] is True
 
 
 def test_bench_linears_on_a_fixture(capsys):
