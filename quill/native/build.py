@@ -39,7 +39,6 @@ SOURCES: dict[str, list[str]] = {
     "scalar.cpp": [],
     "avx2.cpp": AVX2,
     "avx512_vnni.cpp": AVX512 + ["-mavx512vnni"],
-    "avx512_bf16.cpp": AVX512 + ["-mavx512bf16"],
     "binding.cpp": [],
 }
 

@@ -20,9 +20,13 @@ from quill.quantization.weight import QuantizedWeight
 LANES = 16
 BLOCK_BYTES = 64
 
-# int32 accumulation limit of the int8 kernels: a segment of 8-bit codes may not
-# exceed 2**31 / (255 * 128) positions, so longer groups are cut (same scale).
+# Longest segment (positions; longer groups are cut, each piece with the group's scale).
+# int8 activations: int32 sums of 8-bit codes stay exact up to 2**31 / (255 * 128)
+# positions.  Float activations: every segment has its own activation scale (the
+# fixed-point image, csrc/common.h SplitActs), so pieces of 128 bound its error to a
+# 128-wide neighbourhood and keep sums of 8-bit codes within int32.
 INT8_MAX_SEGMENT = {8: 32768, 4: 1 << 20}
+FLOAT_MAX_SEGMENT = 128
 
 
 def chunk_k(bits: int) -> int:
@@ -132,7 +136,7 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
         raise KernelError(f"{w.name}: native kernels run 4- and 8-bit codes, found {w.bits}-bit")
     if w.out_features == 0 or w.in_features == 0:
         raise KernelError(f"{w.name}: empty weight [{w.out_features}, {w.in_features}]")
-    order = stream_order(w, INT8_MAX_SEGMENT[w.bits] if int8_activations else None)
+    order = stream_order(w, INT8_MAX_SEGMENT[w.bits] if int8_activations else FLOAT_MAX_SEGMENT)
     nb = -(-w.out_features // LANES)
     scales, offsets = w.scales, w.offsets
     if offsets is not None and offsets.dtype != scales.dtype:  # one dtype for both (exact in float32)
