@@ -22,6 +22,7 @@
 
 #include "common.h"
 #include "hugepage.h"
+#include "ops.h"
 
 namespace quill {
 namespace {
@@ -389,6 +390,8 @@ PYBIND11_MODULE(_quill_native, m) {
       if (p) std::rethrow_exception(p);
     } catch (const quill::KernelFailure& e) {
       PyErr_SetString(kernel_error, e.what());
+    } catch (const quill::OpFailure& e) {
+      PyErr_SetString(kernel_error, e.what());
     }
   });
   m.doc() = "quill native CPU linear kernels (W4A16, W8A16, W4A8, W8A8)";
@@ -416,6 +419,7 @@ PYBIND11_MODULE(_quill_native, m) {
   });
   m.def("split_activations", &quill::split_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
         py::arg("src"), py::arg("isa"));
+  quill::register_ops(m);
   m.def("huge_page_copy", &quill::huge_page_copy, py::arg("t"));
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
