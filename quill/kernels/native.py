@@ -125,3 +125,4 @@ class NativeW4A8Kernel(_NativeKernel):
 class NativeW8A8Kernel(_NativeKernel):
     name = "native_w8a8"
     bits, int8 = 8, True
+

@@ -3,7 +3,7 @@
 Plain g++, outside pip (pip's build isolation would pull a CUDA torch).  Every
 ISA variant is its own translation unit with its own ``-m`` flags and no
 ``-march=native``, so one build runs on any x86-64 and the ISA is picked at
-load.  Only ``binding.cpp`` and ``ops.cpp`` see torch headers (the slow ones);
+load.  Only ``binding.cpp``, ``ops.cpp`` and ``dense.cpp`` see torch headers (the slow ones);
 the kernels are plain C++.  Objects are rebuilt when a source or header is newer.
 
 On failure the log goes to ``quill/native/_build/build.log``, a one-line reason
@@ -39,10 +39,14 @@ SOURCES: dict[str, list[str]] = {
     "scalar.cpp": [],
     "avx2.cpp": AVX2,
     "avx512_vnni.cpp": AVX512 + ["-mavx512vnni"],
+    "dense_scalar.cpp": [],
+    "dense_avx2.cpp": AVX2,
+    "dense_avx512.cpp": AVX512,
     "binding.cpp": [],
     "ops.cpp": [],
+    "dense.cpp": [],
 }
-TORCH_SOURCES = ("binding.cpp", "ops.cpp")  # the slow ones: they see torch headers
+TORCH_SOURCES = ("binding.cpp", "ops.cpp", "dense.cpp")  # the slow ones: they see torch headers
 
 
 def extension_path() -> Path:

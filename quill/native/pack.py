@@ -165,3 +165,22 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
         seg_end=order.seg_end, src=order.src, wsum=wsum, bits=w.bits,
         out_features=w.out_features, in_features=w.in_features,
     )
+
+
+def pack_dense(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16/float16 [N, K] -> int16 [NB, KP, 16, 2] (csrc/dense.h): row blocks of 16, column pairs.
+
+    The words are the weight's own bits (no conversion); N is padded with zero rows and
+    K with a zero column to even.  Gathered straight onto 2 MiB pages.
+    """
+    if w.dtype not in (torch.bfloat16, torch.float16) or w.dim() != 2:
+        raise KernelError(f"native dense: weight should be a 2-D bfloat16/float16 tensor, found {w.dtype} "
+                          f"{list(w.shape)}")
+    n, k = w.shape
+    nb, kp = -(-n // LANES), -(-k // 2)
+    bits = w.view(torch.int16)
+    if nb * LANES != n or 2 * kp != k:
+        bits = torch.nn.functional.pad(bits, (0, 2 * kp - k, 0, nb * LANES - n))
+    ext = native.load().module
+    place = ext.huge_page_copy if ext is not None else (lambda t: t.contiguous())
+    return place(bits.view(nb, LANES, kp, 2).permute(0, 2, 1, 3))  # [NB, KP, 16, 2]

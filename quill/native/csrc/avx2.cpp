@@ -5,7 +5,7 @@
 // vpmaddubsw multiplies unsigned code bytes with signed activation bytes into
 // int16 pairs (no saturation: codes are split into nibbles, so |pair| <= 2 * 15 *
 // 128), vpmaddwd widens them to int32 exactly, weighting each pair sum (the high
-// nibble of 8-bit codes by 16, the hi part of split float activations by 128).
+// nibble of 8-bit codes by 16, the hi part of split float activations by 256).
 // int8 activations (W4A8, W8A8) are one part; float activations (W4A16, W8A16) are
 // their split fixed-point image (common.h SplitActs), two parts.
 #include <immintrin.h>
@@ -71,14 +71,14 @@ inline const int8_t* stream_of(const I8Acts& a) { return a.q; }
 inline const int8_t* stream_of(const SplitActs& a) { return a.x; }
 
 // MT tokens x one row block, all of K.  PARTS = 1: int8 activations; PARTS = 2: the
-// split image of float activations, whose hi part enters vpmaddwd with weight 128, so
-// one int32 accumulator per token and half holds D = 128 * sum(code * hi) + sum(code * lo).
+// split image of float activations, whose hi part enters vpmaddwd with weight 256, so
+// one int32 accumulator per token and half holds D = 256 * sum(code * hi) + sum(code * lo).
 template <int BITS, int PARTS, int MT, class Acts>
 void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
   constexpr int CK = chunk_k(BITS), STRIDE = PARTS * CK;
   const __m256i low = _mm256_set1_epi8(0x0F);
   // vpmaddwd weights of the int16 pair sums: [part][nibble] (8-bit codes = 16 * high nibble + low)
-  const __m256i wt[2][2] = {{_mm256_set1_epi16(PARTS == 2 ? 128 : 1), _mm256_set1_epi16(PARTS == 2 ? 2048 : 16)},
+  const __m256i wt[2][2] = {{_mm256_set1_epi16(PARTS == 2 ? 256 : 1), _mm256_set1_epi16(PARTS == 2 ? 4096 : 16)},
                             {_mm256_set1_epi16(1), _mm256_set1_epi16(16)}};
   const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
   alignas(32) float f[MT][LANES] = {};
@@ -233,7 +233,7 @@ inline __m256 load_x8_upto(const RawX& in, const void* row, int64_t p, int64_t r
 // identity order (the binding gathers act-order first).
 void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
   const int esize = in.dtype == DType::F32 ? 4 : 2;
-  const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), lo7 = _mm256_set1_epi32(127);
+  const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), half = _mm256_set1_epi32(128);
   const __m256 qmin = _mm256_set1_ps(-SPLIT_QMAX), qmax = _mm256_set1_ps(SPLIT_QMAX);
   for (int m = m0; m < m1; ++m) {
     const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
@@ -261,8 +261,9 @@ void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int
         const __m256i q = _mm256_cvtps_epi32(t);  // ties to even
         sum = _mm256_add_epi32(sum, q);
         // int16 [h0-3 l0-3 | h4-7 l4-7] -> bytes, qwords 0 and 2: h0-3 l0-3 h4-7 l4-7 (no saturation:
-        // hi in [-128, 127], lo in [0, 127])
-        const __m256i w16 = _mm256_packs_epi32(_mm256_srai_epi32(q, 7), _mm256_and_si256(q, lo7));
+        // hi, lo in [-128, 127]); split_hi / split_lo
+        const __m256i hi = _mm256_srai_epi32(_mm256_add_epi32(q, half), 8);
+        const __m256i w16 = _mm256_packs_epi32(hi, _mm256_sub_epi32(q, _mm256_slli_epi32(hi, 8)));
         __m128i b = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packs_epi16(w16, w16), 0x08));
         if (in.chunk == 8) b = _mm_shuffle_epi32(b, 0xD8);  // one chunk: h0-7 l0-7
         if (p + 8 <= p1) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * p), b);

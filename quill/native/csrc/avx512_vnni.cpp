@@ -26,7 +26,7 @@ inline __m512i bcast4(const int8_t* p) {
 
 // MT tokens x RB row blocks x chunks [c0, c1), starting in segment s; partial
 // results in/out through st[r] (kblock.h).  Two parts per chunk: hi bytes, then lo
-// bytes, D = 128 * part 0 + part 1 (the partial state holds D, so it enters part 1).
+// bytes, D = 256 * part 0 + part 1 (the partial state holds D, so it enters part 1).
 // The row blocks share the activation broadcasts; NA accumulators per part (4-bit:
 // nibble x chunk parity, 8-bit: chunk parity) keep enough vpdpbusd chains in flight.
 template <int BITS, int MT, int RB>
@@ -51,7 +51,7 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
       d[p] = acc[r][m][p][0];
       for (int i = 1; i < NA; ++i) d[p] = _mm512_add_epi32(d[p], acc[r][m][p][i]);
     }
-    return _mm512_add_epi32(_mm512_slli_epi32(d[0], 7), d[1]);
+    return _mm512_add_epi32(_mm512_slli_epi32(d[0], 8), d[1]);
   };
   for (int r = 0; r < RB; ++r)
     for (int m = 0; m < MT; ++m) {
@@ -304,7 +304,7 @@ inline __mmask16 first_lanes(int64_t left) {
 // identity order (the binding gathers act-order first).
 void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
   const int esize = in.dtype == DType::F32 ? 4 : 2;
-  const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), lo7 = _mm512_set1_epi32(127);
+  const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), half = _mm512_set1_epi32(128);
   const __m512 qmin = _mm512_set1_ps(-SPLIT_QMAX), qmax = _mm512_set1_ps(SPLIT_QMAX);
   for (int m = m0; m < m1; ++m) {
     const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
@@ -329,7 +329,8 @@ void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int
         const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_mul_ps(v, pre), inv), qmin), qmax);
         const __m512i q = _mm512_cvtps_epi32(t);  // ties to even
         sum = _mm512_add_epi32(sum, q);
-        const __m128i hb = _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 7)), lb = _mm512_cvtepi32_epi8(_mm512_and_si512(q, lo7));
+        const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half), 8);  // split_hi / split_lo
+        const __m128i hb = _mm512_cvtepi32_epi8(hi), lb = _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8)));
         const bool four = in.chunk == 8;  // per chunk: CK hi bytes, then CK lo bytes
         const __m128i a = four ? _mm_unpacklo_epi64(hb, lb) : _mm_unpacklo_epi32(hb, lb);
         const __m128i b = four ? _mm_unpackhi_epi64(hb, lb) : _mm_unpackhi_epi32(hb, lb);

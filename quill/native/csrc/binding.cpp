@@ -23,6 +23,7 @@
 #include "common.h"
 #include "hugepage.h"
 #include "ops.h"
+#include "parallel.h"
 
 namespace quill {
 namespace {
@@ -180,25 +181,10 @@ class NativeLinear {
   }
 
  private:
-  // Threads for `work` bytes of weight traffic: never more than torch's pool, the
-  // layer's setting, or one per 256 KiB.  Waking torch's OpenMP workers costs ~10 us
-  // here (libgomp puts them to sleep almost at once on this 2-CPU VM), as long as one
-  // thread streams ~280 KB; below that a second thread does not pay for itself.
-  // (OMP_WAIT_POLICY=ACTIVE removes the wake-up, for torch's ops as well.)
-  static constexpr int64_t kMinBytesPerThread = 256 << 10;
-  int threads_for(int64_t work) const {
-    const int64_t t = std::min<int64_t>(
-        {threads_, at::get_num_threads(), std::max<int64_t>(1, work / kMinBytesPerThread), w_.nb});
-    return int(std::max<int64_t>(1, t));
-  }
+  int threads_for(int64_t work) const { return quill::threads_for(threads_, work, w_.nb); }
 
   template <class F>
-  void parallel(int parts, int64_t count, const F& body) const {  // body(begin, end) over [0, count)
-    if (parts <= 1 || at::in_parallel_region()) return body(0, count);
-    at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) body(count * i / parts, count * (i + 1) / parts);
-    });
-  }
+  void parallel(int parts, int64_t count, const F& body) const { parallel_parts(parts, count, body); }
 
   template <class Acts, class G>
   void gemm(const Weights& w, const Acts& a, const Out& o, G fn) const {
@@ -420,6 +406,7 @@ PYBIND11_MODULE(_quill_native, m) {
   m.def("split_activations", &quill::split_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
         py::arg("src"), py::arg("isa"));
   quill::register_ops(m);
+  quill::register_dense(m);
   m.def("huge_page_copy", &quill::huge_page_copy, py::arg("t"));
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),

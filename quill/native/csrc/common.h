@@ -74,24 +74,24 @@ struct Weights {
 // Float activations as a fixed-point image, one scale per token and segment
 // (stream_split in each TU; the definition is quantize_split_segment in scalar_util.h):
 //
-//   q = round(x * 16383 / amax)  (|q| <= 16383, amax = max |x| over the segment)
-//   q = 128 * hi + lo             (hi in [-128, 127], lo in [0, 127]: two int8 parts)
+//   q = round(x * 32639 / amax)  (|q| <= 32639, amax = max |x| over the segment)
+//   q = 256 * hi + lo             (hi = (q + 128) >> 8 and lo in [-128, 127]: two int8 parts)
 //
 // Per chunk the stream holds the CK hi bytes, then the CK lo bytes (stream order).
-// Kernels form D = 128 * sum(code * hi) + sum(code * lo) = sum(code * q) exactly in int32.
+// Kernels form D = 256 * sum(code * hi) + sum(code * lo) = sum(code * q) exactly in int32.
 struct SplitActs {
   const int8_t* x = nullptr;      // [M, ld]
   const int32_t* qsum = nullptr;  // [M, S] exact sums of q over each segment
-  const float* scale = nullptr;   // [M, S] amax / 16383 (NaN when the segment holds inf or NaN)
+  const float* scale = nullptr;   // [M, S] amax / 32639 (NaN when the segment holds inf or NaN)
   int64_t ld = 0;
   int32_t m = 0;
 };
 
 // Largest segment of the float kernels (positions): bounds the error of the fixed-point
 // image to one 128-wide neighbourhood and keeps D within int32 for 8-bit codes
-// (128 * 255 * 16383 < 2^31).
+// (128 * 255 * 32639 < 2^31).
 constexpr int SPLIT_MAX_SEGMENT = 128;
-constexpr float SPLIT_QMAX = 16383.0f;
+constexpr float SPLIT_QMAX = 32639.0f;  // the largest |q| whose hi part fits int8
 
 // int8 activations, quantized per token (or per tensor) in stream order.
 struct I8Acts {

@@ -22,7 +22,7 @@ inline int code_at(const uint8_t* blk, int bits, int r, int j) {
 }
 
 // Float activations as their split fixed-point image (common.h SplitActs): per lane,
-// D = 128 * sum(code * hi) + sum(code * lo), exactly.
+// D = 256 * sum(code * hi) + sum(code * lo), exactly.
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
   const int ck = chunk_k(w.bits);
   float f[LANES];
@@ -47,7 +47,7 @@ void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int
         }
         const int64_t i = int64_t(m) * w.nseg + s;
         for (int r = 0; r < LANES; ++r)
-          f[r] = split_epilogue(w, nb, s, r, 128 * dh[r] + dl[r], a.qsum[i], a.scale[i], f[r]);
+          f[r] = split_epilogue(w, nb, s, r, 256 * dh[r] + dl[r], a.qsum[i], a.scale[i], f[r]);
       }
       store_float_row(w, o, nb, m, f);
     }

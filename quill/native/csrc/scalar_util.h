@@ -82,9 +82,9 @@ inline int32_t split_q(float x, const SplitParams& p) {
   return static_cast<int32_t>(std::nearbyint(t));
 }
 
-// q = 128 * hi + lo: hi in [-128, 127] (arithmetic shift), lo in [0, 127].
-inline int8_t split_hi(int32_t q) { return static_cast<int8_t>(q >> 7); }
-inline int8_t split_lo(int32_t q) { return static_cast<int8_t>(q & 127); }
+// q = 256 * hi + lo: hi = round(q / 256) (ties up, arithmetic shift), both in [-128, 127].
+inline int8_t split_hi(int32_t q) { return static_cast<int8_t>((q + 128) >> 8); }
+inline int8_t split_lo(int32_t q) { return static_cast<int8_t>(q - 256 * ((q + 128) >> 8)); }
 
 inline int64_t seg_index(const Weights& w, int nb, int s, int r) { return (int64_t(nb) * w.nseg + s) * LANES + r; }
 
