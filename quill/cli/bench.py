@@ -5,6 +5,7 @@
     quill bench kernels --json out.json --plot out.png
     quill bench linears [CHECKPOINT]         # every quantized linear once per token (default model)
     quill bench checkpoint DIR               # write a 1B Llama-shaped W4 checkpoint (model benchmark)
+    quill bench moe-layer | moe-model        # one MoE layer / a small MoE model: decode and prefill
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def register(sub) -> None:
     c.add_argument("--group-size", type=int, default=128)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=run_checkpoint)
+    from quill.bench import moe
+
+    moe.register(bsub)  # moe-layer, moe-model
 
 
 def _ints(text: str, what: str) -> list[int]:
