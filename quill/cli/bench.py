@@ -5,6 +5,7 @@
     quill bench kernels --json out.json --plot out.png
     quill bench linears [CHECKPOINT]         # every quantized linear once per token (default model)
     quill bench checkpoint DIR               # write a 1B Llama-shaped W4 checkpoint (model benchmark)
+    quill bench model [CHECKPOINT]           # prefill / decode / batch-8 tokens/s and % of the roofline
     quill bench moe-layer | moe-model        # one MoE layer / a small MoE model: decode and prefill
 """
 
@@ -47,6 +48,18 @@ def register(sub) -> None:
     c.add_argument("--group-size", type=int, default=128)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=run_checkpoint)
+    md = bsub.add_parser("model", help="prefill, decode and batched decode of a checkpoint against the roofline")
+    md.add_argument("checkpoint", nargs="?", type=Path, default=None,
+                    help="checkpoint directory (default: the 1B W4 checkpoint, written to the cache on first use)")
+    md.add_argument("--modes", default="w4a16,w4a8", help="activation modes: w4a16 (float), w4a8 (int8)")
+    md.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    md.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
+    md.add_argument("--prompt", type=int, default=512, help="prompt tokens of the prefill / decode runs")
+    md.add_argument("--gen", type=int, default=128, help="tokens decoded per run")
+    md.add_argument("--batch", type=int, default=8, help="prompts decoded together in the batch runs")
+    md.add_argument("--runs", type=int, default=3, help="runs per mode; medians are reported")
+    md.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+    md.set_defaults(func=run_model)
     from quill.bench import moe
 
     moe.register(bsub)  # moe-layer, moe-model
@@ -134,4 +147,41 @@ def run_checkpoint(args) -> int:
 
     path = write_llama_w4(args.out, layers=args.layers, group_size=args.group_size, seed=args.seed)
     print(f"wrote {path}")
+    return 0
+
+
+def default_bench_checkpoint(environ=None) -> Path:
+    """Where ``quill bench model`` keeps its 1B checkpoint: $XDG_CACHE_HOME (or ~/.cache)/quill/bench/llama1b-w4."""
+    import os
+    env = os.environ if environ is None else environ
+    root = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "quill" / "bench" / "llama1b-w4"
+
+
+def run_model(args) -> int:
+    import json
+
+    from quill.bench import model
+    from quill.bench.checkpoint import write_llama_w4
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in model.MODES]
+    if unknown or not modes:
+        raise ConfigError(f"--modes '{args.modes}': supported modes are {format_choices(model.MODES)}")
+    path = args.checkpoint
+    if path is None:
+        path = default_bench_checkpoint()
+        if not (path / "config.json").exists():
+            print(f"writing the 1B W4 checkpoint to {path} (once, ~1 GB)", flush=True)
+            write_llama_w4(path)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    bench = model.run(path, detect(), modes, args.dtype, args.threads, args.prompt, args.gen, args.batch,
+                      args.runs, log)
+    log("")
+    log(bench.table())
+    if args.json:
+        command = "quill " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"command": command, **bench.to_json()}, indent=1))
+        log(f"wrote {args.json}")
     return 0

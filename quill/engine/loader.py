@@ -176,7 +176,7 @@ class _SlotFiller:
             if isinstance(m, ExpertSlot):
                 m.fill(name, DenseWeight(w, bias, name), self.ctx)
             else:
-                m.impl = build_dense_linear(name, w, bias, self.dtype)
+                m.impl = build_dense_linear(name, w, bias, self.dtype, self.selector)
                 self.infos[name] = _dense_info(name, m.impl)
             self.progress.update(1)
         self._tie_lm_head()
@@ -200,7 +200,7 @@ class _SlotFiller:
             return  # a checkpoint that stores lm_head keeps its own, tied or not
         emb = self.modules["model.embed_tokens"]
         if emb.weight is not None:
-            head.impl = build_dense_linear("lm_head", emb.weight, None, self.dtype)
+            head.impl = build_dense_linear("lm_head", emb.weight, None, self.dtype, self.selector)
             head.impl.weight_bytes = 0  # shares the embedding's storage
             self.infos["lm_head"] = _dense_info("lm_head", head.impl, "tied")
         elif emb.quantized is not None:
@@ -224,7 +224,7 @@ def _quant_info(name: str, ql, kind: str) -> LayerInfo:
 
 
 def _dense_info(name: str, dl, kind: str = "dense") -> LayerInfo:
-    summary = f"dense {_dtype_name(dl.weight.dtype)} {dl.out_features}x{dl.in_features}"
+    summary = f"dense {_dtype_name(dl.dtype)} {dl.out_features}x{dl.in_features}"
     return LayerInfo(name, kind, summary, None, None, None, dl.kernel_name, (), dl.weight_bytes,
                      dl.in_features * dl.out_features)
 

@@ -12,7 +12,7 @@ import torch
 
 from quill.errors import ConfigError, format_choices
 from quill.kernels.config import LinearLayerConfig
-from quill.kernels.selection import KernelSelector, Selection
+from quill.kernels.selection import KernelSelector, Selection, kernel_class
 from quill.quantization.weight import ActivationQuant, QuantizedWeight
 
 ACTIVATION_CHOICES = ("none", "int8")
@@ -75,29 +75,88 @@ def build_quant_linear(
 class DenseLinear:
     """y = x @ W^T + b for a layer the checkpoint left unquantized (``ignore``, ``extra_config`` bits=16, ...).
 
-    The weight is held in the compute dtype; float32 keeps the layer exact
-    against a float32 reference.  Activations are never quantized here: a
-    layer left in float by its checkpoint stays float (as the tools run it).
+    Held one of two ways.  ``native``: the native dense kernel over the weight's exact
+    16-bit words (bfloat16 or float16, or float32 values that are such numbers, e.g. a
+    bf16 embedding tied as lm_head), with float32 products and sums: the result of a
+    float32 matmul up to summation order, reading half the bytes.  Otherwise ``weight``
+    in the compute dtype through ``F.linear``; float32 keeps the layer exact against a
+    float32 reference.  Activations are never quantized here: a layer left in float by
+    its checkpoint stays float (as the tools run it).
     """
 
     name: str
     in_features: int
     out_features: int
-    weight: torch.Tensor  # [out, in], compute dtype
+    weight: torch.Tensor | None  # [out, in], compute dtype (the torch path); None when `native` holds it
     bias: torch.Tensor | None
     weight_bytes: int  # bytes as stored in the checkpoint
+    native: Any = None  # quill.native NativeDense
+    dtype: torch.dtype = torch.float32  # the weight's dtype as held
 
-    kernel_name = "dense"
+    @property
+    def kernel_name(self) -> str:
+        return "native_dense" if self.native is not None else "dense"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.forward(x, self.bias)  # [..., in] -> [..., out], x's dtype
         return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+def _as_16bit(w: torch.Tensor, rows: int = 4096) -> torch.Tensor | None:
+    """``w`` as bfloat16 or float16 when that holds every value exactly (checked a slice of rows at a time)."""
+    if w.dtype in (torch.bfloat16, torch.float16):
+        return w
+    if w.dtype != torch.float32 or w.dim() != 2:
+        return None
+    for half in (torch.bfloat16, torch.float16):
+        if all(torch.equal(w[r:r + rows].to(half).float(), w[r:r + rows]) for r in range(0, w.shape[0], rows)):
+            return w.to(half)
+    return None
+
+
+# The native dense kernel goes with the native float-activation kernels: disabling either of
+# them, or forcing another kernel, keeps dense layers on torch.
+NATIVE_FLOAT_KERNELS = ("native_w4a16", "native_w8a16")
+
+
+def _native_dense(w: torch.Tensor, selector: KernelSelector | None) -> tuple[Any, torch.dtype] | None:
+    """(NativeDense over ``w`` (compute dtype), the 16-bit dtype it holds), or None: no selector, the
+    native float kernels disabled or another kernel forced, no extension or ISA, or values that are
+    not all 16-bit floats."""
+    from quill import native
+    from quill.native.pack import pack_dense
+
+    policy = selector.policy if selector is not None else None
+    if policy is None or any(k in policy.disabled for k in NATIVE_FLOAT_KERNELS):
+        return None
+    if policy.force not in (None,) + NATIVE_FLOAT_KERNELS:
+        return None
+    if kernel_class(NATIVE_FLOAT_KERNELS[0]).supported(selector.platform) is not None:
+        return None
+    half = _as_16bit(w)
+    if half is None:
+        return None
+    ext, isa = native.load().module, native.isa_for(selector.platform, int8=False)
+    dtype = "bfloat16" if half.dtype == torch.bfloat16 else "float16"
+    handle = ext.NativeDense(pack_dense(half.contiguous()), w.shape[0], w.shape[1], dtype, isa,
+                             max(1, selector.platform.physical_cores))
+    return handle, half.dtype
 
 
 def build_dense_linear(
     name: str, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+    selector: KernelSelector | None = None,
 ) -> DenseLinear:
-    """Wrap a float weight [out, in] (converted once to ``dtype``; no copy when it already is)."""
+    """Wrap a float weight [out, in] (converted once to ``dtype``; no copy when it already is).
+
+    With a ``selector`` the native dense kernel holds it when it can (see DenseLinear), unless
+    the policy disables the native float kernels or forces another kernel (NATIVE_FLOAT_KERNELS).
+    """
     stored = weight.numel() * weight.element_size()
     w = weight.to(dtype).contiguous()
     b = None if bias is None else bias.to(dtype).contiguous()
-    return DenseLinear(name, w.shape[1], w.shape[0], w, b, stored)
+    held = _native_dense(w, selector)
+    if held is not None:
+        return DenseLinear(name, w.shape[1], w.shape[0], None, b, stored, *held)
+    return DenseLinear(name, w.shape[1], w.shape[0], w, b, stored, None, w.dtype)

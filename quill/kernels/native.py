@@ -3,9 +3,12 @@
 Four registered kernels share one implementation, differing in the code width
 they accept and in their activations:
 
-* ``native_w4a16`` / ``native_w8a16``: float activations (bfloat16 exactly;
-  float32/float16 as bf16 hi + lo pairs on AVX-512 BF16, float32 FMA on AVX2),
-  float32 accumulation.  Never quantizes activations.
+* ``native_w4a16`` / ``native_w8a16``: float activations (float32, bfloat16,
+  float16), entered as a fixed-point image with 15 bits per 128-wide segment
+  (scale = max |x| / 16383, split into two int8 parts so the products are exact
+  int8 dot products); per-element error below 2^-15 of its segment's largest
+  value, 80+ dB against float32.  Not activation quantization in the W4A8 sense:
+  no 8-bit rounding, and the result tracks float32 (docs/NATIVE.md).
 * ``native_w4a8`` / ``native_w8a8``: int8 activations, quantized in C++ with the
   arithmetic of :mod:`quill.kernels.activation` (dynamic per token, or the
   checkpoint's static scale and zero point), exact int32 dot products.  Chosen
@@ -44,7 +47,7 @@ class NativeState:
 
 
 def make_handle(packed: PackedWeight, weight: QuantizedWeight, isa: str, threads: int, int8: bool) -> Any:
-    """The C++ NativeLinear over ``packed``; ``isa`` is 'avx512', 'avx2', 'scalar' or 'scalar_bf16'."""
+    """The C++ NativeLinear over ``packed``; ``isa`` is 'avx512', 'avx2' or 'scalar'."""
     ext = native.load()
     if ext.module is None:
         raise KernelError(f"{weight.name}: native kernels unavailable: {ext.error}")
@@ -122,3 +125,4 @@ class NativeW4A8Kernel(_NativeKernel):
 class NativeW8A8Kernel(_NativeKernel):
     name = "native_w8a8"
     bits, int8 = 8, True
+

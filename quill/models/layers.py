@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from quill.errors import ModelError
+from quill.kernels import fused
 from quill.quantization.weight import QuantizedWeight
 
 
@@ -106,10 +107,7 @@ class RMSNorm(nn.Module):
         return self.weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 # ---- rotary position embeddings ---------------------------------------------
@@ -183,7 +181,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D] rotated by cos/sin [B, T, D]."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return fused.rope_torch(x.transpose(1, 2), cos, sin).transpose(1, 2)
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, D] and k [B, T, Hk, D] rotated by cos/sin [B, T, D] (one fused call; may reuse q, k)."""
+    return fused.rope_qk(q, k, cos, sin)

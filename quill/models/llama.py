@@ -14,9 +14,11 @@ from torch import nn
 
 from quill.errors import ModelError
 from quill.models.base import BaseModelArgs, ForwardContext, LayerCache, sliding_window_limit
-from quill.models.layers import Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope, linear
+from quill.kernels import fused
+from quill.models.layers import Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope_qk, linear
 
-ACTIVATIONS = {"silu": F.silu}
+# hidden_act -> the gated activation act(gate) * up
+ACTIVATIONS = {"silu": fused.silu_mul}
 
 
 @dataclass
@@ -85,8 +87,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: LayerCache | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.project(x))  # [B, H, T, D]
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = self.project(x)  # [B, T, H, D]
+        q, k = apply_rope_qk(q, k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         if cache is not None:
             k, v = cache.update(k, v)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
@@ -103,7 +106,7 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[args.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -18,11 +18,11 @@ from quill.platform import Platform
 
 _BUILD = Path(__file__).resolve().parent / "_build"
 
-# Variants, best first: (name, flags the CPU needs).  Float kernels (W4A16,
-# W8A16) use AVX-512 BF16 dot products, int8 kernels (W4A8, W8A8) VNNI; both
-# fall back to the AVX2 + FMA + F16C baseline.
-FLOAT_ISAS = (("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")), ("avx2", ("avx2", "fma", "f16c")))
-INT8_ISAS = (("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")), ("avx2", ("avx2", "fma", "f16c")))
+# Variants, best first: (name, flags the CPU needs).  Every kernel family runs exact
+# int8 dot products: AVX-512 VNNI (vpdpbusd), else the AVX2 + FMA + F16C baseline
+# (vpmaddubsw).  Float activations enter as a fixed-point image (docs/NATIVE.md).
+ISAS = (("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")), ("avx2", ("avx2", "fma", "f16c")))
+FLOAT_ISAS = INT8_ISAS = ISAS
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 Plain g++, outside pip (pip's build isolation would pull a CUDA torch).  Every
 ISA variant is its own translation unit with its own ``-m`` flags and no
 ``-march=native``, so one build runs on any x86-64 and the ISA is picked at
-load.  Only ``binding.cpp`` sees torch headers (the slow one); the kernels are
-plain C++.  Objects are rebuilt when a source or header is newer.
+load.  Only ``binding.cpp``, ``ops.cpp`` and ``dense.cpp`` see torch headers (the slow ones);
+the kernels are plain C++.  Objects are rebuilt when a source or header is newer.
 
 On failure the log goes to ``quill/native/_build/build.log``, a one-line reason
 to ``_build/error.txt`` (which ``quill info`` shows), any stale extension is
@@ -39,9 +39,14 @@ SOURCES: dict[str, list[str]] = {
     "scalar.cpp": [],
     "avx2.cpp": AVX2,
     "avx512_vnni.cpp": AVX512 + ["-mavx512vnni"],
-    "avx512_bf16.cpp": AVX512 + ["-mavx512bf16"],
+    "dense_scalar.cpp": [],
+    "dense_avx2.cpp": AVX2,
+    "dense_avx512.cpp": AVX512,
     "binding.cpp": [],
+    "ops.cpp": [],
+    "dense.cpp": [],
 }
+TORCH_SOURCES = ("binding.cpp", "ops.cpp", "dense.cpp")  # the slow ones: they see torch headers
 
 
 def extension_path() -> Path:
@@ -104,11 +109,11 @@ def build(jobs: int | None = None, verbose: bool = False) -> Path:
     todo = []
     for name, flags in SOURCES.items():
         src, obj = CSRC / name, BUILD / (Path(name).stem + ".o")
-        cmd = _command(cxx, src, obj, flags + (torch_cflags if name == "binding.cpp" else []))
+        cmd = _command(cxx, src, obj, flags + (torch_cflags if name in TORCH_SOURCES else []))
         if _stale(cmd, obj, src, headers):
             todo.append((cmd, obj))
-    # the torch-heavy binding first: it is the long pole
-    todo.sort(key=lambda t: "binding.cpp" not in t[0])
+    # the torch-heavy sources first: they are the long poles
+    todo.sort(key=lambda t: not any(n in " ".join(t[0]) for n in TORCH_SOURCES))
     log = []
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         for cmd, rc, out in pool.map(lambda t: _compile(*t), todo):

@@ -20,9 +20,13 @@ from quill.quantization.weight import QuantizedWeight
 LANES = 16
 BLOCK_BYTES = 64
 
-# int32 accumulation limit of the int8 kernels: a segment of 8-bit codes may not
-# exceed 2**31 / (255 * 128) positions, so longer groups are cut (same scale).
+# Longest segment (positions; longer groups are cut, each piece with the group's scale).
+# int8 activations: int32 sums of 8-bit codes stay exact up to 2**31 / (255 * 128)
+# positions.  Float activations: every segment has its own activation scale (the
+# fixed-point image, csrc/common.h SplitActs), so pieces of 128 bound its error to a
+# 128-wide neighbourhood and keep sums of 8-bit codes within int32.
 INT8_MAX_SEGMENT = {8: 32768, 4: 1 << 20}
+FLOAT_MAX_SEGMENT = 128
 
 
 def chunk_k(bits: int) -> int:
@@ -132,7 +136,7 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
         raise KernelError(f"{w.name}: native kernels run 4- and 8-bit codes, found {w.bits}-bit")
     if w.out_features == 0 or w.in_features == 0:
         raise KernelError(f"{w.name}: empty weight [{w.out_features}, {w.in_features}]")
-    order = stream_order(w, INT8_MAX_SEGMENT[w.bits] if int8_activations else None)
+    order = stream_order(w, INT8_MAX_SEGMENT[w.bits] if int8_activations else FLOAT_MAX_SEGMENT)
     nb = -(-w.out_features // LANES)
     scales, offsets = w.scales, w.offsets
     if offsets is not None and offsets.dtype != scales.dtype:  # one dtype for both (exact in float32)
@@ -161,3 +165,22 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
         seg_end=order.seg_end, src=order.src, wsum=wsum, bits=w.bits,
         out_features=w.out_features, in_features=w.in_features,
     )
+
+
+def pack_dense(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16/float16 [N, K] -> int16 [NB, KP, 16, 2] (csrc/dense.h): row blocks of 16, column pairs.
+
+    The words are the weight's own bits (no conversion); N is padded with zero rows and
+    K with a zero column to even.  Gathered straight onto 2 MiB pages.
+    """
+    if w.dtype not in (torch.bfloat16, torch.float16) or w.dim() != 2:
+        raise KernelError(f"native dense: weight should be a 2-D bfloat16/float16 tensor, found {w.dtype} "
+                          f"{list(w.shape)}")
+    n, k = w.shape
+    nb, kp = -(-n // LANES), -(-k // 2)
+    bits = w.view(torch.int16)
+    if nb * LANES != n or 2 * kp != k:
+        bits = torch.nn.functional.pad(bits, (0, 2 * kp - k, 0, nb * LANES - n))
+    ext = native.load().module
+    place = ext.huge_page_copy if ext is not None else (lambda t: t.contiguous())
+    return place(bits.view(nb, LANES, kp, 2).permute(0, 2, 1, 3))  # [NB, KP, 16, 2]

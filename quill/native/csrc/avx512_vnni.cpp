@@ -1,6 +1,7 @@
-// W4A8 / W8A8 and the int8 activation quantizer on AVX-512 VNNI (vpdpbusd).
-// Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni; called only when
-// the CPU has all of them.
+// Every native linear kernel on AVX-512 VNNI (vpdpbusd): W4A8 / W8A8 with int8
+// activations, W4A16 / W8A16 with float activations as their split fixed-point image
+// (common.h SplitActs), and both activation quantizers.  Compiled with -mavx512f
+// -mavx512bw -mavx512vl -mavx512vnni; called only when the CPU has all of them.
 //
 // vpdpbusd multiplies 4 unsigned bytes of lane r (codes of row r at 4 stream
 // positions) with 4 signed activation bytes broadcast to every lane, and adds
@@ -21,10 +22,142 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// ---- W4A16 / W8A16: float activations as their split image (SplitActs) ----
+
+// MT tokens x RB row blocks x chunks [c0, c1), starting in segment s; partial
+// results in/out through st[r] (kblock.h).  Two parts per chunk: hi bytes, then lo
+// bytes, D = 256 * part 0 + part 1 (the partial state holds D, so it enters part 1).
+// The row blocks share the activation broadcasts; NA accumulators per part (4-bit:
+// nibble x chunk parity, 8-bit: chunk parity) keep enough vpdpbusd chains in flight.
+template <int BITS, int MT, int RB>
+void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
+  constexpr int PARTS = 2, CK = chunk_k(BITS), STRIDE = PARTS * CK;
+  constexpr int CHAINS = RB * MT * PARTS;
+  constexpr int NA = CHAINS == 1 ? 4 : (CHAINS <= 6 ? 2 : 1);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* blocks[RB];  // [KC, 64] each
+  const int8_t* xs[MT];       // [KC, STRIDE] each
+  __m512i acc[RB][MT][PARTS][NA];
+  __m512 f[RB][MT];  // the finished segments' total
+  for (int r = 0; r < RB; ++r) blocks[r] = w.codes + int64_t(nb + r) * w.kc * BLOCK_BYTES;
+  for (int m = 0; m < MT; ++m) xs[m] = a.x + (m0 + m) * a.ld;
+  auto reset = [&](int r, int m) {
+    for (int p = 0; p < PARTS; ++p)
+      for (int i = 0; i < NA; ++i) acc[r][m][p][i] = _mm512_setzero_si512();
+  };
+  auto total = [&](int r, int m) {  // the open segment's exact sum
+    __m512i d[PARTS];
+    for (int p = 0; p < PARTS; ++p) {
+      d[p] = acc[r][m][p][0];
+      for (int i = 1; i < NA; ++i) d[p] = _mm512_add_epi32(d[p], acc[r][m][p][i]);
+    }
+    return _mm512_add_epi32(_mm512_slli_epi32(d[0], 8), d[1]);
+  };
+  for (int r = 0; r < RB; ++r)
+    for (int m = 0; m < MT; ++m) {
+      reset(r, m);
+      acc[r][m][1][0] = _mm512_load_si512(st[r][m].d);
+      f[r][m] = _mm512_load_ps(st[r][m].f);
+    }
+  // one chunk into accumulator set PAR (0 or 1: chunk parity)
+  auto chunk = [&](int c, auto par) {
+    constexpr int P = decltype(par)::value;
+    __m512i q[RB][2];
+    for (int r = 0; r < RB; ++r) {
+      const uint8_t* p = blocks[r] + int64_t(c) * BLOCK_BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T1);
+      const __m512i v = _mm512_loadu_si512(p);
+      if (BITS == 4) {
+        q[r][0] = _mm512_and_si512(v, low);
+        q[r][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      } else {
+        q[r][0] = q[r][1] = v;
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* x = xs[m] + int64_t(c) * STRIDE;
+      for (int p = 0; p < PARTS; ++p)
+        for (int h = 0; h < (BITS == 4 ? 2 : 1); ++h) {
+          const __m512i xb = bcast4(x + p * CK + 4 * h);
+          constexpr int NI = NA;  // accumulator index: nibble h, then parity
+          const int i = BITS == 4 ? (NI >= 2 ? h + (NI == 4 ? 2 * P : 0) : 0) : (NI >= 2 ? P : 0);
+          for (int r = 0; r < RB; ++r) acc[r][m][p][i] = _mm512_dpbusd_epi32(acc[r][m][p][i], q[r][h], xb);
+        }
+    }
+  };
+  using Even = std::integral_constant<int, 0>;
+  using Odd = std::integral_constant<int, 1>;
+  for (int c = c0; c < c1; ++s) {
+    const int end = std::min(c1, w.seg_end[s]);
+    for (; c + 1 < end; c += 2) {
+      chunk(c, Even{});
+      chunk(c + 1, Odd{});
+    }
+    if (c < end) chunk(c++, Even{});
+    if (c != w.seg_end[s]) break;  // the segment continues in the next K block
+    for (int r = 0; r < RB; ++r) {
+      const v512::SegConsts sc = v512::seg_consts(w, nb + r, s);
+      for (int m = 0; m < MT; ++m) {
+        const __m512 d = _mm512_cvtepi32_ps(total(r, m));
+        const int64_t i = int64_t(m0 + m) * w.nseg + s;
+        const __m512 x = _mm512_set1_ps(float(a.qsum[i]));
+        const __m512 xscale = _mm512_set1_ps(a.scale[i]);  // split_epilogue
+        __m512& fr = f[r][m];
+        fr = _mm512_fmadd_ps(_mm512_mul_ps(sc.scale, xscale), _mm512_fnmadd_ps(sc.zero, x, d), fr);
+        if (sc.has_offset) fr = _mm512_fmadd_ps(_mm512_mul_ps(sc.offset, xscale), x, fr);
+        reset(r, m);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int m = 0; m < MT; ++m) {
+      _mm512_store_si512(st[r][m].d, total(r, m));
+      _mm512_store_ps(st[r][m].f, f[r][m]);
+    }
+}
+
+template <int BITS, int RB>
+void tile_mt(int mt, const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s,
+             LaneState<int32_t>* const* st) {
+  switch (mt) {
+    case 1: return tile<BITS, 1, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 2: return tile<BITS, 2, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 3: return tile<BITS, 3, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 4: return tile<BITS, 4, 1>(w, a, nb, m0, c0, c1, s, st);
+    case 5: return tile<BITS, 5, 1>(w, a, nb, m0, c0, c1, s, st);
+    default: return tile<BITS, 6, 1>(w, a, nb, m0, c0, c1, s, st);
+  }
+}
+
+// Row blocks [nb0, nb1): two per pass sharing the activation broadcasts up to 3 tokens
+// per tile, one at a time for wider tiles (registers).
+template <int BITS>
+void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st0,
+                   LaneState<int32_t>* st1) {
+    LaneState<int32_t>* const st[2] = {st0, st1};
+    if (rb == 2 && mt <= 3) return tile_mt<BITS, 2>(mt, w, a, nb, m0, c0, c1, s, st);
+    for (int r = 0; r < rb; ++r) tile_mt<BITS, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
+  };
+  auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
+    v512::store_float(w, o, nb, m, _mm512_load_ps(st.f));
+  };
+  run_kblocked<int32_t, 2>(w, a.m, nb0, nb1, tiles, finish);
+}
+
+void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  if (w.bits == 4)
+    run_split<4>(w, a, o, nb0, nb1);
+  else
+    run_split<8>(w, a, o, nb0, nb1);
+}
+
+// ---- W4A8 / W8A8: int8 activations (I8Acts) ----
+
 // MT tokens x one row block x chunks [c0, c1), starting in segment s; partial
 // results in/out through `st` (kblock.h).  NA int32 accumulators per token (summed exactly).
 template <int BITS, int MT>
-void tile(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st) {
+void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st) {
   constexpr int CK = chunk_k(BITS);
   constexpr int NA = MT <= 2 ? 4 : 2;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -79,15 +212,15 @@ void tile(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int
 }
 
 template <int BITS>
-void run(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   auto tiles = [&](int mt, int, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st, LaneState<int32_t>*) {
     switch (mt) {
-      case 1: return tile<BITS, 1>(w, a, nb, m0, c0, c1, s, st);
-      case 2: return tile<BITS, 2>(w, a, nb, m0, c0, c1, s, st);
-      case 3: return tile<BITS, 3>(w, a, nb, m0, c0, c1, s, st);
-      case 4: return tile<BITS, 4>(w, a, nb, m0, c0, c1, s, st);
-      case 5: return tile<BITS, 5>(w, a, nb, m0, c0, c1, s, st);
-      default: return tile<BITS, 6>(w, a, nb, m0, c0, c1, s, st);
+      case 1: return tile_i8<BITS, 1>(w, a, nb, m0, c0, c1, s, st);
+      case 2: return tile_i8<BITS, 2>(w, a, nb, m0, c0, c1, s, st);
+      case 3: return tile_i8<BITS, 3>(w, a, nb, m0, c0, c1, s, st);
+      case 4: return tile_i8<BITS, 4>(w, a, nb, m0, c0, c1, s, st);
+      case 5: return tile_i8<BITS, 5>(w, a, nb, m0, c0, c1, s, st);
+      default: return tile_i8<BITS, 6>(w, a, nb, m0, c0, c1, s, st);
     }
   };
   auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
@@ -98,9 +231,9 @@ void run(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
 
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   if (w.bits == 4)
-    run<4>(w, a, o, nb0, nb1);
+    run_i8<4>(w, a, o, nb0, nb1);
   else
-    run<8>(w, a, o, nb0, nb1);
+    run_i8<8>(w, a, o, nb0, nb1);
 }
 
 // 16 input values of token row `x` starting at column i, as float32.
@@ -162,12 +295,58 @@ void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, floa
   }
 }
 
+// 16 lanes, the first `left` set (none when left <= 0).
+inline __mmask16 first_lanes(int64_t left) {
+  return left <= 0 ? __mmask16(0) : (left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u));
+}
+
+// The split stream of tokens [m0, m1) (quantize_split in scalar.cpp), 16 positions a step;
+// identity order (the binding gathers act-order first).
+void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
+  const int esize = in.dtype == DType::F32 ? 4 : 2;
+  const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), half = _mm512_set1_epi32(128);
+  const __m512 qmin = _mm512_set1_ps(-SPLIT_QMAX), qmax = _mm512_set1_ps(SPLIT_QMAX);
+  for (int m = m0; m < m1; ++m) {
+    const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
+    int8_t* out = xs + m * in.kp * 2;  // [KC, 2 * CK]
+    for (int s = 0, p0 = 0; s < in.nseg; p0 = in.seg_end[s++] * in.chunk) {
+      const int64_t p1 = int64_t(in.seg_end[s]) * in.chunk, real = std::min<int64_t>(p1, in.k);
+      __m512i vmax = _mm512_setzero_si512();
+      for (int64_t p = p0; p < p1; p += 16)
+        vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(load_x(in, row, p, first_lanes(real - p))), absmask));
+      const SplitParams sp = split_params(uint32_t(_mm512_reduce_max_epu32(vmax)));
+      const int64_t i = int64_t(m) * in.nseg + s;
+      scale[i] = sp.scale;
+      if (!sp.finite) {
+        std::fill(out + 2 * p0, out + 2 * p1, int8_t(0));
+        qsum[i] = 0;
+        continue;
+      }
+      const __m512 pre = _mm512_set1_ps(sp.pre), inv = _mm512_set1_ps(sp.inv);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t p = p0; p < p1; p += 16) {
+        const __m512 v = load_x(in, row, p, first_lanes(real - p));  // lanes past the segment or K: 0
+        const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_mul_ps(v, pre), inv), qmin), qmax);
+        const __m512i q = _mm512_cvtps_epi32(t);  // ties to even
+        sum = _mm512_add_epi32(sum, q);
+        const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half), 8);  // split_hi / split_lo
+        const __m128i hb = _mm512_cvtepi32_epi8(hi), lb = _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8)));
+        const bool four = in.chunk == 8;  // per chunk: CK hi bytes, then CK lo bytes
+        const __m128i a = four ? _mm_unpacklo_epi64(hb, lb) : _mm_unpacklo_epi32(hb, lb);
+        const __m128i b = four ? _mm_unpackhi_epi64(hb, lb) : _mm_unpackhi_epi32(hb, lb);
+        const int64_t n = std::min<int64_t>(16, p1 - p);
+        const __mmask32 bytes = n >= 16 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (2 * n)) - 1u);
+        _mm256_mask_storeu_epi8(out + 2 * p, bytes, _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
+      }
+      qsum[i] = _mm512_reduce_add_epi32(sum);
+    }
+  }
+}
+
 }  // namespace
 
-void gemm_bf16_avx512(const Weights& w, const Bf16Acts& a, const Out& o, int nb0, int nb1);  // avx512_bf16.cpp
-
 const KernelTable& table_avx512() {
-  static const KernelTable t{"avx512", nullptr, gemm_bf16_avx512, gemm_i8, quantize};
+  static const KernelTable t{"avx512", gemm_split, gemm_i8, quantize, quantize_split};
   return t;
 }
 

@@ -22,6 +22,8 @@
 
 #include "common.h"
 #include "hugepage.h"
+#include "ops.h"
+#include "parallel.h"
 
 namespace quill {
 namespace {
@@ -60,9 +62,9 @@ DType dtype_of(at::ScalarType t, const char* what) {
 
 // The kernel table of an ISA, after checking this CPU really has it (a wrong
 // choice must be an error, not an illegal instruction).
-const KernelTable& table_for(const std::string& isa, bool int8) {
+const KernelTable& table_for(const std::string& isa) {
   __builtin_cpu_init();
-  if (isa == "scalar" || isa == "scalar_bf16") return table_scalar();
+  if (isa == "scalar") return table_scalar();
   if (isa == "avx2") {
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
       fail("native kernel: ISA 'avx2' needs AVX2 and FMA, which this CPU lacks");
@@ -70,13 +72,11 @@ const KernelTable& table_for(const std::string& isa, bool int8) {
   }
   if (isa == "avx512") {
     const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512vl") &&
-                    (int8 ? __builtin_cpu_supports("avx512vnni") : __builtin_cpu_supports("avx512bf16"));
-    if (!ok) fail("native kernel: ISA 'avx512' needs AVX512F/BW/VL and ", int8 ? "AVX512-VNNI" : "AVX512-BF16",
-                  ", which this CPU lacks");
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    if (!ok) fail("native kernel: ISA 'avx512' needs AVX512F/BW/VL and AVX512-VNNI, which this CPU lacks");
     return table_avx512();
   }
-  fail("native kernel: unknown ISA '", isa, "'; supported: avx512, avx2, scalar, scalar_bf16");
+  fail("native kernel: unknown ISA '", isa, "'; supported: avx512, avx2, scalar");
 }
 
 // Grow-only scratch of the calling thread (stream, sums, quantized activations).
@@ -94,7 +94,7 @@ class NativeLinear {
                double act_scale, double act_zero, int64_t threads)
       : codes_(std::move(codes)), scales_(std::move(scales)), zeros_(std::move(zeros)), offsets_(std::move(offsets)),
         seg_end_(std::move(seg_end)), src_(std::move(src)), wsum_(std::move(wsum)), int8_(family == "int8"),
-        isa_(isa), table_(table_for(isa, family == "int8")) {
+        isa_(isa), table_(table_for(isa)) {
     if (family != "int8" && family != "float") fail("native kernel: unknown family '", family, "'; supported: float, int8");
     if (bits != 4 && bits != 8) fail("native kernel: ", bits, "-bit codes are not supported; supported: 4, 8");
     if (codes_.dim() != 3) fail("native kernel: codes should be uint8 [NB, KC, 64], found ", shape_of(codes_));
@@ -121,8 +121,6 @@ class NativeLinear {
     } else if (k > kp_ || kp_ - k >= chunk_k(bits)) {  // identity order: only the end is padded
       fail("native kernel: in_features ", k, " does not match the ", kp_, " stream positions");
     }
-    // the bf16 dot-product kernels (AVX-512 BF16 and their scalar twin) read a bf16 stream
-    bf16_ = !int8_ && (isa == "avx512" || isa == "scalar_bf16");
     k_ = k;
     w_.codes = codes_.data_ptr<uint8_t>();
     w_.scales = scales_.data_ptr();
@@ -150,7 +148,6 @@ class NativeLinear {
   }
   int64_t threads() const { return threads_; }
   std::string isa() const { return isa_; }
-  bool bf16_stream() const { return bf16_; }
 
   // x [..., K] float32 / bfloat16 / float16 -> y [..., N] of x's dtype (+ bias [N])
   at::Tensor forward(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {
@@ -179,30 +176,15 @@ class NativeLinear {
     if (int8_)
       run_int8(w, in, o, m);
     else
-      run_float(w, in, o, m);
+      run_split(w, in, o, m);
     return (x.scalar_type() == at::kHalf ? y.to(at::kHalf) : y).view(shape);  // [..., N]
   }
 
  private:
-  // Threads for `work` bytes of weight traffic: never more than torch's pool, the
-  // layer's setting, or one per 256 KiB.  Waking torch's OpenMP workers costs ~10 us
-  // here (libgomp puts them to sleep almost at once on this 2-CPU VM), as long as one
-  // thread streams ~280 KB; below that a second thread does not pay for itself.
-  // (OMP_WAIT_POLICY=ACTIVE removes the wake-up, for torch's ops as well.)
-  static constexpr int64_t kMinBytesPerThread = 256 << 10;
-  int threads_for(int64_t work) const {
-    const int64_t t = std::min<int64_t>(
-        {threads_, at::get_num_threads(), std::max<int64_t>(1, work / kMinBytesPerThread), w_.nb});
-    return int(std::max<int64_t>(1, t));
-  }
+  int threads_for(int64_t work) const { return quill::threads_for(threads_, work, w_.nb); }
 
   template <class F>
-  void parallel(int parts, int64_t count, const F& body) const {  // body(begin, end) over [0, count)
-    if (parts <= 1 || at::in_parallel_region()) return body(0, count);
-    at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) body(count * i / parts, count * (i + 1) / parts);
-    });
-  }
+  void parallel(int parts, int64_t count, const F& body) const { parallel_parts(parts, count, body); }
 
   template <class Acts, class G>
   void gemm(const Weights& w, const Acts& a, const Out& o, G fn) const {
@@ -234,32 +216,30 @@ class NativeLinear {
     }
   }
 
-  void run_float(const Weights& w, const RawX& in, const Out& o, int64_t m) const {
-    thread_local std::vector<float> xsum_buf;
-    if (bf16_stream()) {
-      thread_local std::vector<uint16_t> xs_buf;
-      const bool split = in.dtype != DType::BF16;  // float32/float16 inputs keep their precision as hi + lo
-      const int64_t ld = int64_t(w.kc) * (split ? 16 : 8);
-      const int64_t mb = block_tokens(ld * 2, m);
-      uint16_t* xs = scratch(xs_buf, size_t(mb * ld));  // [MB, KC, words]
-      float* xsum = scratch(xsum_buf, size_t(mb * w.nseg));  // [MB, S]
-      const bool simd = isa_ == "avx512" && bf16_stream_simd_ok(in, w.bits);
-      for_token_blocks(in, o, m, mb, [&](const RawX& bin, const Out& bo, int64_t mm) {
-        parallel(prep_threads(mm), mm, [&](int64_t b, int64_t e) {
-          (simd ? build_bf16_stream_avx512 : build_bf16_stream)(bin, w.bits, split, xs, xsum, int(b), int(e));
-        });
-        gemm(w, Bf16Acts{xs, xsum, ld, int32_t(mm), split}, bo, table_.gemm_bf16);
+  // Float activations: their split fixed-point image (common.h SplitActs), gathered into
+  // stream order first when the order is not the identity (act-order, inner padding).
+  void run_split(const Weights& w, const RawX& in, const Out& o, int64_t m) const {
+    thread_local std::vector<int8_t> xs_buf;
+    thread_local std::vector<int32_t> qsum_buf;
+    thread_local std::vector<float> scale_buf, gather_buf;
+    const int64_t mb = block_tokens(kp_ * (src_ ? 6 : 2), m);
+    int8_t* xs = scratch(xs_buf, size_t(mb * kp_ * 2));         // [MB, KC, 2 * CK]
+    int32_t* qsum = scratch(qsum_buf, size_t(mb * w.nseg));     // [MB, S]
+    float* xscale = scratch(scale_buf, size_t(mb * w.nseg));    // [MB, S]
+    float* gathered = src_ ? scratch(gather_buf, size_t(mb * kp_)) : nullptr;  // [MB, Kp]
+    for_token_blocks(in, o, m, mb, [&](const RawX& bin, const Out& bo, int64_t mm) {
+      parallel(prep_threads(mm), mm, [&](int64_t b, int64_t e) {
+        if (!gathered) return table_.quantize_split(bin, xs, qsum, xscale, int(b), int(e));
+        gather_stream(bin, gathered, int(b), int(e));
+        RawX g = bin;
+        g.x = gathered;
+        g.dtype = DType::F32;
+        g.k = kp_;
+        g.src = nullptr;
+        table_.quantize_split(g, xs, qsum, xscale, int(b), int(e));
       });
-    } else {
-      thread_local std::vector<float> xs_buf;
-      const int64_t mb = block_tokens(kp_ * 4, m);
-      float* xs = scratch(xs_buf, size_t(mb * kp_));  // [MB, Kp]
-      float* xsum = scratch(xsum_buf, size_t(mb * w.nseg));  // [MB, S]
-      for_token_blocks(in, o, m, mb, [&](const RawX& bin, const Out& bo, int64_t mm) {
-        parallel(prep_threads(mm), mm, [&](int64_t b, int64_t e) { build_f32_stream(bin, xs, xsum, int(b), int(e)); });
-        gemm(w, F32Acts{xs, xsum, kp_, int32_t(mm)}, bo, table_.gemm_f32);
-      });
-    }
+      gemm(w, SplitActs{xs, qsum, xscale, kp_ * 2, int32_t(mm)}, bo, table_.gemm_split);
+    });
   }
 
   void run_int8(const Weights& w, const RawX& in, const Out& o, int64_t m) const {
@@ -282,7 +262,7 @@ class NativeLinear {
   std::optional<at::Tensor> zeros_, offsets_;
   at::Tensor seg_end_;
   std::optional<at::Tensor> src_, wsum_;
-  bool int8_, bf16_ = false;
+  bool int8_;
   std::string isa_;
   const KernelTable& table_;
   Weights w_;
@@ -308,9 +288,38 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, at::Tensor seg
   RawX in{x.data_ptr(), dtype_of(x.scalar_type(), "x"), k, src ? src->data_ptr<int64_t>() : nullptr, kp,
           seg_end.data_ptr<int32_t>(), int32_t(nseg), int32_t(chunk)};
   ActQuant aq{dynamic, symmetric, float(scale), float(zero)};
-  table_for(isa, true).quantize(in, aq, q.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sc.data_ptr<float>(),
+  table_for(isa).quantize(in, aq, q.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sc.data_ptr<float>(),
                                 zp.data_ptr<float>(), 0, int(m));
   return {q, qsum, sc, zp};
+}
+
+// Exposed for tests: the split image of float activations alone (identity order or `src`
+// gathered), x [M, K] -> (stream int8 [M, 2 * Kp], qsum int32 [M, S], scale float32 [M, S]).
+std::vector<at::Tensor> split_activations(const at::Tensor& x, at::Tensor seg_end, int64_t chunk,
+                                          std::optional<at::Tensor> src, const std::string& isa) {
+  if (x.dim() != 2 || !x.is_contiguous()) fail("split_activations: x should be contiguous [M, K], found ", shape_of(x));
+  const int64_t m = x.size(0), k = x.size(1), nseg = seg_end.numel();
+  expect(seg_end, at::kInt, {nseg}, "seg_end");
+  if (nseg == 0) fail("split_activations: no segments");
+  const int64_t kp = int64_t(seg_end.data_ptr<int32_t>()[nseg - 1]) * chunk;
+  if (src) expect(*src, at::kLong, {kp}, "src");
+  else if (kp < k) fail("split_activations: ", kp, " stream positions cannot hold ", k, " columns");
+  at::Tensor xs = at::empty({m, 2 * kp}, x.options().dtype(at::kChar));
+  at::Tensor qsum = at::empty({m, nseg}, x.options().dtype(at::kInt));
+  at::Tensor sc = at::empty({m, nseg}, x.options().dtype(at::kFloat));
+  RawX in{x.data_ptr(), dtype_of(x.scalar_type(), "x"), k, src ? src->data_ptr<int64_t>() : nullptr, kp,
+          seg_end.data_ptr<int32_t>(), int32_t(nseg), int32_t(chunk)};
+  std::vector<float> gathered;
+  if (src) {
+    gathered.resize(size_t(m * kp));
+    gather_stream(in, gathered.data(), 0, int(m));
+    in.x = gathered.data();
+    in.dtype = DType::F32;
+    in.k = kp;
+    in.src = nullptr;
+  }
+  table_for(isa).quantize_split(in, xs.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sc.data_ptr<float>(), 0, int(m));
+  return {xs, qsum, sc};
 }
 
 // A contiguous copy of `t` (any strides: a permuted view is gathered straight into place,
@@ -367,6 +376,8 @@ PYBIND11_MODULE(_quill_native, m) {
       if (p) std::rethrow_exception(p);
     } catch (const quill::KernelFailure& e) {
       PyErr_SetString(kernel_error, e.what());
+    } catch (const quill::OpFailure& e) {
+      PyErr_SetString(kernel_error, e.what());
     }
   });
   m.doc() = "quill native CPU linear kernels (W4A16, W8A16, W4A8, W8A8)";
@@ -383,8 +394,7 @@ PYBIND11_MODULE(_quill_native, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_threads", &NativeLinear::set_threads)
       .def_property_readonly("threads", &NativeLinear::threads)
-      .def_property_readonly("isa", &NativeLinear::isa)
-      .def_property_readonly("bf16_stream", &NativeLinear::bf16_stream);
+      .def_property_readonly("isa", &NativeLinear::isa);
   // at::parallel_for only forks when this TU is compiled with OpenMP (see build.py)
   m.def("parallel_backend_compiled", [] {
 #ifdef _OPENMP
@@ -393,6 +403,10 @@ PYBIND11_MODULE(_quill_native, m) {
     return false;
 #endif
   });
+  m.def("split_activations", &quill::split_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
+        py::arg("src"), py::arg("isa"));
+  quill::register_ops(m);
+  quill::register_dense(m);
   m.def("huge_page_copy", &quill::huge_page_copy, py::arg("t"));
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),

@@ -24,9 +24,10 @@
 //   y[m, n] = sum_s ( scale[s, n] * (D[m, s, n] - zero[s, n] * X[m, s]) + offset[s, n] * X[m, s] )
 //   D[m, s, n] = sum_{k in s} q[n, k] * x[m, k]        X[m, s] = sum_{k in s} x[m, k]
 //
-// Float kernels accumulate D in float32; int8 kernels accumulate D and X in
-// int32 exactly, then apply the same float epilogue lane by lane, so the scalar
-// twin of an int8 kernel reproduces it bit for bit.
+// Every kernel accumulates D and X in int32 exactly (int8 activations, or float
+// activations as a 15-bit fixed-point image split in two int8 parts; SplitActs) and
+// then applies the same float epilogue lane by lane, so each SIMD kernel reproduces
+// its scalar twin bit for bit.
 #pragma once
 
 #include <cstddef>
@@ -70,24 +71,27 @@ struct Weights {
   float zconst = 8.0f;  // zero point when zeros == null
 };
 
-// Float activations laid out for the fp32-FMA kernels: x gathered into stream order.
-struct F32Acts {
-  const float* x = nullptr;     // [M, ld], position p of token m at x[m * ld + p]; padding is 0
-  const float* xsum = nullptr;  // [M, S]
+// Float activations as a fixed-point image, one scale per token and segment
+// (stream_split in each TU; the definition is quantize_split_segment in scalar_util.h):
+//
+//   q = round(x * 32639 / amax)  (|q| <= 32639, amax = max |x| over the segment)
+//   q = 256 * hi + lo             (hi = (q + 128) >> 8 and lo in [-128, 127]: two int8 parts)
+//
+// Per chunk the stream holds the CK hi bytes, then the CK lo bytes (stream order).
+// Kernels form D = 256 * sum(code * hi) + sum(code * lo) = sum(code * q) exactly in int32.
+struct SplitActs {
+  const int8_t* x = nullptr;      // [M, ld]
+  const int32_t* qsum = nullptr;  // [M, S] exact sums of q over each segment
+  const float* scale = nullptr;   // [M, S] amax / 32639 (NaN when the segment holds inf or NaN)
   int64_t ld = 0;
   int32_t m = 0;
 };
 
-// Float activations laid out for the bf16 dot-product kernels (see stream.cpp):
-// per chunk 8 bf16 words (4 pairs, one per nibble position of a code word),
-// followed by 8 more words holding x - bf16(x) when `split` (float32 input).
-struct Bf16Acts {
-  const uint16_t* x = nullptr;  // [M, ld]
-  const float* xsum = nullptr;  // [M, S]
-  int64_t ld = 0;
-  int32_t m = 0;
-  bool split = false;
-};
+// Largest segment of the float kernels (positions): bounds the error of the fixed-point
+// image to one 128-wide neighbourhood and keeps D within int32 for 8-bit codes
+// (128 * 255 * 32639 < 2^31).
+constexpr int SPLIT_MAX_SEGMENT = 128;
+constexpr float SPLIT_QMAX = 32639.0f;  // the largest |q| whose hi part fits int8
 
 // int8 activations, quantized per token (or per tensor) in stream order.
 struct I8Acts {
@@ -131,26 +135,22 @@ struct RawX {
 // for all M tokens; quantizers process tokens [m0, m1).
 struct KernelTable {
   const char* name;
-  void (*gemm_f32)(const Weights&, const F32Acts&, const Out&, int nb0, int nb1);   // null if absent
-  void (*gemm_bf16)(const Weights&, const Bf16Acts&, const Out&, int nb0, int nb1);  // null if absent
+  void (*gemm_split)(const Weights&, const SplitActs&, const Out&, int nb0, int nb1);
   void (*gemm_i8)(const Weights&, const I8Acts&, const Out&, int nb0, int nb1);
   // q [M, Kp] int8, qsum [M, S], scale [M], zero [M]
   void (*quantize)(const RawX&, const ActQuant&, int8_t* q, int32_t* qsum, float* scale, float* zero,
                    int m0, int m1);
+  // the split stream of float activations: x [M, KC * 2 * CK], qsum [M, S], scale [M, S]
+  void (*quantize_split)(const RawX&, int8_t* x, int32_t* qsum, float* scale, int m0, int m1);
 };
 
 const KernelTable& table_scalar();
 const KernelTable& table_avx2();
 const KernelTable& table_avx512();
 
-// Stream builders (stream.cpp, baseline ISA): tokens [m0, m1).
-void build_f32_stream(const RawX& in, float* out, float* xsum, int m0, int m1);   // out [M, Kp]
-void build_bf16_stream(const RawX& in, int bits, bool split, uint16_t* out, float* xsum, int m0, int m1);
-
-// The same on AVX-512 BF16 (avx512_bf16.cpp) when bf16_stream_simd_ok: identity order,
-// every segment a multiple of 4 chunks.
-bool bf16_stream_simd_ok(const RawX& in, int bits);
-void build_bf16_stream_avx512(const RawX& in, int bits, bool split, uint16_t* out, float* xsum, int m0, int m1);
+// Tokens [m0, m1) of `in` gathered into stream order (zeros at padding), float32 [M, Kp]:
+// the input of the split quantizers when the order is not the identity (act-order).
+void gather_stream(const RawX& in, float* out, int m0, int m1);
 
 // Scalar helpers shared by every TU (exact, no ISA needed).
 float to_float(const void* p, DType t, int64_t i);

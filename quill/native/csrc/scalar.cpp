@@ -2,9 +2,9 @@
 //
 // Each function has the signature of its SIMD siblings and follows the layout
 // comment in common.h literally, one lane (output row) at a time.  The int8
-// kernel and the activation quantizer perform exactly the operations of the
-// SIMD versions in the same order per lane, so they must agree bit for bit;
-// the float kernels agree to float32 rounding.
+// kernels and the activation quantizers perform exactly the operations of the
+// SIMD versions in the same order per lane (exact int32 sums, then the same float
+// epilogue), so they must agree bit for bit.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -21,58 +21,33 @@ inline int code_at(const uint8_t* blk, int bits, int r, int j) {
   return j < 4 ? (blk[4 * r + j] & 0xF) : (blk[4 * r + j - 4] >> 4);
 }
 
-// D[r] of one segment for one token: float positions `xs` (stream order).
-void seg_dot_f32(const Weights& w, const uint8_t* blocks, int c0, int c1, const float* xs, float* d) {
+// Float activations as their split fixed-point image (common.h SplitActs): per lane,
+// D = 256 * sum(code * hi) + sum(code * lo), exactly.
+void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
   const int ck = chunk_k(w.bits);
-  for (int r = 0; r < LANES; ++r) d[r] = 0.0f;
-  for (int c = c0; c < c1; ++c) {
-    const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
-    for (int r = 0; r < LANES; ++r)
-      for (int j = 0; j < ck; ++j) d[r] = std::fma(float(code_at(blk, w.bits, r, j)), xs[c * ck + j], d[r]);
-  }
-}
-
-void gemm_f32(const Weights& w, const F32Acts& a, const Out& o, int nb0, int nb1) {
-  float d[LANES], f[LANES];
-  for (int nb = nb0; nb < nb1; ++nb) {
-    const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
-    for (int m = 0; m < a.m; ++m) {
-      std::fill(f, f + LANES, 0.0f);
-      for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
-        seg_dot_f32(w, blocks, c0, w.seg_end[s], a.x + m * a.ld, d);
-        const float x = a.xsum[m * w.nseg + s];
-        for (int r = 0; r < LANES; ++r) f[r] = seg_epilogue(w, nb, s, r, d[r], x, f[r]);
-      }
-      store_float_row(w, o, nb, m, f);
-    }
-  }
-}
-
-// bf16 stream: nibble position t of word (r, h) pairs with stream words 2t + h.
-void gemm_bf16(const Weights& w, const Bf16Acts& a, const Out& o, int nb0, int nb1) {
-  const int words = a.split ? 16 : 8;
-  float d[LANES], f[LANES];
+  float f[LANES];
+  int32_t dh[LANES], dl[LANES];
   for (int nb = nb0; nb < nb1; ++nb) {
     const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;
     for (int m = 0; m < a.m; ++m) {
-      const uint16_t* xs = a.x + m * a.ld;  // [KC, words]
+      const int8_t* xs = a.x + m * a.ld;  // [KC, 2 * CK]
       std::fill(f, f + LANES, 0.0f);
       for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
-        std::fill(d, d + LANES, 0.0f);
+        std::fill(dh, dh + LANES, 0);
+        std::fill(dl, dl + LANES, 0);
         for (int c = c0; c < w.seg_end[s]; ++c) {
           const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
+          const int8_t* x = xs + int64_t(c) * 2 * ck;
           for (int r = 0; r < LANES; ++r)
-            for (int h = 0; h < 2; ++h) {
-              const int word = blk[4 * r + 2 * h] | (blk[4 * r + 2 * h + 1] << 8);
-              for (int t = 0; t < 4; ++t) {
-                const float q = float((word >> (4 * t)) & 0xF);
-                for (int part = 0; part < words / 8; ++part)
-                  d[r] = std::fma(q, bf16_to_f32(xs[c * words + 8 * part + 2 * t + h]), d[r]);
-              }
+            for (int j = 0; j < ck; ++j) {
+              const int32_t q = code_at(blk, w.bits, r, j);
+              dh[r] += q * x[j];
+              dl[r] += q * x[ck + j];
             }
         }
-        const float x = a.xsum[m * w.nseg + s];
-        for (int r = 0; r < LANES; ++r) f[r] = seg_epilogue(w, nb, s, r, d[r], x, f[r]);
+        const int64_t i = int64_t(m) * w.nseg + s;
+        for (int r = 0; r < LANES; ++r)
+          f[r] = split_epilogue(w, nb, s, r, 256 * dh[r] + dl[r], a.qsum[i], a.scale[i], f[r]);
       }
       store_float_row(w, o, nb, m, f);
     }
@@ -127,10 +102,35 @@ void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, floa
   }
 }
 
+// The split stream of tokens [m0, m1); identity order (the binding gathers act-order first).
+void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
+  const int ck = in.chunk;
+  for (int m = m0; m < m1; ++m) {
+    int8_t* out = xs + m * in.kp * 2;  // [KC, 2 * CK]
+    for (int s = 0, p0 = 0; s < in.nseg; p0 = in.seg_end[s++] * ck) {
+      const int p1 = in.seg_end[s] * ck;
+      auto value = [&](int64_t p) { return p < in.k ? to_float(in.x, in.dtype, m * in.k + p) : 0.0f; };
+      uint32_t amax = 0;
+      for (int64_t p = p0; p < p1; ++p) amax = std::max(amax, abs_bits(value(p)));
+      const SplitParams sp = split_params(amax);
+      int32_t sum = 0;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int32_t q = sp.finite ? split_q(value(p), sp) : 0;
+        int8_t* chunk = out + p / ck * 2 * ck;
+        chunk[p % ck] = split_hi(q);
+        chunk[ck + p % ck] = split_lo(q);
+        sum += q;
+      }
+      qsum[int64_t(m) * in.nseg + s] = sum;
+      scale[int64_t(m) * in.nseg + s] = sp.scale;
+    }
+  }
+}
+
 }  // namespace
 
 const KernelTable& table_scalar() {
-  static const KernelTable t{"scalar", gemm_f32, gemm_bf16, gemm_i8, quantize};
+  static const KernelTable t{"scalar", gemm_split, gemm_i8, quantize, quantize_split};
   return t;
 }
 

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "common.h"
 
@@ -45,6 +47,45 @@ inline void segment_sums(const RawX& in, const int8_t* q, int32_t* qsum) {
   }
 }
 
+// ---- the fixed-point image of float activations (SplitActs) ----
+
+// |v| as an ordered integer: the max over a segment is exact, and NaN (above inf) wins.
+inline uint32_t abs_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u & 0x7FFFFFFFu;
+}
+
+// How one segment is scaled: q = round(clamp((x * pre) * inv, -QMAX, QMAX)), ties to even.
+// `pre` (2^64 for a segment whose max |x| is below 2^-64, else 1) keeps `inv` finite; x * pre
+// is exact.  A segment holding inf or NaN is stored as zeros with scale NaN, so every output
+// it feeds is NaN (as a float product would be, or inf).
+struct SplitParams {
+  float pre, inv, scale;
+  bool finite;
+};
+
+inline SplitParams split_params(uint32_t amax_bits) {
+  float amax;
+  std::memcpy(&amax, &amax_bits, 4);
+  if (amax_bits >= 0x7F800000u) return {1.0f, 0.0f, std::numeric_limits<float>::quiet_NaN(), false};
+  const float pre = amax < 0x1p-64f ? 0x1p64f : 1.0f;
+  const float a = amax * pre;
+  return {pre, a > 0.0f ? SPLIT_QMAX / a : 0.0f, amax / SPLIT_QMAX, true};
+}
+
+// One value's 15-bit image; the comparisons are those of the SIMD max/min (x > y ? x : y).
+inline int32_t split_q(float x, const SplitParams& p) {
+  float t = (x * p.pre) * p.inv;
+  t = t > -SPLIT_QMAX ? t : -SPLIT_QMAX;
+  t = t < SPLIT_QMAX ? t : SPLIT_QMAX;
+  return static_cast<int32_t>(std::nearbyint(t));
+}
+
+// q = 256 * hi + lo: hi = round(q / 256) (ties up, arithmetic shift), both in [-128, 127].
+inline int8_t split_hi(int32_t q) { return static_cast<int8_t>((q + 128) >> 8); }
+inline int8_t split_lo(int32_t q) { return static_cast<int8_t>(q - 256 * ((q + 128) >> 8)); }
+
 inline int64_t seg_index(const Weights& w, int nb, int s, int r) { return (int64_t(nb) * w.nseg + s) * LANES + r; }
 
 inline float zero_at(const Weights& w, int64_t i) {
@@ -58,6 +99,17 @@ inline float seg_epilogue(const Weights& w, int nb, int s, int r, float d, float
   const float t = std::fma(-zero_at(w, i), x, d);
   f = std::fma(to_float(w.scales, w.scale_dtype, i), t, f);
   if (w.offsets) f = std::fma(to_float(w.offsets, w.scale_dtype, i), x, f);
+  return f;
+}
+
+// The float kernels' epilogue: f += (scale * xscale) * (D - zero * X) [+ (offset * xscale) * X]
+// for lane r of segment s, D and X the exact int32 sums of code * q and of q.
+inline float split_epilogue(const Weights& w, int nb, int s, int r, int32_t d, int32_t x, float xscale, float f) {
+  const int64_t i = seg_index(w, nb, s, r);
+  const float xf = float(x);
+  const float t = std::fma(-zero_at(w, i), xf, float(d));
+  f = std::fma(to_float(w.scales, w.scale_dtype, i) * xscale, t, f);
+  if (w.offsets) f = std::fma(to_float(w.offsets, w.scale_dtype, i) * xscale, xf, f);
   return f;
 }
 

@@ -1,0 +1,170 @@
+"""Model-level benchmark: prefill, decode and batched decode of a whole checkpoint through ``quill.LLM``.
+
+    quill bench model [CHECKPOINT] [--json out.json]
+
+Without a checkpoint it writes the 1B Llama-shaped W4 checkpoint
+(:func:`quill.bench.checkpoint.write_llama_w4`, every linear 4-bit including an untied
+lm_head) to a cache directory once.  For each activation mode (W4A16: float activations;
+W4A8: ``activation_quant="int8"``) it measures, as medians of several runs:
+
+* prefill tokens/s of a ``prompt``-token prompt,
+* decode tokens/s at batch 1 (``gen`` tokens after that prompt),
+* batch throughput: ``batch`` prompts decoded together (generated tokens/s, all rows).
+
+Decode is compared with the roofline: the bytes one decoded token reads (every linear's
+weights as stored, lm_head included, plus the KV cache read by attention, averaged over
+the decoded positions) divided by the DRAM read bandwidth measured in the same run,
+before and after the model runs (the median of the two).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import quill
+from quill.bench import memory
+from quill.platform import Platform
+
+MODES = {"w4a16": None, "w4a8": "int8"}  # label -> activation_quant
+
+
+@dataclass
+class ModeResult:
+    """One activation mode: medians over the runs, and what one decoded token reads."""
+
+    mode: str
+    kernels: dict[str, int]  # kernel -> linear layers it runs
+    prefill_tps: float
+    decode_tps: float
+    batch_tps: float
+    weight_bytes_per_token: int  # every linear read once per decoded token, as stored (lm_head included)
+    kv_bytes_per_token: int  # the KV cache attention reads, averaged over the decoded positions
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.weight_bytes_per_token + self.kv_bytes_per_token
+
+    @property
+    def decode_gbs(self) -> float:
+        return self.bytes_per_token * self.decode_tps / 1e9
+
+
+def linear_bytes(llm: quill.LLM) -> int:
+    """Bytes of every linear as stored; a tied lm_head reads the embedding's bytes."""
+    layers = {i.name: i for i in llm.loaded.layers}
+    total = sum(i.weight_bytes for i in layers.values() if i.kind in ("quantized", "dense", "expert"))
+    if "lm_head" in layers and layers["lm_head"].kind == "tied":
+        total += layers["model.embed_tokens"].weight_bytes
+    return total
+
+
+def kv_bytes(llm: quill.LLM, prompt: int, gen: int) -> int:
+    """Bytes of K and V attention reads per decoded token, averaged over positions prompt .. prompt + gen - 1."""
+    a = llm.model.args
+    per_position = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * llm.loaded.dtype.itemsize
+    return int(per_position * (prompt + (gen - 1) / 2))
+
+
+def _kernels(llm: quill.LLM) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i in llm.loaded.layers:
+        if i.kind in ("quantized", "dense", "tied", "expert"):
+            out[i.kernel] = out.get(i.kernel, 0) + 1
+    return out
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n, length), generator=g).tolist()
+
+
+def run_mode(path: Path, mode: str, dtype: str, threads: int, prompt: int, gen: int, batch: int,
+             runs: int, log: Callable[[str], None]) -> ModeResult:
+    llm = quill.LLM(str(path), dtype=dtype, activation_quant=MODES[mode], threads=threads,
+                    skip_tokenizer_init=True, progress=False)
+    vocab = llm.model.args.vocab_size
+    params = quill.SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+    single = _prompts(1, prompt, vocab, 0)
+    group = _prompts(batch, min(prompt, 128), vocab, 1)
+    llm.generate(_prompts(1, 16, vocab, 2), quill.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    samples: dict[str, list[float]] = {"prefill_tps": [], "decode_tps": [], "batch_tps": []}
+    for r in range(runs):
+        t = llm.generate(single, params)[0].timings
+        samples["prefill_tps"].append(t.prefill_tps)
+        samples["decode_tps"].append(t.decode_tps)
+        start = time.perf_counter()
+        outs = llm.generate(group, params)
+        spent = time.perf_counter() - start
+        # generated tokens of every row after the first, over the decode time of the batch
+        decode_s = max(o.timings.decode_s for o in outs)
+        samples["batch_tps"].append(sum(len(o.token_ids) - 1 for o in outs) / decode_s)
+        log(f"  {mode} run {r + 1}/{runs}: prefill {t.prefill_tps:.1f} tok/s, decode {t.decode_tps:.2f} tok/s, "
+            f"batch {batch}: {samples['batch_tps'][-1]:.1f} tok/s ({spent:.1f} s)")
+    res = ModeResult(mode, _kernels(llm), *(statistics.median(samples[k]) for k in samples),
+                     linear_bytes(llm), kv_bytes(llm, prompt, gen), samples)
+    del llm
+    return res
+
+
+@dataclass
+class ModelBench:
+    checkpoint: str
+    dtype: str
+    threads: int
+    prompt: int
+    gen: int
+    batch: int
+    runs: int
+    bandwidth_before: memory.Bandwidth
+    bandwidth_after: memory.Bandwidth
+    results: list[ModeResult]
+
+    @property
+    def dram_gbs(self) -> float:
+        """The read bandwidth the roofline uses: the median of the all-thread probes before and after."""
+        return statistics.median([self.bandwidth_before.best_all, self.bandwidth_after.best_all])
+
+    def roofline_tps(self, r: ModeResult) -> float:
+        return self.dram_gbs * 1e9 / r.bytes_per_token
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k not in ("results", "bandwidth_before", "bandwidth_after")}
+        out["dram_read_gbs"] = {"before": asdict(self.bandwidth_before), "after": asdict(self.bandwidth_after),
+                                "used": round(self.dram_gbs, 2)}
+        out["modes"] = [{**asdict(r), "bytes_per_token": r.bytes_per_token, "decode_gbs": round(r.decode_gbs, 2),
+                         "roofline_tps": round(self.roofline_tps(r), 2),
+                         "pct_of_roofline": round(100 * r.decode_tps / self.roofline_tps(r), 1)}
+                        for r in self.results]
+        return out
+
+    def table(self) -> str:
+        lines = [f"{self.checkpoint} ({self.dtype}, {self.threads} threads): DRAM read "
+                 f"{self.bandwidth_before.best_all:.1f} GB/s before, {self.bandwidth_after.best_all:.1f} after",
+                 f"{'mode':<6} {'prefill tok/s':>13} {'decode tok/s':>12} {'batch tok/s':>11} "
+                 f"{'MB/token':>8} {'GB/s':>6} {'roofline':>8} {'%':>5}"]
+        for r in self.results:
+            roof = self.roofline_tps(r)
+            lines.append(f"{r.mode:<6} {r.prefill_tps:13.1f} {r.decode_tps:12.2f} {r.batch_tps:11.1f} "
+                         f"{r.bytes_per_token / 1e6:8.1f} {r.decode_gbs:6.1f} {roof:8.1f} "
+                         f"{100 * r.decode_tps / roof:5.1f}")
+        return "\n".join(lines)
+
+
+def run(path: Path, platform: Platform, modes: list[str], dtype: str = "float32", threads: int | None = None,
+        prompt: int = 512, gen: int = 128, batch: int = 8, runs: int = 3,
+        log: Callable[[str], None] = print) -> ModelBench:
+    threads = threads or platform.physical_cores
+    l3 = platform.cache("L3") or (32 << 20)
+    before = memory.measure(l3, threads)
+    log(f"DRAM read before: {before.best_all:.1f} GB/s")
+    results = [run_mode(path, m, dtype, threads, prompt, gen, batch, runs, log) for m in modes]
+    after = memory.measure(l3, threads)
+    log(f"DRAM read after: {after.best_all:.1f} GB/s")
+    return ModelBench(str(path), dtype, threads, prompt, gen, batch, runs, before, after, results)

@@ -1,0 +1,80 @@
+"""Fused element-wise ops of decoder layers: RMSNorm, rotary embedding of q and k, SiLU-and-multiply.
+
+Model layers call these plain functions.  Each has a torch version (the
+definition, and the fallback) and a native one (``quill/native/csrc/ops.cpp``):
+one call instead of 4-16 small torch ops, whose fixed cost dominates a decode
+step outside the linears.  The native version runs when the extension is built
+and the inputs are float32/bfloat16/float16 of one dtype; it rounds where torch
+rounds, so it matches torch exactly (rope, SiLU-and-multiply up to exp's last
+bit) or up to summation order (RMSNorm's mean).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quill import native
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _ext():
+    return native.load().module  # cached import, None when the extension is not built
+
+
+def _native_ok(*ts: torch.Tensor) -> bool:
+    dt = ts[0].dtype
+    return dt in FLOAT_DTYPES and all(t.dtype == dt and not t.requires_grad for t in ts)
+
+
+# ---- definitions (torch) ------------------------------------------------------------------------
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, the norm in float32 (transformers' LlamaRMSNorm)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by cos/sin [B, T, D] (rotate-half layout, as HF checkpoints expect)."""
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+# ---- what layers call ---------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of x [..., D] with weight [D]."""
+    ext = _ext()
+    if ext is not None and _native_ok(x, weight):
+        return ext.rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, D] and k [B, T, Hk, D] rotated by cos/sin [B, T, D]; may overwrite q and k."""
+    ext = _ext()
+    if ext is not None and _native_ok(q, k, cos, sin) and cos.shape[0] == q.shape[0]:
+        q, k = q.contiguous(), k.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ext.rope_(q, cos, sin)
+        ext.rope_(k, cos, sin)
+        return q, k
+    return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, element-wise (the gated MLP's activation)."""
+    ext = _ext()
+    if ext is not None and _native_ok(gate, up) and gate.shape == up.shape:
+        return ext.silu_mul(gate, up)
+    return silu_mul_torch(gate, up)

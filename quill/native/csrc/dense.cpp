@@ -1,0 +1,136 @@
+// Python binding of the dense 16-bit linear (dense.h): NativeDense holds one layer's packed
+// words and the chosen ISA variant; forward(x, bias) is the whole per-call path.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dense.h"
+#include "ops.h"
+#include "parallel.h"
+
+namespace quill {
+namespace {
+
+template <class... A>
+[[noreturn]] void fail(const A&... parts) {
+  std::ostringstream s;
+  (s << ... << parts);
+  throw OpFailure(s.str());
+}
+
+DenseGemm gemm_for(const std::string& isa) {
+  __builtin_cpu_init();
+  if (isa == "scalar") return dense_gemm_scalar();
+  if (isa == "avx2") {
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+      fail("native dense: ISA 'avx2' needs AVX2, FMA and F16C, which this CPU lacks");
+    return dense_gemm_avx2();
+  }
+  if (isa == "avx512") {
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl"))
+      fail("native dense: ISA 'avx512' needs AVX512F/BW/VL, which this CPU lacks");
+    return dense_gemm_avx512();
+  }
+  fail("native dense: unknown ISA '", isa, "'; supported: avx512, avx2, scalar");
+}
+
+class NativeDense {
+ public:
+  // words: int16 [NB, KP, 16, 2] (dense.h), the bit patterns of `dtype` ("bfloat16" or "float16")
+  NativeDense(at::Tensor words, int64_t n, int64_t k, std::string dtype, std::string isa, int64_t threads)
+      : words_(std::move(words)), isa_(isa), gemm_(gemm_for(isa)) {
+    if (dtype != "bfloat16" && dtype != "float16")
+      fail("native dense: weight dtype '", dtype, "' is not supported; supported: bfloat16, float16");
+    const int64_t nb = (n + LANES - 1) / LANES, kp = (k + 1) / 2;
+    if (n <= 0 || k <= 0 || words_.scalar_type() != at::kShort || !words_.is_contiguous() ||
+        words_.sizes() != at::IntArrayRef({nb, kp, LANES, 2}))
+      fail("native dense: words should be contiguous int16 [", nb, ", ", kp, ", 16, 2] for a [", n, ", ", k,
+           "] weight, found ", words_.dtype(), " ", words_.sizes());
+    w_.words = reinterpret_cast<const uint16_t*>(words_.data_ptr<int16_t>());
+    w_.kp = kp;
+    w_.n = int32_t(n);
+    w_.nb = int32_t(nb);
+    w_.f16 = dtype == "float16";
+    k_ = k;
+    set_threads(threads);
+  }
+
+  void set_threads(int64_t t) {
+    if (t < 1) fail("native dense: threads must be at least 1, found ", t);
+    threads_ = int(t);
+  }
+  int64_t threads() const { return threads_; }
+  std::string isa() const { return isa_; }
+
+  // x [..., K] float32 / bfloat16 / float16 -> y [..., N] of x's dtype (+ bias [N])
+  at::Tensor forward(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) const {
+    const auto dt = x_in.scalar_type();
+    if (x_in.dim() < 1 || x_in.size(-1) != k_ || x_in.device().is_cuda() ||
+        !(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf)) {
+      std::ostringstream s;
+      s << x_in.dtype() << " " << x_in.sizes();
+      fail("native dense: input should be a float32/bfloat16/float16 CPU tensor [..., ", k_, "], found ", s.str());
+    }
+    const int64_t m = x_in.numel() / k_, ld = 2 * w_.kp;
+    // float32 activations [M, 2 * KP] (widened exactly; the odd K's last pair padded with 0)
+    at::Tensor x = x_in.reshape({m, k_});
+    if (dt != at::kFloat || ld != k_ || !x.is_contiguous()) {
+      at::Tensor t = at::zeros({m, ld}, x.options().dtype(at::kFloat));
+      t.narrow(1, 0, k_).copy_(x);
+      x = t;
+    }
+    at::Tensor bias;
+    if (bias_in) {
+      bias = bias_in->to(at::kFloat).contiguous();
+      if (bias.dim() != 1 || bias.size(0) != w_.n) fail("native dense: bias should have ", w_.n, " values");
+    }
+    const auto out_dt = dt == at::kHalf ? at::kFloat : dt;  // float16 results are rounded by torch
+    at::Tensor y = at::empty({m, w_.n}, x.options().dtype(out_dt));
+    DenseWeights w = w_;
+    w.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    const float* xp = x.data_ptr<float>();
+    for (int64_t m0 = 0; m0 < m; m0 += MAX_BLOCK_TOKENS) {  // the kernels' partial sums hold that many
+      const int32_t mb = int32_t(std::min<int64_t>(MAX_BLOCK_TOKENS, m - m0));
+      const DenseActs a{xp + m0 * ld, ld, mb};
+      const Out o{static_cast<char*>(y.data_ptr()) + m0 * w_.n * y.element_size(), w_.n,
+                  out_dt == at::kBFloat16 ? DType::BF16 : DType::F32};
+      const int64_t bytes = int64_t(w_.nb) * w_.kp * 128 * (1 + mb / 4);
+      parallel_parts(threads_for(threads_, bytes, w_.nb), w_.nb,
+                     [&](int64_t b, int64_t e) { gemm_(w, a, o, int(b), int(e)); });
+    }
+    std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+    shape.back() = w_.n;
+    return (dt == at::kHalf ? y.to(at::kHalf) : y).view(shape);
+  }
+
+ private:
+  at::Tensor words_;
+  std::string isa_;
+  DenseGemm gemm_;
+  DenseWeights w_;
+  int64_t k_ = 0;
+  int threads_ = 1;
+};
+
+}  // namespace
+
+void register_dense(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<NativeDense>(m, "NativeDense")
+      .def(py::init<at::Tensor, int64_t, int64_t, std::string, std::string, int64_t>(), py::arg("words"),
+           py::arg("n"), py::arg("k"), py::arg("dtype"), py::arg("isa"), py::arg("threads") = 1)
+      .def("forward", &NativeDense::forward, py::arg("x"), py::arg("bias") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_threads", &NativeDense::set_threads)
+      .def_property_readonly("threads", &NativeDense::threads)
+      .def_property_readonly("isa", &NativeDense::isa);
+}
+
+}  // namespace quill
