@@ -22,6 +22,11 @@ ISA_FLAGS = (
     "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
 )
 
+# Flags a weaker machine lacks (Platform.limited_to).
+_ISA_CEILINGS = {
+    "avx2": frozenset(f for f in ISA_FLAGS if f.startswith(("avx512", "avx_vnni", "amx"))),
+}
+
 CPUINFO_PATH = Path("/proc/cpuinfo")
 SYSFS_CPU_ROOT = Path("/sys/devices/system/cpu")
 
@@ -53,6 +58,13 @@ class Platform:
     def missing(self, *flags: str) -> tuple[str, ...]:
         """The subset of ``flags`` this CPU lacks, in the order given (for refusal messages)."""
         return tuple(f for f in flags if f not in self.flags)
+
+    def limited_to(self, isa: str) -> "Platform":
+        """This CPU with the ISA flags above ``isa`` removed ('avx2': an AVX2+FMA+F16C machine such
+        as Zen 2/3), so benchmarks can measure the variants a weaker CPU would run."""
+        if isa not in _ISA_CEILINGS:
+            raise ValueError(f"unknown ISA ceiling '{isa}'; known: {', '.join(_ISA_CEILINGS)}")
+        return replace(self, flags=self.flags - _ISA_CEILINGS[isa])
 
     @property
     def is_zen(self) -> bool:

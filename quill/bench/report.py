@@ -79,6 +79,7 @@ def to_json(s: Suite, command: str) -> dict:
                 "physical_cores": s.platform.physical_cores, "caches": dict(s.platform.cache_bytes)},
         "threads": s.threads,
         "torch": torch.__version__,
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": pyplatform.python_version(),
         "bandwidth_gbs": {"native_1t": s.bandwidth.native_1t, "native_all": s.bandwidth.native_all,
                           "torch_sum_1t": s.bandwidth.torch_sum_1t, "torch_sum_all": s.bandwidth.torch_sum_all,

@@ -33,6 +33,9 @@ def register(sub) -> None:
     k.add_argument("--min-run-ms", type=float, default=40.0, help="minimum duration of one timed run")
     k.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe buffer (default: 8 x L3, >= 256)")
     k.add_argument("--quick", action="store_true", help="4096x4096 only, M = 1 and 128")
+    k.add_argument("--isa", choices=("native", "avx2"), default="native",
+                   help="'avx2': run the kernel variants of an AVX2-only CPU (Zen 2/3); pair it with "
+                        "ATEN_CPU_CAPABILITY=avx2 so torch's kernels do the same")
     k.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     k.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
     k.set_defaults(func=run_kernels)
@@ -89,6 +92,8 @@ def run_kernels(args) -> int:
     if args.plot:
         report.require_matplotlib()  # fail before the run, not after it
     platform = detect()
+    if args.isa != "native":
+        platform = platform.limited_to(args.isa)
     threads = args.threads or platform.physical_cores
     torch.set_num_threads(threads)
     shapes = [(4096, 4096)] if args.quick else (_shapes(args.shapes) if args.shapes else list(kb.SHAPES))
@@ -98,7 +103,11 @@ def run_kernels(args) -> int:
     if unknown:
         raise ConfigError(f"unknown benchmark kernel(s) {', '.join(unknown)}; known: {format_choices(kb.CASES)}")
     log = lambda s: print(s, flush=True)  # noqa: E731
-    log(f"cpu: {platform.model_name} ({platform.microarch}), {threads} threads, torch {torch.__version__}")
+    aten = torch.backends.cpu.get_cpu_capability()
+    log(f"cpu: {platform.model_name} ({platform.microarch}), {threads} threads, torch {torch.__version__} "
+        f"(ATen {aten}), native kernels: isa {args.isa}")
+    if args.isa == "avx2" and aten != "AVX2":
+        log(f"note: torch's kernels run {aten} here; set ATEN_CPU_CAPABILITY=avx2 to compare like for like")
     probe = args.probe_mib << 20 if args.probe_mib else None
     bw = memory.measure(platform.cache("L3") or (32 << 20), threads, nbytes=probe)
     suite = kb.Suite(platform, threads, bw)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quill.errors import ModelError
@@ -188,3 +189,17 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, Hq, D] and k [B, T, Hk, D] rotated by cos/sin [B, T, D] (one fused call; may reuse q, k)."""
     return fused.rope_qk(q, k, cos, sin)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads.
+
+    q [B, H, T, D], k and v [B, Hkv, S, D] (H a multiple of Hkv), mask bool broadcastable to
+    [B, 1, T, S] (True = may attend) or None -> [B, H, T, D].  One query token per sequence
+    (decode) goes through :func:`quill.kernels.fused.decode_attention`; prompts through
+    ATen's flash kernel.
+    """
+    if q.shape[2] == 1:
+        return fused.decode_attention(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -9,13 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from quill.errors import ModelError
 from quill.models.base import BaseModelArgs, ForwardContext, LayerCache, sliding_window_limit
 from quill.kernels import fused
-from quill.models.layers import Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope_qk, linear
+from quill.models.layers import Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope_qk, attention, linear
 
 # hidden_act -> the gated activation act(gate) * up
 ACTIVATIONS = {"silu": fused.silu_mul}
@@ -92,8 +91,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         if cache is not None:
             k, v = cache.update(k, v)  # [B, Hkv, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=self.n_heads != self.n_kv_heads)
+        out = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 

@@ -42,11 +42,15 @@ SOURCES: dict[str, list[str]] = {
     "dense_scalar.cpp": [],
     "dense_avx2.cpp": AVX2,
     "dense_avx512.cpp": AVX512,
+    "attention_scalar.cpp": [],
+    "attention_avx2.cpp": AVX2,
+    "attention_avx512.cpp": AVX512,
     "binding.cpp": [],
     "ops.cpp": [],
     "dense.cpp": [],
+    "attention.cpp": [],
 }
-TORCH_SOURCES = ("binding.cpp", "ops.cpp", "dense.cpp")  # the slow ones: they see torch headers
+TORCH_SOURCES = ("binding.cpp", "ops.cpp", "dense.cpp", "attention.cpp")  # the slow ones: they see torch headers
 
 
 def extension_path() -> Path:

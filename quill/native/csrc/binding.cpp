@@ -407,6 +407,7 @@ PYBIND11_MODULE(_quill_native, m) {
         py::arg("src"), py::arg("isa"));
   quill::register_ops(m);
   quill::register_dense(m);
+  quill::register_attention(m);
   m.def("huge_page_copy", &quill::huge_page_copy, py::arg("t"));
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),

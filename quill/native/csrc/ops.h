@@ -18,6 +18,7 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);        
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);               // same shape
 
 void register_ops(pybind11::module_& m);
-void register_dense(pybind11::module_& m);  // dense.cpp: NativeDense
+void register_dense(pybind11::module_& m);      // dense.cpp: NativeDense
+void register_attention(pybind11::module_& m);  // attention.cpp: decode_attention
 
 }  // namespace quill

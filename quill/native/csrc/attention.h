@@ -1,0 +1,37 @@
+// Decode attention: one query token per sequence against its cached keys and values, the
+// query heads grouped by their KV head (GQA), float32 throughout.
+//
+// One call handles one (sequence b, KV head h): its G = H / Hkv query heads read each K
+// and V row once.  Three passes over the S cached positions:
+//   scores[g][s] = scale * dot(q[g], K[s])            (masked positions skipped)
+//   p[g][s]      = exp(scores[g][s] - max_s), sum_g  (a polynomial exp, rel. error < 2e-7)
+//   out[g]       = sum_s p[g][s] V[s] / sum_g
+// Every sum runs in a fixed order (16 lane partials, then a fixed tree), so the scalar
+// twin and each ISA variant -- the same template, vectorised by the compiler -- return
+// identical bits.
+#pragma once
+
+#include <cstdint>
+
+namespace quill {
+
+struct AttnArgs {
+  const float* q = nullptr;      // [B, H, D] contiguous
+  const float* k = nullptr;      // [B, Hkv, S, D] with strides (kb, kh, ks), last dim contiguous
+  const float* v = nullptr;      // as k, strides (vb, vh, vs)
+  const uint8_t* mask = nullptr; // [B or 1, S] (1 = may attend) or null (every position)
+  float* out = nullptr;          // [B, H, D] contiguous
+  int64_t kb = 0, kh = 0, ks = 0, vb = 0, vh = 0, vs = 0;
+  int64_t mask_b = 0;            // mask row stride: S, or 0 when one row serves every sequence
+  int64_t b = 0, h = 0, hkv = 0, s = 0, d = 0;
+  float scale = 1.0f;
+};
+
+// One (sequence, KV head); scratch holds G * (S + D) floats.
+using AttnHead = void (*)(const AttnArgs&, int64_t b, int64_t kv_head, float* scratch);
+
+AttnHead attn_head_scalar();
+AttnHead attn_head_avx2();
+AttnHead attn_head_avx512();
+
+}  // namespace quill
