@@ -60,3 +60,29 @@ def measure(l3_bytes: int, threads: int, runs: int = 5, nbytes: int | None = Non
     finally:
         torch.set_num_threads(saved)
     return Bandwidth(nbytes, out["nat1"], out[f"nat{threads}"], out["sum1"], out[f"sum{threads}"], threads)
+
+
+class Probe:
+    """A read-bandwidth probe to call between timed runs: the buffer is allocated once.
+
+    On a shared host the bandwidth moves within seconds, so a run is best compared with
+    probes taken just before and after it (:meth:`read_gbs`, all threads, ~0.1 s).
+    """
+
+    def __init__(self, l3_bytes: int, threads: int, nbytes: int | None = None):
+        self.nbytes = nbytes or max(8 * l3_bytes, 256 << 20)
+        self.threads = threads
+        buf = torch.ones(self.nbytes // 8, dtype=torch.int64)  # [nbytes / 8]
+        self._ext = native.load().module
+        self._buf = self._ext.huge_page_copy(buf) if self._ext is not None else buf.view(torch.float64)
+
+    def read_gbs(self, runs: int = 3) -> float:
+        """Median all-thread read bandwidth, GB/s (quill's streaming probe, else torch.sum)."""
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            if self._ext is not None:
+                return _median_gbs(lambda: self._ext.stream_read(self._buf, self.threads), self.nbytes, runs)
+            return _median_gbs(lambda: self._buf.sum(), self.nbytes, runs)
+        finally:
+            torch.set_num_threads(saved)

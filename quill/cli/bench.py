@@ -60,7 +60,7 @@ def register(sub) -> None:
     md.add_argument("--prompt", type=int, default=512, help="prompt tokens of the prefill / decode runs")
     md.add_argument("--gen", type=int, default=128, help="tokens decoded per run")
     md.add_argument("--batch", type=int, default=8, help="prompts decoded together in the batch runs")
-    md.add_argument("--runs", type=int, default=3, help="runs per mode; medians are reported")
+    md.add_argument("--runs", type=int, default=5, help="runs per mode; medians are reported")
     md.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     md.set_defaults(func=run_model)
     from quill.bench import moe
