@@ -42,47 +42,48 @@ def _median_gbs(fn, nbytes: int, runs: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def measure(l3_bytes: int, threads: int, runs: int = 5, nbytes: int | None = None) -> Bandwidth:
-    """Stream a buffer of 8 x L3 (at least 256 MiB, or ``nbytes``) with 1 and ``threads`` threads."""
-    nbytes = nbytes or max(8 * l3_bytes, 256 << 20)
-    buf = torch.ones(nbytes // 8, dtype=torch.int64)  # [nbytes / 8], 4 KiB pages (torch's allocator)
-    fbuf = buf.view(torch.float64)
-    ext = native.load().module
-    if ext is not None:  # the probe reads from 2 MiB pages, as the native kernels' weights are
-        buf = ext.huge_page_copy(buf)
-    saved = torch.get_num_threads()
-    out = {}
-    try:
-        for t in (1, threads):
-            torch.set_num_threads(t)
-            out[f"sum{t}"] = _median_gbs(lambda: fbuf.sum(), nbytes, runs)
-            out[f"nat{t}"] = _median_gbs(lambda: ext.stream_read(buf, t), nbytes, runs) if ext else None
-    finally:
-        torch.set_num_threads(saved)
-    return Bandwidth(nbytes, out["nat1"], out[f"nat{threads}"], out["sum1"], out[f"sum{threads}"], threads)
-
-
 class Probe:
-    """A read-bandwidth probe to call between timed runs: the buffer is allocated once.
+    """Read-bandwidth probes over one buffer of 8 x L3 (at least 256 MiB, or ``nbytes``), allocated once.
 
-    On a shared host the bandwidth moves within seconds, so a run is best compared with
-    probes taken just before and after it (:meth:`read_gbs`, all threads, ~0.1 s).
+    On a shared host the bandwidth moves within seconds, so a timed run is best compared
+    with probes taken just before and after it (:meth:`read_gbs`, all threads, ~0.1 s).
     """
 
     def __init__(self, l3_bytes: int, threads: int, nbytes: int | None = None):
         self.nbytes = nbytes or max(8 * l3_bytes, 256 << 20)
         self.threads = threads
-        buf = torch.ones(self.nbytes // 8, dtype=torch.int64)  # [nbytes / 8]
         self._ext = native.load().module
-        self._buf = self._ext.huge_page_copy(buf) if self._ext is not None else buf.view(torch.float64)
+        plain = torch.ones(self.nbytes // 8, dtype=torch.int64)  # [nbytes / 8], 4 KiB pages (torch's allocator)
+        self._sum_buf = plain.view(torch.float64)
+        # quill's streaming probe reads 2 MiB pages, as the native kernels' weights are
+        self._stream_buf = self._ext.huge_page_copy(plain) if self._ext is not None else None
 
-    def read_gbs(self, runs: int = 3) -> float:
-        """Median all-thread read bandwidth, GB/s (quill's streaming probe, else torch.sum)."""
+    def _timed(self, fn, threads: int, runs: int) -> float:
         saved = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
+        torch.set_num_threads(threads)
         try:
-            if self._ext is not None:
-                return _median_gbs(lambda: self._ext.stream_read(self._buf, self.threads), self.nbytes, runs)
-            return _median_gbs(lambda: self._buf.sum(), self.nbytes, runs)
+            return _median_gbs(fn, self.nbytes, runs)
         finally:
             torch.set_num_threads(saved)
+
+    def sum_gbs(self, threads: int, runs: int = 3) -> float:
+        """``torch.sum`` over the buffer, GB/s."""
+        return self._timed(lambda: self._sum_buf.sum(), threads, runs)
+
+    def stream_gbs(self, threads: int, runs: int = 3) -> float | None:
+        """quill's streaming read, GB/s; None without the native extension."""
+        if self._stream_buf is None:
+            return None
+        return self._timed(lambda: self._ext.stream_read(self._stream_buf, threads), threads, runs)
+
+    def read_gbs(self, runs: int = 3) -> float:
+        """Median all-thread read bandwidth, GB/s (the streaming probe, else torch.sum)."""
+        gbs = self.stream_gbs(self.threads, runs)
+        return gbs if gbs is not None else self.sum_gbs(self.threads, runs)
+
+
+def measure(l3_bytes: int, threads: int, runs: int = 5, nbytes: int | None = None) -> Bandwidth:
+    """Stream a buffer of 8 x L3 (at least 256 MiB, or ``nbytes``) with 1 and ``threads`` threads."""
+    p = Probe(l3_bytes, threads, nbytes)
+    return Bandwidth(p.nbytes, p.stream_gbs(1, runs), p.stream_gbs(threads, runs), p.sum_gbs(1, runs),
+                     p.sum_gbs(threads, runs), threads)
