@@ -32,10 +32,10 @@ import numpy as np
 LLAMA_SCRIPT = r"""
 import json, sys, time
 from llama_cpp import Llama
-path, prompt, gen, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+path, toks, gen, threads = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+prompt = len(toks)
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt + gen + 8,
             n_batch=512, verbose=False)
-toks = [(7 * i + 11) % 4000 + 100 for i in range(prompt)]
 llm.eval(toks[:8]); llm.reset()  # warm-up
 t0 = time.perf_counter(); llm.eval(toks); t1 = time.perf_counter()
 for _ in range(gen):
@@ -111,8 +111,13 @@ def write_1b_gguf(out: Path, tokenizer_from: Path, seed: int = 0, hidden: int = 
     return path
 
 
+def prompt_ids(n: int) -> list[int]:
+    """The fixed prompt both engines get: ``n`` ordinary token ids, no tokenizer involved."""
+    return [(7 * i + 11) % 4000 + 100 for i in range(n)]
+
+
 def run_llamacpp(python: str, path: Path, prompt: int, gen: int, threads: int) -> dict:
-    p = subprocess.run([python, "-c", LLAMA_SCRIPT, str(path), str(prompt), str(gen), str(threads)],
+    p = subprocess.run([python, "-c", LLAMA_SCRIPT, str(path), json.dumps(prompt_ids(prompt)), str(gen), str(threads)],
                        capture_output=True, text=True, check=False)
     if p.returncode:
         raise RuntimeError(f"llama.cpp run failed: {p.stderr.strip()[-2000:]}")
@@ -122,8 +127,7 @@ def run_llamacpp(python: str, path: Path, prompt: int, gen: int, threads: int) -
 def run_quill(llm, prompt: int, gen: int) -> dict:
     import quill
 
-    toks = [(7 * i + 11) % 4000 + 100 for i in range(prompt)]  # the ids llama.cpp gets
-    t = llm.generate([toks], quill.SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True))[0].timings
+    t = llm.generate([prompt_ids(prompt)], quill.SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True))[0].timings
     return {"prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps}
 
 

@@ -97,7 +97,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     2-4x longer on single query tokens.
     """
     ext = _ext()
-    if ext is not None and q.dtype == k.dtype == v.dtype == torch.float32 and not q.requires_grad:
+    if ext is not None and _native_ok(q, k, v) and q.dtype == torch.float32:
         return ext.decode_attention(q, k, v, mask, scale)
     return decode_attention_torch(q, k, v, mask, scale)
 
