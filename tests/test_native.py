@@ -202,14 +202,18 @@ def test_activation_quantizer_is_bit_exact(isa, dtype):
         assert torch.equal(qsum[:, 0], rq.int().sum(1))
 
 
+QMAX = 8355711  # 127 * 65793: the largest |q| whose hi part fits int8
+
+
 def _split_oracle(x: torch.Tensor, seg_end: torch.Tensor, chunk: int, src: torch.Tensor | None):
     """The split image of float activations by its definition (csrc/scalar_util.h), in torch.
 
-    Per segment: amax = max |x|; q = round_half_even(clamp((x * pre) * inv, -32639, 32639)) with
-    pre = 2^64 when amax < 2^-64 (else 1) and inv = 32639 / (amax * pre); q = 256 * hi + lo with
-    hi = floor((q + 128) / 256), both parts int8.
-    A segment holding inf or NaN is all zeros with scale NaN.
-    Returns (stream int8 [M, 2 * Kp] (per chunk: hi bytes, lo bytes), qsum [M, S], scale [M, S]).
+    Per segment: amax = max |x|; q = round_half_even(clamp((x * pre) * inv, -QMAX, QMAX)) with
+    pre = 2^64 when amax < 2^-64 (else 1) and inv = QMAX / (amax * pre); q = 65536 * hi + 256 * mid + lo
+    with r = floor((q + 128) / 256), lo = q - 256 * r, hi = floor((r + 128) / 256), mid = r - 256 * hi,
+    all three int8.  A segment holding inf or NaN is all zeros with scale NaN.
+    Returns (stream int8 [M, 3 * Kp] (per chunk: hi, mid, lo bytes), qsum [M, S, 2] (sum of hi,
+    sum of 256 * mid + lo), scale [M, S]).
     """
     x = x.float()
     m, k = x.shape
@@ -218,8 +222,7 @@ def _split_oracle(x: torch.Tensor, seg_end: torch.Tensor, chunk: int, src: torch
     if src is None:
         src = torch.cat([torch.arange(k), torch.full((kp - k,), -1)])
     xs = torch.where(src >= 0, x[:, src.clamp(min=0)], torch.zeros(()))  # [M, Kp]
-    q = torch.zeros(m, kp, dtype=torch.int32)
-    qsum = torch.zeros(m, len(ends), dtype=torch.int32)
+    q = torch.zeros(m, kp, dtype=torch.int64)
     scale = torch.zeros(m, len(ends))
     p0 = 0
     for s, p1 in enumerate(ends):
@@ -228,19 +231,26 @@ def _split_oracle(x: torch.Tensor, seg_end: torch.Tensor, chunk: int, src: torch
         finite = torch.isfinite(amax)
         pre = torch.where(amax < 2.0 ** -64, torch.tensor(2.0 ** 64), torch.tensor(1.0))
         a = amax * pre
-        inv = torch.where(a > 0, torch.tensor(32639.0) / a, torch.zeros(()))
-        t = ((seg * pre[:, None]) * inv[:, None]).clamp(-32639, 32639).round()
-        qs = torch.where(finite[:, None], t, torch.zeros(())).int()
-        q[:, p0:p1] = qs
-        qsum[:, s] = qs.sum(1, dtype=torch.int32)
-        scale[:, s] = torch.where(finite, amax / torch.tensor(32639.0), torch.tensor(float("nan")))
+        inv = torch.where(a > 0, torch.tensor(float(QMAX)) / a, torch.zeros(()))
+        t = ((seg * pre[:, None]) * inv[:, None]).clamp(-QMAX, QMAX).round()
+        q[:, p0:p1] = torch.where(finite[:, None], t, torch.zeros(())).long()
+        scale[:, s] = torch.where(finite, amax / torch.tensor(float(QMAX)), torch.tensor(float("nan")))
         p0 = p1
-    hi = torch.div(q + 128, 256, rounding_mode="floor")
-    lo = q - 256 * hi
-    assert hi.abs().max() <= 127 and lo.min() >= -128 and lo.max() <= 127
-    hi, lo = hi.to(torch.int8), lo.to(torch.int8)
-    stream = torch.stack([hi.view(m, -1, chunk), lo.view(m, -1, chunk)], 2).reshape(m, 2 * kp)
-    return stream, qsum, scale
+    r = torch.div(q + 128, 256, rounding_mode="floor")
+    lo = q - 256 * r
+    hi = torch.div(r + 128, 256, rounding_mode="floor")
+    mid = r - 256 * hi
+    for part in (hi, mid, lo):
+        assert part.min() >= -128 and part.max() <= 127
+    assert torch.equal(65536 * hi + 256 * mid + lo, q)
+    bounds = torch.tensor([0] + ends)
+    seg_of = torch.bucketize(torch.arange(kp), bounds[1:], right=True)  # [Kp] segment of every position
+    qsum = torch.zeros(m, len(ends), 2, dtype=torch.int64)
+    qsum[:, :, 0].index_add_(1, seg_of, hi)
+    qsum[:, :, 1].index_add_(1, seg_of, q - 65536 * hi)
+    parts = [t.to(torch.int8).view(m, -1, chunk) for t in (hi, mid, lo)]
+    stream = torch.stack(parts, 2).reshape(m, 3 * kp)
+    return stream, qsum.int(), scale
 
 
 @pytest.mark.parametrize("isa", FLOAT_VARIANTS)
@@ -256,7 +266,7 @@ def test_split_encoder_matches_its_definition(isa, dtype, bits, gs, act_order, k
     x[4] *= 1e30
     x[5, 7] = float("inf")  # one segment becomes NaN, the others are kept
     x[6, 150] = float("nan")
-    x[7, 3] = 5e4  # one large value: the rest of its segment at 2^-16 of it
+    x[7, 3] = 5e4  # one large value: the rest of its segment at 2^-24 of it
     x = x.to(dtype)
     order = stream_order(_weight(16, k, bits, gs, act_order=act_order), 128)
     got = EXT.module.split_activations(x, order.seg_end, 8 if bits == 4 else 4, order.src, isa)

@@ -4,11 +4,12 @@ Four registered kernels share one implementation, differing in the code width
 they accept and in their activations:
 
 * ``native_w4a16`` / ``native_w8a16``: float activations (float32, bfloat16,
-  float16), entered as a fixed-point image with 15 bits per 128-wide segment
-  (scale = max |x| / 16383, split into two int8 parts so the products are exact
-  int8 dot products); per-element error below 2^-15 of its segment's largest
-  value, 80+ dB against float32.  Not activation quantization in the W4A8 sense:
-  no 8-bit rounding, and the result tracks float32 (docs/NATIVE.md).
+  float16), entered as a 24-bit fixed-point image per 128-wide segment
+  (scale = max |x| / 8355711, split into three int8 parts so the products are
+  exact int8 dot products); per-element error below 2^-24 of its segment's
+  largest value, so activation outliers (AWQ) cost the other channels nothing.
+  Not activation quantization in the W4A8 sense: the result tracks float32
+  (docs/NATIVE.md).
 * ``native_w4a8`` / ``native_w8a8``: int8 activations, quantized in C++ with the
   arithmetic of :mod:`quill.kernels.activation` (dynamic per token, or the
   checkpoint's static scale and zero point), exact int32 dot products.  Chosen

@@ -5,9 +5,9 @@
 // vpmaddubsw multiplies unsigned code bytes with signed activation bytes into
 // int16 pairs (no saturation: codes are split into nibbles, so |pair| <= 2 * 15 *
 // 128), vpmaddwd widens them to int32 exactly, weighting each pair sum (the high
-// nibble of 8-bit codes by 16, the hi part of split float activations by 256).
+// nibble of 8-bit codes by 16, the mid part of split float activations by 256).
 // int8 activations (W4A8, W8A8) are one part; float activations (W4A16, W8A16) are
-// their split fixed-point image (common.h SplitActs), two parts.
+// their split fixed-point image (common.h SplitActs), three parts.
 #include <immintrin.h>
 
 #include "scalar_util.h"
@@ -45,19 +45,26 @@ inline __m256 epilogue(const Weights& w, int nb, int s, int h, __m256 d, __m256 
   return f;
 }
 
-// f += (scale * xscale) * (d - zero * x) [+ (offset * xscale) * x] for lanes 8h..8h+7 (split_epilogue).
-inline __m256 epilogue_split(const Weights& w, int nb, int s, int h, __m256 d, __m256 x, __m256 xscale, __m256 f) {
+// f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo)) [+ (offset * xscale) * (65536 * Xhi + Xlo)]
+// for lanes 8h..8h+7 (split_epilogue).
+inline __m256 epilogue_split(const Weights& w, int nb, int s, int h, __m256i dhi, __m256i dlo, int32_t xhi,
+                             int32_t xlo, float xscale, __m256 f) {
   const int64_t i = seg_index(w, nb, s, 8 * h);
-  __m256 z;
+  __m256i z;
   if (!w.zeros)
-    z = _mm256_set1_ps(w.zconst);
+    z = _mm256_set1_epi32(int32_t(w.zconst));
   else if (w.bits == 4)
-    z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.zeros) + i))));
+    z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.zeros) + i)));
   else
-    z = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(w.zeros) + i))));
-  const __m256 t = _mm256_fnmadd_ps(z, x, d);
-  f = _mm256_fmadd_ps(_mm256_mul_ps(load8(w.scales, w.scale_dtype, i), xscale), t, f);
-  if (w.offsets) f = _mm256_fmadd_ps(_mm256_mul_ps(load8(w.offsets, w.scale_dtype, i), xscale), x, f);
+    z = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(w.zeros) + i)));
+  const __m256i ehi = _mm256_sub_epi32(dhi, _mm256_mullo_epi32(z, _mm256_set1_epi32(xhi)));
+  const __m256i elo = _mm256_sub_epi32(dlo, _mm256_mullo_epi32(z, _mm256_set1_epi32(xlo)));
+  const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ehi), _mm256_set1_ps(65536.0f), _mm256_cvtepi32_ps(elo));
+  const __m256 xs = _mm256_set1_ps(xscale);
+  f = _mm256_fmadd_ps(_mm256_mul_ps(load8(w.scales, w.scale_dtype, i), xs), t, f);
+  if (w.offsets)
+    f = _mm256_fmadd_ps(_mm256_mul_ps(load8(w.offsets, w.scale_dtype, i), xs),
+                        _mm256_set1_ps(std::fma(float(xhi), 65536.0f, float(xlo))), f);
   return f;
 }
 
@@ -70,21 +77,27 @@ inline __m256i bcast4(const int8_t* p) {
 inline const int8_t* stream_of(const I8Acts& a) { return a.q; }
 inline const int8_t* stream_of(const SplitActs& a) { return a.x; }
 
-// MT tokens x one row block, all of K.  PARTS = 1: int8 activations; PARTS = 2: the
-// split image of float activations, whose hi part enters vpmaddwd with weight 256, so
-// one int32 accumulator per token and half holds D = 256 * sum(code * hi) + sum(code * lo).
+// MT tokens x one row block, all of K.  PARTS = 1: int8 activations, one int32
+// accumulator per token and half holding D.  PARTS = 3: the split image of float
+// activations (common.h SplitActs): accumulator 0 holds Dhi = sum(code * hi), accumulator
+// 1 holds Dlo = 256 * sum(code * mid) + sum(code * lo) (mid enters vpmaddwd with weight 256).
 template <int BITS, int PARTS, int MT, class Acts>
 void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
   constexpr int CK = chunk_k(BITS), STRIDE = PARTS * CK;
+  constexpr bool SPLIT = PARTS == SPLIT_PARTS;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  // vpmaddwd weights of the int16 pair sums: [part][nibble] (8-bit codes = 16 * high nibble + low)
-  const __m256i wt[2][2] = {{_mm256_set1_epi16(PARTS == 2 ? 256 : 1), _mm256_set1_epi16(PARTS == 2 ? 4096 : 16)},
-                            {_mm256_set1_epi16(1), _mm256_set1_epi16(16)}};
+  // vpmaddwd weights of the int16 pair sums: [part][nibble] (8-bit codes = 16 * high nibble + low),
+  // and the accumulator each part feeds
+  const __m256i one[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(16)};
+  const __m256i w256[2] = {_mm256_set1_epi16(256), _mm256_set1_epi16(4096)};
+  const __m256i* wt[3] = {one, SPLIT ? w256 : one, one};
+  constexpr int dest[3] = {SPLIT ? 0 : 1, 1, 1};
   const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
   alignas(32) float f[MT][LANES] = {};
   for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
-    __m256i acc[MT][2];
-    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    __m256i acc[MT][2][2];  // [token][half][Dhi, D or Dlo]
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h) acc[m][h][0] = acc[m][h][1] = _mm256_setzero_si256();
     for (int c = c0, c1 = w.seg_end[s]; c < c1; ++c) {
       const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
       _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
@@ -94,37 +107,38 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = stream_of(a) + (m0 + m) * a.ld + int64_t(c) * STRIDE;
-          __m256i d = _mm256_setzero_si256();
           for (int p = 0; p < PARTS; ++p) {
             const int8_t* xp = x + p * CK;
+            __m256i d;
             if (BITS == 4) {  // positions 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high ones (|pair| <= 3840)
               const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)), _mm256_maddubs_epi16(hi, bcast4(xp + 4)));
-              d = _mm256_add_epi32(d, _mm256_madd_epi16(q, wt[p][0]));
+              d = _mm256_madd_epi16(q, wt[p][0]);
             } else {  // code = 16 * hi + lo at positions 4c..4c+3
               const __m256i xa = bcast4(xp);
-              d = _mm256_add_epi32(d, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xa), wt[p][0]),
-                                                       _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xa), wt[p][1])));
+              d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xa), wt[p][0]),
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xa), wt[p][1]));
             }
+            acc[m][h][dest[p]] = _mm256_add_epi32(acc[m][h][dest[p]], d);
           }
-          acc[m][h] = _mm256_add_epi32(acc[m][h], d);
         }
       }
     }
     for (int m = 0; m < MT; ++m) {
       const int64_t i = int64_t(m0 + m) * w.nseg + s;
-      const __m256 x = _mm256_set1_ps(float(a.qsum[i]));
       for (int h = 0; h < 2; ++h) {
-        const __m256 d = _mm256_cvtepi32_ps(acc[m][h]), fo = _mm256_load_ps(f[m] + 8 * h);
+        const __m256 fo = _mm256_load_ps(f[m] + 8 * h);
         __m256 fn;
-        if constexpr (PARTS == 1) fn = epilogue(w, nb, s, h, d, x, fo);
-        else fn = epilogue_split(w, nb, s, h, d, x, _mm256_set1_ps(a.scale[i]), fo);
+        if constexpr (SPLIT)
+          fn = epilogue_split(w, nb, s, h, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo);
+        else
+          fn = epilogue(w, nb, s, h, _mm256_cvtepi32_ps(acc[m][h][1]), _mm256_set1_ps(float(a.qsum[i])), fo);
         _mm256_store_ps(f[m] + 8 * h, fn);
       }
     }
   }
   for (int m = 0; m < MT; ++m) {
-    if constexpr (PARTS == 1) store_int_row(w, a, o, nb, m0 + m, f[m]);
-    else store_float_row(w, o, nb, m0 + m, f[m]);
+    if constexpr (SPLIT) store_float_row(w, o, nb, m0 + m, f[m]);
+    else store_int_row(w, a, o, nb, m0 + m, f[m]);
   }
 }
 
@@ -142,8 +156,8 @@ void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
 }
 
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  if (w.bits == 4) run<4, 2>(w, a, o, nb0, nb1);
-  else run<8, 2>(w, a, o, nb0, nb1);
+  if (w.bits == 4) run<4, SPLIT_PARTS>(w, a, o, nb0, nb1);
+  else run<8, SPLIT_PARTS>(w, a, o, nb0, nb1);
 }
 
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
@@ -229,15 +243,16 @@ inline __m256 load_x8_upto(const RawX& in, const void* row, int64_t p, int64_t r
   return _mm256_load_ps(t);
 }
 
-// The split stream of tokens [m0, m1) (quantize_split in scalar.cpp), 8 positions a step;
+// The split stream of tokens [m0, m1) (quantize_split in scalar.cpp): the image 8 positions
+// a step, its three parts written per position (O(K) per token, beside the O(N K) kernel);
 // identity order (the binding gathers act-order first).
 void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
   const int esize = in.dtype == DType::F32 ? 4 : 2;
-  const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), half = _mm256_set1_epi32(128);
+  const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
   const __m256 qmin = _mm256_set1_ps(-SPLIT_QMAX), qmax = _mm256_set1_ps(SPLIT_QMAX);
   for (int m = m0; m < m1; ++m) {
     const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
-    int8_t* out = xs + m * in.kp * 2;  // [KC, 2 * CK]
+    int8_t* out = xs + m * in.kp * SPLIT_PARTS;  // [KC, 3 * CK]
     for (int s = 0, p0 = 0; s < in.nseg; p0 = in.seg_end[s++] * in.chunk) {
       const int64_t p1 = int64_t(in.seg_end[s]) * in.chunk, real = std::min<int64_t>(p1, in.k);
       __m256i vmax = _mm256_setzero_si256();
@@ -248,32 +263,21 @@ void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int
       const SplitParams sp = split_params(*std::max_element(lanes, lanes + 8));
       const int64_t i = int64_t(m) * in.nseg + s;
       scale[i] = sp.scale;
+      int32_t xhi = 0, xlo = 0;
       if (!sp.finite) {
-        std::fill(out + 2 * p0, out + 2 * p1, int8_t(0));
-        qsum[i] = 0;
-        continue;
+        for (int64_t p = p0; p < p1; ++p) put_split(out, in.chunk, p, 0, xhi, xlo);
+      } else {
+        const __m256 pre = _mm256_set1_ps(sp.pre), inv = _mm256_set1_ps(sp.inv);
+        alignas(32) int32_t q[8];
+        for (int64_t p = p0; p < p1; p += 8) {
+          const __m256 v = load_x8_upto(in, row, p, real);
+          const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_mul_ps(v, pre), inv), qmin), qmax);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_cvtps_epi32(t));  // ties to even
+          for (int64_t j = 0; j < std::min<int64_t>(8, p1 - p); ++j) put_split(out, in.chunk, p + j, q[j], xhi, xlo);
+        }
       }
-      const __m256 pre = _mm256_set1_ps(sp.pre), inv = _mm256_set1_ps(sp.inv);
-      __m256i sum = _mm256_setzero_si256();
-      for (int64_t p = p0; p < p1; p += 8) {
-        const __m256 v = load_x8_upto(in, row, p, real);
-        const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_mul_ps(v, pre), inv), qmin), qmax);
-        const __m256i q = _mm256_cvtps_epi32(t);  // ties to even
-        sum = _mm256_add_epi32(sum, q);
-        // int16 [h0-3 l0-3 | h4-7 l4-7] -> bytes, qwords 0 and 2: h0-3 l0-3 h4-7 l4-7 (no saturation:
-        // hi, lo in [-128, 127]); split_hi / split_lo
-        const __m256i hi = _mm256_srai_epi32(_mm256_add_epi32(q, half), 8);
-        const __m256i w16 = _mm256_packs_epi32(hi, _mm256_sub_epi32(q, _mm256_slli_epi32(hi, 8)));
-        __m128i b = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packs_epi16(w16, w16), 0x08));
-        if (in.chunk == 8) b = _mm_shuffle_epi32(b, 0xD8);  // one chunk: h0-7 l0-7
-        if (p + 8 <= p1) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * p), b);
-        else _mm_storel_epi64(reinterpret_cast<__m128i*>(out + 2 * p), b);  // a last 4-position chunk
-      }
-      alignas(32) int32_t parts[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sum);
-      int32_t total = 0;
-      for (int j = 0; j < 8; ++j) total += parts[j];
-      qsum[i] = total;
+      qsum[2 * i] = xhi;
+      qsum[2 * i + 1] = xlo;
     }
   }
 }

@@ -25,13 +25,14 @@ inline __m512i bcast4(const int8_t* p) {
 // ---- W4A16 / W8A16: float activations as their split image (SplitActs) ----
 
 // MT tokens x RB row blocks x chunks [c0, c1), starting in segment s; partial
-// results in/out through st[r] (kblock.h).  Two parts per chunk: hi bytes, then lo
-// bytes, D = 256 * part 0 + part 1 (the partial state holds D, so it enters part 1).
+// results in/out through st[r] (kblock.h).  Three parts per chunk: hi, mid, then lo
+// bytes; Dhi = part 0, Dlo = 256 * part 1 + part 2 (the partial state holds Dhi and Dlo,
+// so they enter parts 0 and 2).
 // The row blocks share the activation broadcasts; NA accumulators per part (4-bit:
 // nibble x chunk parity, 8-bit: chunk parity) keep enough vpdpbusd chains in flight.
 template <int BITS, int MT, int RB>
 void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
-  constexpr int PARTS = 2, CK = chunk_k(BITS), STRIDE = PARTS * CK;
+  constexpr int PARTS = SPLIT_PARTS, CK = chunk_k(BITS), STRIDE = PARTS * CK;
   constexpr int CHAINS = RB * MT * PARTS;
   constexpr int NA = CHAINS == 1 ? 4 : (CHAINS <= 6 ? 2 : 1);
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -45,18 +46,19 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     for (int p = 0; p < PARTS; ++p)
       for (int i = 0; i < NA; ++i) acc[r][m][p][i] = _mm512_setzero_si512();
   };
-  auto total = [&](int r, int m) {  // the open segment's exact sum
-    __m512i d[PARTS];
-    for (int p = 0; p < PARTS; ++p) {
-      d[p] = acc[r][m][p][0];
-      for (int i = 1; i < NA; ++i) d[p] = _mm512_add_epi32(d[p], acc[r][m][p][i]);
-    }
-    return _mm512_add_epi32(_mm512_slli_epi32(d[0], 8), d[1]);
+  auto part = [&](int r, int m, int p) {
+    __m512i d = acc[r][m][p][0];
+    for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[r][m][p][i]);
+    return d;
   };
+  // the open segment's exact sums: Dhi, Dlo
+  auto dhi = [&](int r, int m) { return part(r, m, 0); };
+  auto dlo = [&](int r, int m) { return _mm512_add_epi32(_mm512_slli_epi32(part(r, m, 1), 8), part(r, m, 2)); };
   for (int r = 0; r < RB; ++r)
     for (int m = 0; m < MT; ++m) {
       reset(r, m);
-      acc[r][m][1][0] = _mm512_load_si512(st[r][m].d);
+      acc[r][m][0][0] = _mm512_load_si512(st[r][m].d2);
+      acc[r][m][2][0] = _mm512_load_si512(st[r][m].d);
       f[r][m] = _mm512_load_ps(st[r][m].f);
     }
   // one chunk into accumulator set PAR (0 or 1: chunk parity)
@@ -98,20 +100,16 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     for (int r = 0; r < RB; ++r) {
       const v512::SegConsts sc = v512::seg_consts(w, nb + r, s);
       for (int m = 0; m < MT; ++m) {
-        const __m512 d = _mm512_cvtepi32_ps(total(r, m));
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
-        const __m512 x = _mm512_set1_ps(float(a.qsum[i]));
-        const __m512 xscale = _mm512_set1_ps(a.scale[i]);  // split_epilogue
-        __m512& fr = f[r][m];
-        fr = _mm512_fmadd_ps(_mm512_mul_ps(sc.scale, xscale), _mm512_fnmadd_ps(sc.zero, x, d), fr);
-        if (sc.has_offset) fr = _mm512_fmadd_ps(_mm512_mul_ps(sc.offset, xscale), x, fr);
+        f[r][m] = v512::split_epilogue(sc, dhi(r, m), dlo(r, m), a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], f[r][m]);
         reset(r, m);
       }
     }
   }
   for (int r = 0; r < RB; ++r)
     for (int m = 0; m < MT; ++m) {
-      _mm512_store_si512(st[r][m].d, total(r, m));
+      _mm512_store_si512(st[r][m].d, dlo(r, m));
+      _mm512_store_si512(st[r][m].d2, dhi(r, m));
       _mm512_store_ps(st[r][m].f, f[r][m]);
     }
 }
@@ -300,15 +298,16 @@ inline __mmask16 first_lanes(int64_t left) {
   return left <= 0 ? __mmask16(0) : (left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u));
 }
 
-// The split stream of tokens [m0, m1) (quantize_split in scalar.cpp), 16 positions a step;
+// The split stream of tokens [m0, m1) (quantize_split in scalar.cpp): the image 16 positions
+// a step, its three parts written per position (O(K) per token, beside the O(N K) kernel);
 // identity order (the binding gathers act-order first).
 void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
   const int esize = in.dtype == DType::F32 ? 4 : 2;
-  const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), half = _mm512_set1_epi32(128);
+  const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
   const __m512 qmin = _mm512_set1_ps(-SPLIT_QMAX), qmax = _mm512_set1_ps(SPLIT_QMAX);
   for (int m = m0; m < m1; ++m) {
     const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
-    int8_t* out = xs + m * in.kp * 2;  // [KC, 2 * CK]
+    int8_t* out = xs + m * in.kp * SPLIT_PARTS;  // [KC, 3 * CK]
     for (int s = 0, p0 = 0; s < in.nseg; p0 = in.seg_end[s++] * in.chunk) {
       const int64_t p1 = int64_t(in.seg_end[s]) * in.chunk, real = std::min<int64_t>(p1, in.k);
       __m512i vmax = _mm512_setzero_si512();
@@ -317,28 +316,21 @@ void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int
       const SplitParams sp = split_params(uint32_t(_mm512_reduce_max_epu32(vmax)));
       const int64_t i = int64_t(m) * in.nseg + s;
       scale[i] = sp.scale;
+      int32_t xhi = 0, xlo = 0;
       if (!sp.finite) {
-        std::fill(out + 2 * p0, out + 2 * p1, int8_t(0));
-        qsum[i] = 0;
-        continue;
+        for (int64_t p = p0; p < p1; ++p) put_split(out, in.chunk, p, 0, xhi, xlo);
+      } else {
+        const __m512 pre = _mm512_set1_ps(sp.pre), inv = _mm512_set1_ps(sp.inv);
+        alignas(64) int32_t q[16];
+        for (int64_t p = p0; p < p1; p += 16) {
+          const __m512 v = load_x(in, row, p, first_lanes(real - p));  // lanes past the segment or K: 0
+          const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_mul_ps(v, pre), inv), qmin), qmax);
+          _mm512_store_si512(q, _mm512_cvtps_epi32(t));  // ties to even
+          for (int64_t j = 0; j < std::min<int64_t>(16, p1 - p); ++j) put_split(out, in.chunk, p + j, q[j], xhi, xlo);
+        }
       }
-      const __m512 pre = _mm512_set1_ps(sp.pre), inv = _mm512_set1_ps(sp.inv);
-      __m512i sum = _mm512_setzero_si512();
-      for (int64_t p = p0; p < p1; p += 16) {
-        const __m512 v = load_x(in, row, p, first_lanes(real - p));  // lanes past the segment or K: 0
-        const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_mul_ps(v, pre), inv), qmin), qmax);
-        const __m512i q = _mm512_cvtps_epi32(t);  // ties to even
-        sum = _mm512_add_epi32(sum, q);
-        const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half), 8);  // split_hi / split_lo
-        const __m128i hb = _mm512_cvtepi32_epi8(hi), lb = _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8)));
-        const bool four = in.chunk == 8;  // per chunk: CK hi bytes, then CK lo bytes
-        const __m128i a = four ? _mm_unpacklo_epi64(hb, lb) : _mm_unpacklo_epi32(hb, lb);
-        const __m128i b = four ? _mm_unpackhi_epi64(hb, lb) : _mm_unpackhi_epi32(hb, lb);
-        const int64_t n = std::min<int64_t>(16, p1 - p);
-        const __mmask32 bytes = n >= 16 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (2 * n)) - 1u);
-        _mm256_mask_storeu_epi8(out + 2 * p, bytes, _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
-      }
-      qsum[i] = _mm512_reduce_add_epi32(sum);
+      qsum[2 * i] = xhi;
+      qsum[2 * i + 1] = xlo;
     }
   }
 }

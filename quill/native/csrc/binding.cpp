@@ -222,9 +222,9 @@ class NativeLinear {
     thread_local std::vector<int8_t> xs_buf;
     thread_local std::vector<int32_t> qsum_buf;
     thread_local std::vector<float> scale_buf, gather_buf;
-    const int64_t mb = block_tokens(kp_ * (src_ ? 6 : 2), m);
-    int8_t* xs = scratch(xs_buf, size_t(mb * kp_ * 2));         // [MB, KC, 2 * CK]
-    int32_t* qsum = scratch(qsum_buf, size_t(mb * w.nseg));     // [MB, S]
+    const int64_t mb = block_tokens(kp_ * (src_ ? 4 + SPLIT_PARTS : SPLIT_PARTS), m);
+    int8_t* xs = scratch(xs_buf, size_t(mb * kp_ * SPLIT_PARTS));  // [MB, KC, 3 * CK]
+    int32_t* qsum = scratch(qsum_buf, size_t(mb * w.nseg * 2));    // [MB, S, 2]
     float* xscale = scratch(scale_buf, size_t(mb * w.nseg));    // [MB, S]
     float* gathered = src_ ? scratch(gather_buf, size_t(mb * kp_)) : nullptr;  // [MB, Kp]
     for_token_blocks(in, o, m, mb, [&](const RawX& bin, const Out& bo, int64_t mm) {
@@ -238,7 +238,7 @@ class NativeLinear {
         g.src = nullptr;
         table_.quantize_split(g, xs, qsum, xscale, int(b), int(e));
       });
-      gemm(w, SplitActs{xs, qsum, xscale, kp_ * 2, int32_t(mm)}, bo, table_.gemm_split);
+      gemm(w, SplitActs{xs, qsum, xscale, kp_ * SPLIT_PARTS, int32_t(mm)}, bo, table_.gemm_split);
     });
   }
 
@@ -294,7 +294,7 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, at::Tensor seg
 }
 
 // Exposed for tests: the split image of float activations alone (identity order or `src`
-// gathered), x [M, K] -> (stream int8 [M, 2 * Kp], qsum int32 [M, S], scale float32 [M, S]).
+// gathered), x [M, K] -> (stream int8 [M, 3 * Kp], qsum int32 [M, S, 2], scale float32 [M, S]).
 std::vector<at::Tensor> split_activations(const at::Tensor& x, at::Tensor seg_end, int64_t chunk,
                                           std::optional<at::Tensor> src, const std::string& isa) {
   if (x.dim() != 2 || !x.is_contiguous()) fail("split_activations: x should be contiguous [M, K], found ", shape_of(x));
@@ -304,8 +304,8 @@ std::vector<at::Tensor> split_activations(const at::Tensor& x, at::Tensor seg_en
   const int64_t kp = int64_t(seg_end.data_ptr<int32_t>()[nseg - 1]) * chunk;
   if (src) expect(*src, at::kLong, {kp}, "src");
   else if (kp < k) fail("split_activations: ", kp, " stream positions cannot hold ", k, " columns");
-  at::Tensor xs = at::empty({m, 2 * kp}, x.options().dtype(at::kChar));
-  at::Tensor qsum = at::empty({m, nseg}, x.options().dtype(at::kInt));
+  at::Tensor xs = at::empty({m, SPLIT_PARTS * kp}, x.options().dtype(at::kChar));
+  at::Tensor qsum = at::empty({m, nseg, 2}, x.options().dtype(at::kInt));
   at::Tensor sc = at::empty({m, nseg}, x.options().dtype(at::kFloat));
   RawX in{x.data_ptr(), dtype_of(x.scalar_type(), "x"), k, src ? src->data_ptr<int64_t>() : nullptr, kp,
           seg_end.data_ptr<int32_t>(), int32_t(nseg), int32_t(chunk)};

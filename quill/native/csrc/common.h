@@ -25,7 +25,7 @@
 //   D[m, s, n] = sum_{k in s} q[n, k] * x[m, k]        X[m, s] = sum_{k in s} x[m, k]
 //
 // Every kernel accumulates D and X in int32 exactly (int8 activations, or float
-// activations as a 15-bit fixed-point image split in two int8 parts; SplitActs) and
+// activations as a 24-bit fixed-point image split in three int8 parts; SplitActs) and
 // then applies the same float epilogue lane by lane, so each SIMD kernel reproduces
 // its scalar twin bit for bit.
 #pragma once
@@ -74,24 +74,35 @@ struct Weights {
 // Float activations as a fixed-point image, one scale per token and segment
 // (stream_split in each TU; the definition is quantize_split_segment in scalar_util.h):
 //
-//   q = round(x * 32639 / amax)  (|q| <= 32639, amax = max |x| over the segment)
-//   q = 256 * hi + lo             (hi = (q + 128) >> 8 and lo in [-128, 127]: two int8 parts)
+//   q = round(x * 8355711 / amax)       (|q| <= 8355711 = 127 * 65793, amax = max |x| over the segment)
+//   q = 65536 * hi + 256 * mid + lo     (three int8 parts; split_parts in scalar_util.h)
 //
-// Per chunk the stream holds the CK hi bytes, then the CK lo bytes (stream order).
-// Kernels form D = 256 * sum(code * hi) + sum(code * lo) = sum(code * q) exactly in int32.
+// 24 bits: one position's error is at most amax / 16711422, i.e. 2^-24 of the segment's
+// largest |x|, which is float32's own rounding unit, so a few large channels (AWQ folds
+// its activation scales into the RMSNorm weights) no longer cost the others their
+// precision.  (The earlier 16-bit image, two parts, lost 2^-16 of amax per position:
+// 5.3e-2 log-probability on a real AutoAWQ checkpoint.)
+//
+// Per chunk the stream holds the CK hi bytes, the CK mid bytes, then the CK lo bytes.
+// Kernels form, per lane and segment, exactly in int32:
+//   Dhi = sum(code * hi)                        |Dhi| <= 255 * 128 * 128
+//   Dlo = 256 * sum(code * mid) + sum(code * lo) |Dlo| <= 255 * 32767 * 128 < 2^31
+// and with Xhi = sum(hi), Xlo = sum(256 * mid + lo) (qsum) the epilogue subtracts the zero
+// point in int32 before any rounding: t = 65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo).
 struct SplitActs {
   const int8_t* x = nullptr;      // [M, ld]
-  const int32_t* qsum = nullptr;  // [M, S] exact sums of q over each segment
-  const float* scale = nullptr;   // [M, S] amax / 32639 (NaN when the segment holds inf or NaN)
+  const int32_t* qsum = nullptr;  // [M, S, 2] exact sums (Xhi, Xlo) over each segment
+  const float* scale = nullptr;   // [M, S] amax / 8355711 (NaN when the segment holds inf or NaN)
   int64_t ld = 0;
   int32_t m = 0;
 };
 
-// Largest segment of the float kernels (positions): bounds the error of the fixed-point
-// image to one 128-wide neighbourhood and keeps D within int32 for 8-bit codes
-// (128 * 255 * 32639 < 2^31).
+constexpr int SPLIT_PARTS = 3;  // int8 parts of one position's image
+
+// Largest segment of the float kernels (positions): keeps Dlo and z * Xlo within int32
+// for 8-bit codes (128 * 255 * 32767 < 2^31).
 constexpr int SPLIT_MAX_SEGMENT = 128;
-constexpr float SPLIT_QMAX = 32639.0f;  // the largest |q| whose hi part fits int8
+constexpr float SPLIT_QMAX = 8355711.0f;  // the largest |q| whose hi part fits int8
 
 // int8 activations, quantized per token (or per tensor) in stream order.
 struct I8Acts {
@@ -140,7 +151,7 @@ struct KernelTable {
   // q [M, Kp] int8, qsum [M, S], scale [M], zero [M]
   void (*quantize)(const RawX&, const ActQuant&, int8_t* q, int32_t* qsum, float* scale, float* zero,
                    int m0, int m1);
-  // the split stream of float activations: x [M, KC * 2 * CK], qsum [M, S], scale [M, S]
+  // the split stream of float activations: x [M, KC * 3 * CK], qsum [M, S, 2], scale [M, S]
   void (*quantize_split)(const RawX&, int8_t* x, int32_t* qsum, float* scale, int m0, int m1);
 };
 

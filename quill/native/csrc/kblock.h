@@ -4,7 +4,7 @@
 // For more tokens, K is cut into blocks of KBLOCK_CHUNKS chunks so one K block of
 // a row block's codes (4-8 KiB) and of a token tile's activations stay in L1 while
 // every token tile of the block reuses them; the per-token partial results (the
-// running segment sum D and the finished segments' total f, 16 lanes each) wait
+// running segment sums and the finished segments' total f, 16 lanes each) wait
 // in a small LaneState array between K blocks.
 #pragma once
 
@@ -20,7 +20,8 @@ constexpr int KBLOCK_CHUNKS = 64;   // chunks per K block (4 KiB of codes per ro
 
 template <class D>
 struct alignas(64) LaneState {
-  D d[LANES];      // the open segment's partial sum (float, or int32 for int8 kernels)
+  D d[LANES];      // the open segment's partial sum (int32; split kernels: Dlo)
+  D d2[LANES];     // split kernels: the open segment's Dhi (unused by int8 kernels)
   float f[LANES];  // the finished segments' total
 };
 

@@ -74,7 +74,7 @@ inline SplitParams split_params(uint32_t amax_bits) {
   return {pre, a > 0.0f ? SPLIT_QMAX / a : 0.0f, amax / SPLIT_QMAX, true};
 }
 
-// One value's 15-bit image; the comparisons are those of the SIMD max/min (x > y ? x : y).
+// One value's 24-bit image; the comparisons are those of the SIMD max/min (x > y ? x : y).
 inline int32_t split_q(float x, const SplitParams& p) {
   float t = (x * p.pre) * p.inv;
   t = t > -SPLIT_QMAX ? t : -SPLIT_QMAX;
@@ -82,9 +82,30 @@ inline int32_t split_q(float x, const SplitParams& p) {
   return static_cast<int32_t>(std::nearbyint(t));
 }
 
-// q = 256 * hi + lo: hi = round(q / 256) (ties up, arithmetic shift), both in [-128, 127].
-inline int8_t split_hi(int32_t q) { return static_cast<int8_t>((q + 128) >> 8); }
-inline int8_t split_lo(int32_t q) { return static_cast<int8_t>(q - 256 * ((q + 128) >> 8)); }
+// q = 65536 * hi + 256 * mid + lo, each part in [-128, 127]: lo = q - 256 * r with
+// r = round(q / 256) (ties up, arithmetic shift), then r = 256 * hi + mid the same way
+// (|r| <= 32639, so |hi| <= 127).
+struct SplitParts {
+  int8_t hi, mid, lo;
+};
+
+inline SplitParts split_parts(int32_t q) {
+  const int32_t r = (q + 128) >> 8;
+  const int32_t hi = (r + 128) >> 8;
+  return {static_cast<int8_t>(hi), static_cast<int8_t>(r - 256 * hi), static_cast<int8_t>(q - 256 * r)};
+}
+
+// Stream position p (of one token's stream `out`, chunks of ck positions) gets the parts
+// of q; xhi and xlo gather the segment's sums Xhi = sum(hi), Xlo = sum(256 * mid + lo).
+inline void put_split(int8_t* out, int ck, int64_t p, int32_t q, int32_t& xhi, int32_t& xlo) {
+  const SplitParts parts = split_parts(q);
+  int8_t* chunk = out + p / ck * SPLIT_PARTS * ck;
+  chunk[p % ck] = parts.hi;
+  chunk[ck + p % ck] = parts.mid;
+  chunk[2 * ck + p % ck] = parts.lo;
+  xhi += parts.hi;
+  xlo += q - 65536 * parts.hi;
+}
 
 inline int64_t seg_index(const Weights& w, int nb, int s, int r) { return (int64_t(nb) * w.nseg + s) * LANES + r; }
 
@@ -102,14 +123,24 @@ inline float seg_epilogue(const Weights& w, int nb, int s, int r, float d, float
   return f;
 }
 
-// The float kernels' epilogue: f += (scale * xscale) * (D - zero * X) [+ (offset * xscale) * X]
-// for lane r of segment s, D and X the exact int32 sums of code * q and of q.
-inline float split_epilogue(const Weights& w, int nb, int s, int r, int32_t d, int32_t x, float xscale, float f) {
+inline int32_t zero_int_at(const Weights& w, int64_t i) {
+  if (!w.zeros) return static_cast<int32_t>(w.zconst);
+  return w.bits == 4 ? int32_t(static_cast<const uint8_t*>(w.zeros)[i]) : int32_t(static_cast<const int16_t*>(w.zeros)[i]);
+}
+
+// The float kernels' epilogue for lane r of segment s (common.h SplitActs):
+//   t = 65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo)     (both brackets exact in int32)
+//   f += (scale * xscale) * t [+ (offset * xscale) * (65536 * Xhi + Xlo)]
+// Taking the zero point off in int32 matters: Dlo and z * Xlo are large and nearly equal
+// for codes centred on z, and rounding either to float first would cost the image's bits.
+inline float split_epilogue(const Weights& w, int nb, int s, int r, int32_t dhi, int32_t dlo, int32_t xhi,
+                            int32_t xlo, float xscale, float f) {
   const int64_t i = seg_index(w, nb, s, r);
-  const float xf = float(x);
-  const float t = std::fma(-zero_at(w, i), xf, float(d));
+  const int32_t z = zero_int_at(w, i);
+  const float t = std::fma(float(dhi - z * xhi), 65536.0f, float(dlo - z * xlo));
   f = std::fma(to_float(w.scales, w.scale_dtype, i) * xscale, t, f);
-  if (w.offsets) f = std::fma(to_float(w.offsets, w.scale_dtype, i) * xscale, xf, f);
+  if (w.offsets)
+    f = std::fma(to_float(w.offsets, w.scale_dtype, i) * xscale, std::fma(float(xhi), 65536.0f, float(xlo)), f);
   return f;
 }
 

@@ -28,6 +28,7 @@ inline __m512 load16(const void* p, DType t, int64_t i) {
 // Scale, zero and offset of one segment for the 16 rows of a row block.
 struct SegConsts {
   __m512 scale, zero, offset;
+  __m512i zero_i;  // the zero point as int32 (split kernels subtract it before rounding)
   bool has_offset;
 };
 
@@ -36,14 +37,15 @@ inline SegConsts seg_consts(const Weights& w, int nb, int s) {
   SegConsts c;
   c.scale = load16(w.scales, w.scale_dtype, i);
   if (!w.zeros) {
-    c.zero = _mm512_set1_ps(w.zconst);
+    c.zero_i = _mm512_set1_epi32(int32_t(w.zconst));
   } else if (w.bits == 4) {
     const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.zeros) + i));
-    c.zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(z));
+    c.zero_i = _mm512_cvtepu8_epi32(z);
   } else {
     const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int16_t*>(w.zeros) + i));
-    c.zero = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(z));
+    c.zero_i = _mm512_cvtepi16_epi32(z);
   }
+  c.zero = _mm512_cvtepi32_ps(c.zero_i);
   c.has_offset = w.offsets != nullptr;
   c.offset = c.has_offset ? load16(w.offsets, w.scale_dtype, i) : _mm512_setzero_ps();
   return c;
@@ -54,6 +56,20 @@ inline __m512 epilogue(const SegConsts& c, __m512 d, __m512 x, __m512 f) {
   const __m512 t = _mm512_fnmadd_ps(c.zero, x, d);
   f = _mm512_fmadd_ps(c.scale, t, f);
   if (c.has_offset) f = _mm512_fmadd_ps(c.offset, x, f);
+  return f;
+}
+
+// f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo))
+//      [+ (offset * xscale) * (65536 * Xhi + Xlo)]   (split_epilogue, 16 lanes)
+inline __m512 split_epilogue(const SegConsts& c, __m512i dhi, __m512i dlo, int32_t xhi, int32_t xlo, float xscale,
+                             __m512 f) {
+  const __m512i ehi = _mm512_sub_epi32(dhi, _mm512_mullo_epi32(c.zero_i, _mm512_set1_epi32(xhi)));
+  const __m512i elo = _mm512_sub_epi32(dlo, _mm512_mullo_epi32(c.zero_i, _mm512_set1_epi32(xlo)));
+  const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ehi), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(elo));
+  const __m512 xs = _mm512_set1_ps(xscale);
+  f = _mm512_fmadd_ps(_mm512_mul_ps(c.scale, xs), t, f);
+  if (c.has_offset)
+    f = _mm512_fmadd_ps(_mm512_mul_ps(c.offset, xs), _mm512_set1_ps(std::fma(float(xhi), 65536.0f, float(xlo))), f);
   return f;
 }
 
