@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from quill.quantization.quantize import quantize_rtn
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 
 def write_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], quant_config: Mapping | None = None,
@@ -57,7 +57,7 @@ def random_weight(out: int, inp: int, bits: int = 4, group_size: int = 32, sym: 
     w = torch.randn(out, inp, generator=g) * 0.02
     qw = quantize_rtn(w, bits, group_size, sym, act_order, generator=g)
     if bias:
-        qw.bias = (torch.randn(out, generator=g) * 0.1).to(torch.float16)
+        qw = qw.with_(bias=(torch.randn(out, generator=g) * 0.1).to(torch.float16))
     return qw
 
 

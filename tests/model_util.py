@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from quill.quantization.quantize import quantize_rtn
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 VOCAB = 320
 CHATML = (
@@ -94,7 +94,7 @@ class MemoryCheckpoint:
             module = name.removesuffix(".weight")
             if name.endswith(".weight") and module in quantize:
                 qw = quantize_rtn(t.float(), generator=gen, **quantize[module])
-                qw.name = module
+                qw = qw.with_(name=module)
                 bias = state.get(f"{module}.bias")
                 self.layers[module] = qw.with_(bias=bias) if bias is not None else qw
             elif not (name.endswith(".bias") and name.removesuffix(".bias") in quantize):

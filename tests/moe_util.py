@@ -31,7 +31,7 @@ def make_proj(w: torch.Tensor, fmt: dict | torch.dtype, name: str, gen: torch.Ge
     if isinstance(fmt, torch.dtype):
         return DenseWeight(w.to(fmt), None, name)
     qw = quantize_rtn(w, generator=gen, **fmt)
-    qw.name = name
+    qw = qw.with_(name=name)
     return qw
 
 

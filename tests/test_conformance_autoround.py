@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fixture_util import expected_weights, fixture_names, fixture_path
-from quill.quantization import open_checkpoint
+from quill.quantization.checkpoint import open_checkpoint
 from quill.quantization.safetensors_io import TensorStore
 
 FIXTURES = fixture_names("ar-")

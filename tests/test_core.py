@@ -12,7 +12,7 @@ from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 from quill.quantization.packing import pack_int32, unpack_int32
 from quill.quantization.quantize import quantize_rtn
 from quill.quantization.safetensors_io import SafetensorsFile, TensorStore
-from quill.quantization.weight import ActivationQuant, QuantizedWeight
+from quill.canonical import ActivationQuant, QuantizedWeight
 
 
 @settings(max_examples=60, deadline=None)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from checkpoint_writer import assert_same_weight, layer_tensors, random_weight, write_checkpoint
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization import open_checkpoint, read_checkpoint
+from quill.quantization.checkpoint import open_checkpoint, read_checkpoint
 from quill.quantization.formats import QuillDeprecationWarning
 from quill.quantization.formats.awq import AWQ_ORDER, canonical_to_awq
 

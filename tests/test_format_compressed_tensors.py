@@ -13,7 +13,7 @@ from quill.quantization.checkpoint import open_checkpoint, read_checkpoint
 from quill.quantization.formats.compressed_tensors_writer import (
     quantization_config, scheme_config, to_compressed_tensors)
 from quill.quantization.quantize import quantize_rtn
-from quill.quantization.weight import ActivationQuant
+from quill.canonical import ActivationQuant
 
 DOWN = "model.layers.0.mlp.down_proj"
 UP = "model.layers.0.mlp.up_proj"

@@ -9,7 +9,7 @@ from gguf.quants import dequantize
 
 import quill.default_model as default_model
 from quill.errors import CheckpointError
-from quill.quantization import open_checkpoint
+from quill.quantization.checkpoint import open_checkpoint
 from quill.quantization.formats.gguf import GGUFCheckpoint
 from quill.quantization.formats.gguf_file import GGUFFile
 from quill.quantization.formats.gguf_quants import block_weight

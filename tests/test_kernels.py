@@ -21,7 +21,7 @@ from quill.kernels import LinearLayerConfig, resolve_activation
 from quill.kernels.selection import KERNELS, kernel_class
 from quill.platform import detect
 from quill.quantization.quantize import quantize_rtn
-from quill.quantization.weight import ActivationQuant, QuantizedWeight
+from quill.canonical import ActivationQuant, QuantizedWeight
 
 PLATFORM = detect()
 MIN_SQNR_DB = 40.0
@@ -66,7 +66,7 @@ def make_weight(case: Case, seed: int = 0):
     w = quantize_rtn(torch.randn(case.n, case.k, generator=g), case.bits, case.group,
                      symmetric=case.kind == "sym", offsets=case.kind == "offsets", act_order=case.act_order,
                      generator=g)
-    w.name = f"test[{case}]"
+    w = w.with_(name=f"test[{case}]")
     if case.act in ACTIVATIONS:
         return w.with_(activation=ACTIVATIONS[case.act])
     return w.with_(activation=resolve_activation(w, case.act))

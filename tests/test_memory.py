@@ -27,7 +27,7 @@ MIB = 1 << 20
 
 PROBE = textwrap.dedent("""
     import json, sys
-    from quill.quantization import open_checkpoint
+    from quill.quantization.checkpoint import open_checkpoint
 
     def status():
         fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)

@@ -166,7 +166,7 @@ def test_stacking_refuses_what_cannot_share_a_layout():
     dense = make_experts(1, H, I, torch.bfloat16, seed=1)[0]
     assert stack_gate_up(sym.gate, w8.up, "x") is None
     assert stack_gate_up(sym.gate, dense.up, "x") is None
-    from quill.quantization.weight import ActivationQuant
+    from quill.canonical import ActivationQuant
     a = sym.gate.with_(activation=ActivationQuant(dynamic=False, scale=0.1))
     b = sym.up.with_(activation=ActivationQuant(dynamic=False, scale=0.2))
     assert stack_gate_up(a, b, "x") is None  # two static input scales cannot share one input

@@ -45,7 +45,7 @@ def write(hf, fmt: str, path):
             tensors[name] = w
             continue
         qw = quantize_rtn(w, generator=gen, **settings)
-        qw.name = module
+        qw = qw.with_(name=module)
         tensors.update({f"{module}.{k}": t for k, t in writer(qw).items()})
         twin[name] = qw.dequantize()
         if qcfg is None:

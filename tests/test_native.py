@@ -21,7 +21,7 @@ from quill.kernels.native import make_handle
 from quill.native.pack import pack, stream_order
 from quill.platform import detect
 from quill.quantization.quantize import quantize_rtn
-from quill.quantization.weight import ActivationQuant
+from quill.canonical import ActivationQuant
 
 PLATFORM = detect()
 EXT = native.load()
@@ -44,7 +44,7 @@ def _weight(n, k, bits=4, gs=32, sym=True, act_order=False, offsets=False, scale
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     qw = quantize_rtn(w, bits, gs, sym, act_order, offsets, generator=g, scale_dtype=scale_dtype)
-    qw.name = "layers.0.mlp.down_proj"
+    qw = qw.with_(name="layers.0.mlp.down_proj")
     return qw
 
 
@@ -168,7 +168,7 @@ def test_int32_accumulation_limit_is_respected():
     # 8-bit codes 255 against activations -128 over 66000 positions would overflow one int32 segment
     k, n = 66000, 16
     codes = torch.full((n, k), 255, dtype=torch.uint8)
-    from quill.quantization.weight import QuantizedWeight
+    from quill.canonical import QuantizedWeight
     qw = QuantizedWeight(codes, 8, k, torch.full((n, 1), 0.01), activation=ActivationQuant()).validate()
     x = torch.full((1, k), -1.0)
     ref = fake_quantize_activations(x, qw.activation) @ qw.dequantize().T

@@ -17,7 +17,7 @@ PLAT = Platform(vendor="AMD", microarch="zen3", flags=frozenset({"avx2", "fma", 
 
 def _weight(bits=4, gs=32):
     qw = quantize_rtn(torch.randn(32, 64), bits, gs, generator=torch.Generator().manual_seed(0))
-    qw.name = "model.layers.0.mlp.up_proj"
+    qw = qw.with_(name="model.layers.0.mlp.up_proj")
     return qw
 
 

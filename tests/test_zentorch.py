@@ -20,7 +20,7 @@ from quill.kernels.reference import ReferenceKernel
 from quill.kernels.zentorch_ops import REQUIRED_FLAGS, ZentorchKernel, ZentorchWoqKernel, load_zentorch
 from quill.platform import Platform, detect, parse_cpuinfo
 from quill.quantization.quantize import quantize_rtn
-from quill.quantization.weight import ActivationQuant
+from quill.canonical import ActivationQuant
 
 DATA = Path(__file__).parent / "data" / "cpuinfo"
 ZEN3 = parse_cpuinfo((DATA / "zen3_epyc7763_1s8c16t.txt").read_text())
@@ -64,7 +64,7 @@ def test_refuses_intel(kernel):
 
 def test_zen3_selection_falls_through_with_reason():
     w = quantize_rtn(torch.randn(32, 64), 8, -1)
-    w.name = "model.layers.0.mlp.down_proj"
+    w = w.with_(name="model.layers.0.mlp.down_proj")
     layer = build_quant_linear(w, KernelSelector(ZEN3, NO_NATIVE), activation="int8")
     assert layer.kernel_name == "torch"
     assert dict(layer.selection.refusals)["zentorch"].startswith("zentorch needs AVX-512")
@@ -127,7 +127,7 @@ from quill.kernels.zentorch_ops import ZentorchKernel, ZentorchWoqKernel
 from quill.kernels import LinearLayerConfig
 from quill.platform import detect
 from quill.quantization.quantize import quantize_rtn
-from quill.quantization.weight import ActivationQuant
+from quill.canonical import ActivationQuant
 plat = detect()
 assert ZentorchKernel.supported(plat) is None
 for kernel, bits, act in ((ZentorchWoqKernel, 4, None), (ZentorchKernel, 8, ActivationQuant(symmetric=False))):

@@ -77,7 +77,7 @@ def write_llama_w4(out: Path, layers: int = 16, group_size: int = 128, seed: int
         nonlocal scheme
         w = torch.randn(n, k, generator=g) * (1.0 / k ** 0.5)
         qw = quantize_rtn(w, 4, group_size, symmetric=True, generator=g, scale_dtype=torch.bfloat16)
-        qw.name = name
+        qw = qw.with_(name=name)
         scheme = scheme or scheme_config(qw)
         return {f"{name}.{s}": t for s, t in to_compressed_tensors(qw).items()}
 

@@ -23,7 +23,7 @@ from quill.kernels.config import LinearLayerConfig
 from quill.kernels.selection import kernel_class
 from quill.platform import Platform
 from quill.quantization.quantize import quantize_rtn
-from quill.quantization.weight import ActivationQuant, QuantizedWeight
+from quill.canonical import ActivationQuant, QuantizedWeight
 
 SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096))
 TOKENS = (1, 8, 32, 128, 512)
@@ -83,7 +83,7 @@ def quantized_weight(n: int, k: int, bits: int, seed: int = 0) -> QuantizedWeigh
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.02
     qw = quantize_rtn(w, bits, W4_GROUP if bits == 4 else -1, symmetric=True, generator=g)
-    qw.name = f"bench.{n}x{k}.w{bits}"
+    qw = qw.with_(name=f"bench.{n}x{k}.w{bits}")
     return qw
 
 

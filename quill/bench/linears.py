@@ -16,7 +16,7 @@ import torch
 
 from quill.kernels import KernelPolicy, KernelSelector, build_quant_linear
 from quill.platform import Platform
-from quill.quantization import open_checkpoint
+from quill.quantization.checkpoint import open_checkpoint
 
 
 @dataclass

@@ -30,7 +30,7 @@ from quill.moe import MOE_BACKENDS, ExpertWeights, MoESelector, build_fused_moe,
 from quill.platform import Platform, detect
 from quill.quantization.formats.compressed_tensors_writer import (
     quantization_config, scheme_config, to_compressed_tensors)
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -29,7 +29,7 @@ from quill.models.layers import Embedding, Linear, PostLoad, RMSNorm
 from quill.models.moe_block import ExpertSlot, LoadContext
 from quill.moe import DenseWeight, MoESelector
 from quill.quantization.checkpoint import open_checkpoint
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 # Tensors some checkpoints carry that the model recomputes (older HF exports store rotary tables).
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")

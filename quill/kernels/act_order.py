@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 
 def contiguous_groups(w: QuantizedWeight) -> tuple[QuantizedWeight, torch.Tensor | None]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from quill.quantization.weight import ActivationQuant
+from quill.canonical import ActivationQuant
 
 QMIN, QMAX = -128, 127
 _EPS = torch.finfo(torch.float32).eps

@@ -9,7 +9,7 @@ import torch
 
 from quill.kernels.config import LinearLayerConfig
 from quill.platform import Platform
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 
 class LinearKernel(ABC):

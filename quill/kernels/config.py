@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from quill.platform import Platform
-from quill.quantization.weight import ActivationQuant, QuantizedWeight
+from quill.canonical import ActivationQuant, QuantizedWeight
 
 
 class ActKind(str, Enum):

@@ -13,7 +13,7 @@ import torch
 from quill.errors import ConfigError, format_choices
 from quill.kernels.config import LinearLayerConfig
 from quill.kernels.selection import KernelSelector, Selection, kernel_class
-from quill.quantization.weight import ActivationQuant, QuantizedWeight
+from quill.canonical import ActivationQuant, QuantizedWeight
 
 ACTIVATION_CHOICES = ("none", "int8")
 

@@ -34,7 +34,7 @@ from quill.kernels.base import LinearKernel
 from quill.kernels.config import ActKind, LinearLayerConfig
 from quill.native.pack import PackedWeight, pack
 from quill.platform import Platform
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 
 @dataclass

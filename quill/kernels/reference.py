@@ -15,7 +15,7 @@ import torch
 from quill.kernels.activation import fake_quantize_activations
 from quill.kernels.base import LinearKernel
 from quill.kernels.config import LinearLayerConfig
-from quill.quantization.weight import ActivationQuant, QuantizedWeight
+from quill.canonical import ActivationQuant, QuantizedWeight
 
 
 @dataclass

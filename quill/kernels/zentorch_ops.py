@@ -69,7 +69,7 @@ from quill.kernels.activation import quantize_activations
 from quill.kernels.base import LinearKernel
 from quill.kernels.config import ActKind, LinearLayerConfig
 from quill.platform import Platform
-from quill.quantization.weight import ActivationQuant, QuantizedWeight
+from quill.canonical import ActivationQuant, QuantizedWeight
 
 log = logging.getLogger("quill.kernels")
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from quill.errors import ModelError
 from quill.kernels import fused
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 
 class Linear(nn.Module):

@@ -21,7 +21,7 @@ from quill.kernels import KernelSelector, LinearLayerConfig
 from quill.models.layers import PostLoad, linear
 from quill.moe import ExpertWeights, FusedMoE, MoESelector, build_fused_moe, route
 from quill.moe.experts import Proj
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from quill.errors import CheckpointError, ConfigError
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -23,7 +23,7 @@ from quill.kernels.priority import Selection
 from quill.moe.config import MoELayerConfig
 from quill.moe.experts import DenseWeight, ExpertWeights, Proj, check_experts
 from quill.moe.selection import MoESelector
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 
 @dataclass

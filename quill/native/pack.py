@@ -15,7 +15,7 @@ import torch
 
 from quill import native
 from quill.errors import KernelError
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 LANES = 16
 BLOCK_BYTES = 64

@@ -1,6 +1,5 @@
-"""Checkpoint formats -> the canonical quantized weight."""
+"""Checkpoints (safetensors directories, GGUF files) and their formats -> the canonical weight.
 
-from quill.quantization.checkpoint import Checkpoint, open_checkpoint, read_checkpoint
-from quill.quantization.weight import ActivationQuant, QuantizedWeight
-
-__all__ = ["ActivationQuant", "Checkpoint", "QuantizedWeight", "open_checkpoint", "read_checkpoint"]
+Nothing is imported here: ``quill.quantization.checkpoint`` opens checkpoints, the
+format readers live in ``quill.quantization.formats``.
+"""

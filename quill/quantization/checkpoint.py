@@ -23,7 +23,7 @@ from quill.errors import CheckpointError, ConfigError
 from quill.quantization.formats import make_reader
 from quill.quantization.formats.base import FormatReader, ModuleTensors
 from quill.quantization.safetensors_io import TensorStore
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 # Stand-alone quantization config files older tools write beside config.json,
 # with the quant_method to assume when the file does not say.
@@ -109,9 +109,7 @@ class Checkpoint:
         if module not in self.plan:
             raise CheckpointError(f"{self.path}: '{module}' is not a quantized layer of this checkpoint")
         tensors = ModuleTensors(module, self.plan[module], self.store.get)
-        qw = self.reader.read(tensors)
-        qw.name = module
-        return qw.validate()
+        return self.reader.read(tensors).with_(name=module).validate()
 
     def quantized_layers(self) -> Iterator[tuple[str, QuantizedWeight]]:
         """Every quantized linear layer, in natural name order, one at a time."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from quill.errors import ConfigError
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 
 def quantize_rtn(

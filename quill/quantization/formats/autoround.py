@@ -41,7 +41,7 @@ from quill.quantization.formats.base import FormatReader, ModuleMap, ModuleTenso
 from quill.quantization.formats.layer_rules import (Dense, LayerScheme, OverrideRules, apply_overrides, block_prefixes,
                                                     check_plain_int_weights, in_blocks, is_lm_head,
                                                     parse_extra_config, plan_packed_modules)
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 # packing_format -> (layout, GPTQ v1 zeros)
 PACKING_FORMATS: dict[str, tuple[str, bool]] = {

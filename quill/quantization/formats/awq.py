@@ -42,7 +42,7 @@ from quill.quantization.formats.base import (FormatReader, ModuleMap, ModuleTens
 from quill.quantization.formats.layer_rules import (Dense, LayerScheme, check_plain_int_weights,
                                                     matches_name, plan_packed_modules)
 from quill.quantization.packing import pack_int32, unpack_int32
-from quill.quantization.weight import FLOAT_DTYPES, QuantizedWeight
+from quill.canonical import FLOAT_DTYPES, QuantizedWeight
 
 AWQ_BITS = (4,)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # slot j of a word holds column order[j] of its 8

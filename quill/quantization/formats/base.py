@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from quill.errors import CheckpointError, ConfigError
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 
 ModuleMap = Mapping[str, frozenset[str]]  # module prefix -> tensor suffixes stored under it
 

@@ -54,7 +54,7 @@ from quill.quantization.formats.base import FormatReader, ModuleMap, ModuleTenso
 from quill.quantization.formats.compressed_tensors_scheme import (
     PACKED, CTConfig, InputArgs, Resolution, Scheme, WeightArgs, role, version_tuple)
 from quill.quantization.packing import unpack_int32
-from quill.quantization.weight import FLOAT_DTYPES, ActivationQuant, QuantizedWeight
+from quill.canonical import FLOAT_DTYPES, ActivationQuant, QuantizedWeight
 
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 # every tensor suffix that marks a module as stored quantized

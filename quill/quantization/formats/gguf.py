@@ -37,7 +37,7 @@ from quill.quantization.formats.gguf_quants import (
     DENSE_TYPES, QUANTIZED_TYPES, block_weight, check_supported, permute_rows,
 )
 from quill.quantization.formats.gguf_tokenizer import tokenizer_spec_from_gguf
-from quill.quantization.weight import QuantizedWeight
+from quill.canonical import QuantizedWeight
 from quill.tokenizer_spec import TokenizerSpec
 
 # Tensors llama.cpp adds that HF models keep elsewhere: GGUF name -> quill's name for them.
@@ -170,7 +170,7 @@ class GGUFCheckpoint:
         if wsrc.heads is not None:  # rows of codes, scales and offsets together: exact
             qw = permute_rows(qw, unpermute_index(qw.out_features, wsrc.heads, module))
         if bsrc is not None:
-            qw.bias = self._load(bsrc).reshape(-1)  # _load un-permutes the bias itself
+            qw = qw.with_(bias=self._load(bsrc).reshape(-1))  # _load un-permutes the bias itself
         return qw.validate()
 
     def quantized_layers(self) -> Iterator[tuple[str, QuantizedWeight]]:

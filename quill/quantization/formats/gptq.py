@@ -58,7 +58,7 @@ from quill.quantization.formats.layer_rules import (Dense, LayerScheme, check_pl
                                                     parse_dynamic, plan_packed_modules,
                                                     resolve_scheme)
 from quill.quantization.packing import pack_int32, unpack_int32
-from quill.quantization.weight import FLOAT_DTYPES, QuantizedWeight
+from quill.canonical import FLOAT_DTYPES, QuantizedWeight
 
 GPTQ_BITS = (2, 3, 4, 8)
 CHECKPOINT_FORMATS = {"gptq": True, "gptq_v2": False}  # name -> zeros stored minus one (v1)

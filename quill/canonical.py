@@ -2,6 +2,8 @@
 
 Formats convert *into* :class:`QuantizedWeight` (one converter each) and kernels
 repack *out of* it (one ``prepare`` each), so formats x kernels stays N + M.
+A leaf: it imports torch and quill.errors only, so a kernel that needs the
+canonical weight loads no format; a weight is frozen once built (``with_`` copies).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class ActivationQuant:
             raise ConfigError(f"symmetric activation quantization has zero point {self.zero_point}, expected 0 or none")
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """A linear layer's quantized weight in logical orientation ``[out_features, in_features]``.
 
