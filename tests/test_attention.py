@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from quill import native
 from quill.errors import KernelError
 from quill.kernels import fused
-from quill.models.layers import attention
+from quill.layers import attention
 from quill.platform import detect
 
 EXT = native.load().module

@@ -17,7 +17,7 @@ from quill.errors import CheckpointError, ModelError
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.models import model_module
 from quill.models.base import ForwardContext
-from quill.models.moe_block import SparseMoeBlock
+from quill.layers import SparseMoeBlock
 from quill.moe import MoESelector
 from quill.platform import detect
 from quill.quantization.checkpoint import open_checkpoint

@@ -185,7 +185,7 @@ def bench_model(path: Path, prompt_len: int, gen_tokens: int, dtype: str, thread
                 log: Callable[[str], None] = print) -> dict:
     """Load ``path`` with quill.LLM and time a prefill of ``prompt_len`` tokens and ``gen_tokens`` decode steps."""
     import quill
-    from quill.models.moe_block import SparseMoeBlock
+    from quill.layers import SparseMoeBlock
 
     t0 = time.perf_counter()
     llm = quill.LLM(str(path), skip_tokenizer_init=True, dtype=dtype, threads=threads)

@@ -43,7 +43,8 @@ def register(sub) -> None:
     lin.add_argument("checkpoint", nargs="?", default=None, help="checkpoint path (default: the default model)")
     lin.add_argument("--tokens", type=int, default=10, help="tokens per timed run")
     lin.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
-    lin.add_argument("--activation-quant", choices=("none", "int8"), default=None)
+    lin.add_argument("--act-quant", choices=("none", "int8"), default=None,
+                     help="int8: the linears with int8 activations (W4A8 / W8A8)")
     lin.set_defaults(func=run_linears)
     c = bsub.add_parser("checkpoint", help="write a 1B Llama-shaped 4-bit checkpoint for the model benchmark")
     c.add_argument("out", type=Path, help="output directory")
@@ -147,7 +148,7 @@ def run_linears(args) -> int:
         from quill.default_model import default_model_path
         args.checkpoint = default_model_path()
     policies = {"selected": KernelPolicy(), "torch": KernelPolicy(force="torch")}
-    linears.run(args.checkpoint, detect(), policies, args.tokens, args.runs, args.activation_quant)
+    linears.run(args.checkpoint, detect(), policies, args.tokens, args.runs, args.act_quant)
     return 0
 
 

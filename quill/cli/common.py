@@ -38,7 +38,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def build_llm(args, skip_tokenizer_init: bool = False):
     from quill.engine.llm import LLM
-    return LLM(args.model, dtype=args.dtype, activation_quant=None if args.act_quant == "none" else args.act_quant,
+    return LLM(args.model, dtype=args.dtype, activation_quant=args.act_quant,
                threads=args.threads, kernel=args.kernel, moe_backend=args.moe_backend,
                max_model_len=args.max_model_len,
                offline=args.offline, skip_tokenizer_init=skip_tokenizer_init)

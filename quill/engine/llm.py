@@ -23,14 +23,12 @@ from quill.engine.loader import LoadedModel, build_model
 from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.text import SequenceText
 from quill.errors import GenerationError, ModelError
-from quill.kernels import KernelPolicy, KernelSelector
-from quill.moe import MOE_REGISTRY, MoESelector
+from quill.layers import LoadContext
+from quill.options import RunOptions
 from quill.platform import Platform, detect
 from quill.quantization.checkpoint import open_checkpoint
 from quill.tokenizer import Tokenizer, eos_token_ids
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ACTIVATION_QUANT = (None, "none", "int8")
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Messages = Sequence[Mapping[str, Any]]
@@ -109,31 +107,17 @@ class LLM:
                  moe_backend: str | None = None,
                  skip_tokenizer_init: bool = False, max_model_len: int | None = None, seed: int = 0,
                  offline: bool = False, progress: bool | None = None, platform: Platform | None = None):
-        if dtype not in DTYPES:
-            raise ModelError(f"dtype '{dtype}' is not supported; supported: {', '.join(DTYPES)}")
-        if activation_quant not in ACTIVATION_QUANT:
-            raise ModelError(f"activation_quant '{activation_quant}' is not supported; supported: none, int8")
-        activation_quant = None if activation_quant == "none" else activation_quant
-        for name, value in (("threads", threads), ("max_model_len", max_model_len)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ModelError(f"{name}: expected a positive integer, found {value!r}")
+        self.options = RunOptions.parse(dtype, activation_quant, threads, kernel, moe_backend, max_model_len)
         self.platform = platform or detect()
-        self.threads = threads or self.platform.physical_cores
+        self.threads = self.options.threads or self.platform.physical_cores
         torch.set_num_threads(self.threads)
-        policy = KernelPolicy.from_env()
-        if kernel is not None:
-            policy = KernelPolicy(force=kernel, disabled=policy.disabled - {kernel})
-        self.selector = KernelSelector(self.platform, policy)
-        moe_policy = MOE_REGISTRY.policy_from_env()
-        if moe_backend is not None:
-            moe_policy = KernelPolicy(force=moe_backend, disabled=moe_policy.disabled - {moe_backend})
-        self.moe_selector = MoESelector(self.platform, moe_policy)
         self.path = resolve_model(model, offline)
         checkpoint = open_checkpoint(self.path)
         if progress is None:
             progress = _stderr_is_tty()
-        self.loaded: LoadedModel = build_model(checkpoint, self.selector, DTYPES[dtype], activation_quant, progress,
-                                               self.moe_selector)
+        ctx = LoadContext.create(self.platform, self.options.dtype, self.options.act_quant.request,
+                                 self.options.kernel, self.options.moe_backend)
+        self.loaded: LoadedModel = build_model(checkpoint, progress=progress, ctx=ctx)
         self.model = self.loaded.model
         self.tokenizer = None if skip_tokenizer_init else Tokenizer(checkpoint.tokenizer_spec())
         directory = self.path if self.path.is_dir() else None

@@ -13,11 +13,7 @@ from torch import nn
 
 from quill.errors import ModelError
 from quill.models.base import BaseModelArgs, ForwardContext, LayerCache, sliding_window_limit
-from quill.kernels import fused
-from quill.models.layers import Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope_qk, attention, linear
-
-# hidden_act -> the gated activation act(gate) * up
-ACTIVATIONS = {"silu": fused.silu_mul}
+from quill.layers import ACTIVATIONS, Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope_qk, attention, linear
 
 
 @dataclass

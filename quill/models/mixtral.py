@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from quill.models import llama
-from quill.models.moe_block import SparseMoeBlock, check_moe_config, expert_count
+from quill.layers import SparseMoeBlock, check_moe_config, expert_count
 
 EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
 

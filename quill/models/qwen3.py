@@ -12,7 +12,7 @@ import torch
 
 from quill.models import llama
 from quill.models.base import sliding_window_limit
-from quill.models.layers import RMSNorm
+from quill.layers import RMSNorm
 
 
 @dataclass

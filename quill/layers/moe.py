@@ -16,25 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quill.errors import CheckpointError, ModelError
-from quill.kernels import KernelSelector, LinearLayerConfig
-from quill.models.layers import PostLoad, linear
-from quill.moe import ExpertWeights, FusedMoE, MoESelector, build_fused_moe, route
-from quill.moe.experts import Proj
 from quill.canonical import QuantizedWeight
+from quill.errors import CheckpointError, ModelError
+from quill.kernels import LinearLayerConfig
+from quill.layers.context import LayerInfo, LoadContext
+from quill.layers.slots import PostLoad, Slot, check_qshape, checked, checked_bias, linear
+from quill.moe import DenseWeight, ExpertWeights, FusedMoE, build_fused_moe, route
+from quill.moe.experts import Proj
 
 
-@dataclass(frozen=True)
-class LoadContext:
-    """What a slot that builds its own run-time object needs from the loader."""
-
-    selector: KernelSelector  # linear kernels
-    moe_selector: MoESelector
-    activation: str | None  # the user's activation quantization request ("int8" or None)
-    dtype: torch.dtype  # compute dtype
-
-
-class ExpertSlot(nn.Module):
+class ExpertSlot(nn.Module, Slot):
     """One expert projection; the loader fills it with a canonical weight, its block consumes it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -48,10 +39,42 @@ class ExpertSlot(nn.Module):
         self.kernel_name = "empty"
         self.refusals: tuple[tuple[str, str], ...] = ()
         self.on_fill: Callable[[LoadContext], None] | None = None
+        self._pending: dict[str, torch.Tensor] = {}  # dense weight / bias until finish
 
     @property
     def filled(self) -> bool:
         return self.loaded
+
+    def load_tensor(self, name: str, attr: str, tensor: torch.Tensor, ctx: LoadContext) -> bool:
+        if attr not in ("weight", "bias"):
+            return False
+        self._pending[attr] = tensor
+        return True
+
+    def load_quantized(self, name: str, weight: QuantizedWeight, ctx: LoadContext) -> bool:
+        """Kept canonical: its MoE block prepares all experts at once."""
+        check_qshape(ctx, name, weight, self.out_features, self.in_features)
+        bias = weight.bias if weight.bias is not None else self._pending.get("bias")
+        bias = checked_bias(ctx, name, self.has_bias, self.out_features, bias)
+        self._pending = {}
+        self.fill(name, weight.with_(bias=bias, name=name), ctx)
+        return True
+
+    def finish(self, name: str, ctx: LoadContext) -> bool:
+        parts, self._pending = self._pending, {}
+        if self.loaded or "weight" not in parts:
+            return False  # loaded quantized, or reported as missing by the block
+        w = checked(ctx, f"{name}.weight", parts["weight"], (self.out_features, self.in_features))
+        bias = checked_bias(ctx, name, self.has_bias, self.out_features, parts.get("bias"))
+        self.fill(name, DenseWeight(w, bias, name), ctx)
+        return True
+
+    def check_filled(self, name: str, ctx: LoadContext) -> None:
+        """Missing experts are reported by their block (post_load), all at once."""
+
+    def info(self, name: str) -> LayerInfo | None:
+        return LayerInfo(name, "expert", kernel=self.kernel_name, refusals=self.refusals,
+                         num_weights=self.in_features * self.out_features, **self.facts)
 
     def fill(self, name: str, weight: Proj, ctx: LoadContext) -> None:
         if self.loaded:

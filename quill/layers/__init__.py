@@ -1,0 +1,20 @@
+"""The one seam between model files and kernels.
+
+Model files import this package only: slots the loader fills by name (linear,
+embedding, norm, MoE experts), rotary embeddings, attention and the fused ops.
+Which kernel runs a slot, on which ISA, from which format, is decided here at
+load (through :class:`LoadContext`) and never seen by a model.
+"""
+
+from quill.layers.context import LayerInfo, LoadContext
+from quill.layers.moe import (
+    ExpertSlot, SharedExpertMoeBlock, SparseMoeBlock, check_moe_config, expert_count, is_sparse_layer)
+from quill.layers.ops import ACTIVATIONS, attention
+from quill.layers.rope import RopeConfig, RotaryEmbedding, apply_rope_qk, rope_inv_freq
+from quill.layers.slots import Embedding, Linear, PostLoad, RMSNorm, Slot, linear, take_rows
+
+__all__ = [
+    "ACTIVATIONS", "Embedding", "ExpertSlot", "LayerInfo", "Linear", "LoadContext", "PostLoad", "RMSNorm",
+    "RopeConfig", "RotaryEmbedding", "SharedExpertMoeBlock", "Slot", "SparseMoeBlock", "apply_rope_qk", "attention",
+    "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "take_rows",
+]

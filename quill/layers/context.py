@@ -1,0 +1,66 @@
+"""What slots need at load time (kernel choice, dtype, where errors point) and what they report back.
+
+The engine builds one :class:`LoadContext` from the run options and hands it to
+every slot; only this package talks to the kernel and MoE selectors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quill.kernels import KernelPolicy, KernelSelector
+from quill.moe import MOE_REGISTRY, MoESelector
+from quill.platform import Platform
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """How one weight matrix (a linear layer or the embedding) was loaded, for ``quill inspect``."""
+
+    name: str
+    # "quantized", "dense", "tied" (lm_head sharing the embedding), "embedding" or "expert" (an MoE expert projection)
+    kind: str
+    summary: str  # e.g. "W4A16 g128 sym 256x128"
+    bits: int | None
+    group_size: int | None
+    symmetric: bool | None
+    kernel: str
+    refusals: tuple[tuple[str, str], ...]  # kernels ranked higher that refused, with their reasons
+    weight_bytes: int  # as stored in the checkpoint
+    num_weights: int
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    """What a slot that builds its own run-time object needs from the loader."""
+
+    selector: KernelSelector  # linear kernels
+    moe_selector: MoESelector
+    activation: str | None  # the user's activation quantization request ("int8" or None)
+    dtype: torch.dtype  # compute dtype
+    where: str = "checkpoint"  # what errors name as the source (the checkpoint's path)
+
+    @classmethod
+    def create(cls, platform: Platform, dtype: torch.dtype, activation: str | None = None,
+               kernel: str | None = None, moe_backend: str | None = None, where: str = "checkpoint",
+               env: dict | None = None) -> "LoadContext":
+        """Selectors from the environment's policies (QUILL_KERNEL, ...), a forced kernel / MoE backend on top."""
+        policy = KernelPolicy.from_env(env)
+        if kernel is not None:
+            policy = KernelPolicy(force=kernel, disabled=policy.disabled - {kernel})
+        moe_policy = MOE_REGISTRY.policy_from_env(env)
+        if moe_backend is not None:
+            moe_policy = KernelPolicy(force=moe_backend, disabled=moe_policy.disabled - {moe_backend})
+        return cls(KernelSelector(platform, policy), MoESelector(platform, moe_policy), activation, dtype, where)
+
+    @classmethod
+    def from_selector(cls, selector: KernelSelector, dtype: torch.dtype, activation: str | None = None,
+                      moe_selector: MoESelector | None = None, where: str = "checkpoint") -> "LoadContext":
+        """Around an existing kernel selector (the MoE selector defaults to the default policy on its platform)."""
+        return cls(selector, moe_selector or MoESelector(selector.platform), activation, dtype, where)
+
+    @property
+    def platform(self) -> Platform:
+        return self.selector.platform

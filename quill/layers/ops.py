@@ -1,0 +1,25 @@
+"""The fused ops and attention model files call (their native / torch choice lives in quill.kernels.fused)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quill.kernels import fused
+
+# hidden_act -> fused activation-and-multiply of a gated MLP
+ACTIVATIONS = {"silu": fused.silu_mul}
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads.
+
+    q [B, H, T, D], k and v [B, Hkv, S, D] (H a multiple of Hkv), mask bool broadcastable to
+    [B, 1, T, S] (True = may attend) or None -> [B, H, T, D].  One query token per sequence
+    (decode) goes through :func:`quill.kernels.fused.decode_attention`; prompts through
+    ATen's flash kernel.
+    """
+    if q.shape[2] == 1:
+        return fused.decode_attention(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -1,0 +1,84 @@
+"""Rotary position embeddings: config (either spelling), frequency tables, the fused q/k rotation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quill.errors import ModelError
+from quill.kernels import fused
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, from either config spelling.
+
+    transformers >= 5 writes ``rope_parameters: {rope_type, rope_theta, ...}``;
+    older configs write ``rope_theta`` and ``rope_scaling: {type|rope_type, ...}``.
+    """
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    @classmethod
+    def from_config(cls, rope_theta: float | None, rope_scaling: dict | None,
+                    rope_parameters: dict | None) -> "RopeConfig":
+        params = dict(rope_scaling or {})
+        params.update(rope_parameters or {})
+        theta = params.get("rope_theta", rope_theta if rope_theta is not None else 10000.0)
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise ModelError(f"config rope type '{kind}' is not supported; supported: {', '.join(ROPE_TYPES)}")
+        return cls(
+            theta=float(theta), kind=kind, factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        )
+
+
+def rope_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:
+    """float32 [dim / 2]: the rotation frequency of each pair of channels."""
+    inv = 1.0 / (cfg.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.kind == "linear":
+        return inv / cfg.factor
+    if cfg.kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
+        low_wavelen = cfg.original_max_position / cfg.low_freq_factor
+        high_wavelen = cfg.original_max_position / cfg.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / cfg.factor, inv)
+        smooth = (cfg.original_max_position / wavelen - cfg.low_freq_factor) / (
+            cfg.high_freq_factor - cfg.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / cfg.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions (rotate-half layout, as HF checkpoints expect)."""
+
+    def __init__(self, cfg: RopeConfig, dim: int):
+        super().__init__()
+        self.inv_freq = rope_inv_freq(cfg, dim)  # [dim/2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, D] and k [B, T, Hk, D] rotated by cos/sin [B, T, D] (one fused call; may reuse q, k)."""
+    return fused.rope_qk(q, k, cos, sin)

@@ -1,0 +1,60 @@
+"""Run options, parsed and checked once at the boundary (``LLM`` / the CLI) and passed down frozen."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from quill.errors import ModelError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ActQuant(enum.Enum):
+    """Activation quantization the user asks for (a checkpoint that prescribes its own always gets it)."""
+
+    NONE = "none"  # float activations (W4A16, W8A16)
+    INT8 = "int8"  # int8 per token, dynamic, symmetric (W4A8, W8A8)
+
+    @classmethod
+    def parse(cls, value: "str | ActQuant | None") -> "ActQuant":
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls.NONE
+        try:
+            return cls(value)
+        except ValueError:
+            raise ModelError(f"activation_quant '{value}' is not supported; supported: "
+                             f"{', '.join(m.value for m in cls)}") from None
+
+    @property
+    def request(self) -> str | None:
+        """What layers receive: "int8", or None for float activations."""
+        return None if self is ActQuant.NONE else self.value
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a model: compute dtype, activation quantization, threads, kernel / MoE-backend choice."""
+
+    dtype: torch.dtype = torch.float32
+    act_quant: ActQuant = ActQuant.NONE
+    threads: int | None = None  # None: the platform's physical cores
+    kernel: str | None = None  # force one linear kernel by name
+    moe_backend: str | None = None  # force one MoE backend by name
+    max_model_len: int | None = None
+
+    @classmethod
+    def parse(cls, dtype: str = "float32", activation_quant: "str | ActQuant | None" = None,
+              threads: int | None = None, kernel: str | None = None, moe_backend: str | None = None,
+              max_model_len: int | None = None) -> "RunOptions":
+        """Check every user-facing value once; errors name the parameter, what was found, what is supported."""
+        if dtype not in DTYPES:
+            raise ModelError(f"dtype '{dtype}' is not supported; supported: {', '.join(DTYPES)}")
+        for name, value in (("threads", threads), ("max_model_len", max_model_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ModelError(f"{name}: expected a positive integer, found {value!r}")
+        return cls(DTYPES[dtype], ActQuant.parse(activation_quant), threads, kernel, moe_backend, max_model_len)
