@@ -27,6 +27,7 @@ native: $(STAMP)
 install: $(STAMP) native
 
 test: install
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 # Ask the default model a question through its chat template (greedy, streamed).

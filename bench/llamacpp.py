@@ -127,7 +127,8 @@ def run_llamacpp(python: str, path: Path, prompt: int, gen: int, threads: int) -
 def run_quill(llm, prompt: int, gen: int) -> dict:
     import quill
 
-    t = llm.generate([prompt_ids(prompt)], quill.SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True))[0].timings
+    params = quill.SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+    t = llm.generate([prompt_ids(prompt)], params)[0].timings
     return {"prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps}
 
 

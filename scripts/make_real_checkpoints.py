@@ -110,7 +110,8 @@ def quantize(src: Path, out: Path, recipe, data, tok) -> None:
     # accelerator, which raises on a CPU-only torch; pinning changes no value, so skip it.
     IntermediatesCache._pin_intermediate = classmethod(lambda cls, intermediate: None)
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
-    oneshot(model=model, processor=tok, dataset=data, recipe=recipe, max_seq_length=256, num_calibration_samples=len(data))
+    oneshot(model=model, processor=tok, dataset=data, recipe=recipe, max_seq_length=256,
+            num_calibration_samples=len(data))
     model.save_pretrained(out, save_compressed=True)
     for name in ("recipe.yaml",):
         if not (out / name).exists():

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from quill.quantization.quantize import quantize_rtn
 from quill.canonical import QuantizedWeight
+from quill.quantization.quantize import quantize_rtn
 
 
 def write_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], quant_config: Mapping | None = None,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from quill.quantization.quantize import quantize_rtn
 from quill.canonical import QuantizedWeight
+from quill.quantization.quantize import quantize_rtn
 
 VOCAB = 320
 CHATML = (

@@ -11,8 +11,8 @@ from quill.quantization.checkpoint import open_checkpoint
 
 def test_bench_kernels_tiny_run(tmp_path, capsys):
     out = tmp_path / "k.json"
-    rc = main(["bench", "kernels", "--shapes", "64x128", "--m", "1,3", "--runs", "1", "--min-run-ms", "0", "--probe-mib", "8",
-               "--kernels", "native_w4a16,native_w4a8,torch_w4,fp32", "--json", str(out)])
+    rc = main(["bench", "kernels", "--shapes", "64x128", "--m", "1,3", "--runs", "1", "--min-run-ms", "0",
+               "--probe-mib", "8", "--kernels", "native_w4a16,native_w4a8,torch_w4,fp32", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "DRAM read bandwidth" in text and "N x K = 64 x 128" in text and "W4A8 vs W4A16" in text

@@ -5,8 +5,8 @@ import re
 
 import pytest
 import torch
-
 from fixture_util import expected_weights, fixture_names, fixture_path
+
 from quill.quantization.checkpoint import open_checkpoint
 from quill.quantization.safetensors_io import TensorStore
 

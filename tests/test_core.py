@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 from quill.quantization.packing import pack_int32, unpack_int32
 from quill.quantization.quantize import quantize_rtn
 from quill.quantization.safetensors_io import SafetensorsFile, TensorStore
-from quill.canonical import ActivationQuant, QuantizedWeight
 
 
 @settings(max_examples=60, deadline=None)
@@ -110,7 +110,8 @@ def _write_safetensors(path, tensors, truncate=0):
 
 
 def test_safetensors_read_and_truncation(tmp_path):
-    t = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b.qweight": torch.arange(4, dtype=torch.int32)}
+    t = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+         "b.qweight": torch.arange(4, dtype=torch.int32)}
     _write_safetensors(tmp_path / "model.safetensors", t)
     store = TensorStore(tmp_path)
     assert torch.equal(store.get("a.weight"), t["a.weight"])

@@ -4,10 +4,10 @@ import warnings
 
 import pytest
 import torch
+from checkpoint_writer import assert_same_weight, layer_tensors, random_weight, write_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint_writer import assert_same_weight, layer_tensors, random_weight, write_checkpoint
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 from quill.quantization.checkpoint import open_checkpoint, read_checkpoint
 from quill.quantization.formats import QuillDeprecationWarning

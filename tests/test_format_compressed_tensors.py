@@ -8,12 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from quill.canonical import ActivationQuant
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 from quill.quantization.checkpoint import open_checkpoint, read_checkpoint
 from quill.quantization.formats.compressed_tensors_writer import (
-    quantization_config, scheme_config, to_compressed_tensors)
+    quantization_config,
+    scheme_config,
+    to_compressed_tensors,
+)
 from quill.quantization.quantize import quantize_rtn
-from quill.canonical import ActivationQuant
 
 DOWN = "model.layers.0.mlp.down_proj"
 UP = "model.layers.0.mlp.up_proj"
@@ -74,8 +77,8 @@ def test_round_trip(tmp_path_factory, bits, fmt, sym, strategy, act_order, out, 
     if strategy == "tensor":  # one scale (and zero point) for the whole weight
         qw = qw.with_(scales=qw.scales[:1, :1].expand(out, 1).contiguous(),
                       zeros=None if sym else qw.zeros[:1, :1].expand(out, 1).contiguous())
-    qw = qw.with_(bias=torch.randn(out, generator=torch.Generator().manual_seed(seed)).to(scale_dtype) if bias else None,
-                  activation=act)
+    b = torch.randn(out, generator=torch.Generator().manual_seed(seed)).to(scale_dtype) if bias else None
+    qw = qw.with_(bias=b, activation=act)
     version = "0.17.1" if legacy else "0.19.0"
     path = one_module_checkpoint(tmp_path_factory.mktemp("ct"), qw, fmt, qcfg_overrides={"version": version},
                                  per_tensor=strategy == "tensor", legacy_packing=legacy,
@@ -221,17 +224,23 @@ def _valid(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("overrides, error, pattern", [
-    ({"format": "float-quantized"}, UnsupportedFormatError, "group_0.format: 'float-quantized' .*FP8.*supported: int-quantized, naive-quantized, pack-quantized"),
+    ({"format": "float-quantized"}, UnsupportedFormatError,
+     "group_0.format: 'float-quantized' .*FP8.*supported: int-quantized, naive-quantized, pack-quantized"),
     ({"format": "nvfp4-pack-quantized"}, UnsupportedFormatError, "NVFP4"),
     ({"format": "marlin-24"}, UnsupportedFormatError, "marlin-24"),
     ({"format": "bogus"}, UnsupportedFormatError, "'bogus' is not supported"),
-    ({"weights": {"num_bits": 5, "strategy": "channel"}}, UnsupportedFormatError, r"weights.num_bits: 5-bit .*supported: 2, 3, 4, 8"),
+    ({"weights": {"num_bits": 5, "strategy": "channel"}}, UnsupportedFormatError,
+     r"weights.num_bits: 5-bit .*supported: 2, 3, 4, 8"),
     ({"weights": {"num_bits": 8, "type": "float"}}, UnsupportedFormatError, "weights.type: float"),
-    ({"weights": {"num_bits": 8, "strategy": "block", "block_structure": [128, 128]}}, UnsupportedFormatError, "'block'"),
+    ({"weights": {"num_bits": 8, "strategy": "block", "block_structure": [128, 128]}}, UnsupportedFormatError,
+     "'block'"),
     ({"weights": {"num_bits": 4, "strategy": "group"}}, ConfigError, "needs a positive group_size"),
-    ({"weights": {"num_bits": 4, "strategy": "group", "group_size": 16, "actorder": "sideways"}}, ConfigError, "actorder"),
-    ({"input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}, UnsupportedFormatError, "input_activations.type: float"),
-    ({"input_activations": {"num_bits": 8, "strategy": "tensor", "dynamic": True}}, UnsupportedFormatError, "strategy 'tensor' and dynamic=True"),
+    ({"weights": {"num_bits": 4, "strategy": "group", "group_size": 16, "actorder": "sideways"}}, ConfigError,
+     "actorder"),
+    ({"input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}},
+     UnsupportedFormatError, "input_activations.type: float"),
+    ({"input_activations": {"num_bits": 8, "strategy": "tensor", "dynamic": True}}, UnsupportedFormatError,
+     "strategy 'tensor' and dynamic=True"),
     ({"output_activations": {"num_bits": 8}}, UnsupportedFormatError, "output_activations"),
     ({"targets": ["Embedding"]}, UnsupportedFormatError, "class 'Embedding' cannot be resolved"),
     ({"targets": ["re:(unclosed"]}, ConfigError, "invalid regular expression"),

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import quill
-from tests.model_util import hf_model, save_hf_dir
 from quill.engine.sampling import apply_repetition_penalty, filter_logits
 from quill.errors import CheckpointError, GenerationError, ModelError
+from tests.model_util import hf_model, save_hf_dir
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
-
 from gguf_util import T, V, llama_permute, write_gguf
+
 from quill.errors import ConfigError, UnsupportedFormatError
 from quill.quantization.checkpoint import open_checkpoint
 from quill.quantization.formats.gguf import GGUFCheckpoint

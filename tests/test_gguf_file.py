@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-
 from gguf_util import T, V, pack_string, raw_gguf, write_gguf
+
 from quill.errors import CheckpointError, UnsupportedFormatError
 from quill.quantization.formats.gguf_file import GGUFFile
 

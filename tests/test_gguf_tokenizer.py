@@ -6,8 +6,8 @@ import io
 import unicodedata
 
 import pytest
-
 from gguf_util import V, write_gguf
+
 from quill.default_model import default_model_path
 from quill.errors import CheckpointError, UnsupportedFormatError
 from quill.quantization.formats.gguf_file import GGUFFile

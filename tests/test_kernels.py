@@ -17,11 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.kernels import LinearLayerConfig, resolve_activation
 from quill.kernels.selection import KERNELS, kernel_class
 from quill.platform import detect
 from quill.quantization.quantize import quantize_rtn
-from quill.canonical import ActivationQuant, QuantizedWeight
 
 PLATFORM = detect()
 MIN_SQNR_DB = 40.0

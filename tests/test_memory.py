@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from checkpoint_writer import write_checkpoint
+
 from quill.quantization.formats.gptq import canonical_to_gptq
 from quill.quantization.quantize import quantize_rtn
 

@@ -7,7 +7,6 @@ so results agree to float32 rounding (checked at rtol 1e-4, atol 1e-5).
 import pytest
 import torch
 
-from tests.model_util import MemoryCheckpoint, hf_model, save_hf_dir
 from quill.engine.cache import KVCache
 from quill.engine.loader import build_model
 from quill.errors import ModelError
@@ -16,6 +15,7 @@ from quill.models import model_module, supported_model_types
 from quill.models.base import ForwardContext
 from quill.platform import detect
 from quill.quantization.checkpoint import open_checkpoint
+from tests.model_util import MemoryCheckpoint, hf_model, save_hf_dir
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -217,7 +217,8 @@ def test_int8_activations_on_request():
     for name in ckpt.layers:
         hf.get_submodule(name).register_forward_pre_hook(qdq)
     loaded = build_model(ckpt, selector(), activation="int8")
-    assert all(i.summary.startswith(("W4A8 dyn", "W3A8 dyn", "W8A8 dyn")) for i in loaded.layers if i.kind == "quantized")
+    quantized = [i for i in loaded.layers if i.kind == "quantized"]
+    assert all(i.summary.startswith(("W4A8 dyn", "W3A8 dyn", "W8A8 dyn")) for i in quantized)
     ids = ids_of(10, batch=2, seed=19)
     err = (loaded.model(ids, ForwardContext.causal(2, 10)) - hf_logits(hf, ids)).abs().amax(-1)  # [2, 10]
     # SDPA vs eager attention can tip an activation sitting on a rounding boundary by one int8 step

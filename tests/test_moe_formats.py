@@ -12,7 +12,10 @@ from safetensors.torch import save_file
 import quill
 from quill.quantization.formats.awq import canonical_to_awq
 from quill.quantization.formats.compressed_tensors_writer import (
-    quantization_config, scheme_config, to_compressed_tensors)
+    quantization_config,
+    scheme_config,
+    to_compressed_tensors,
+)
 from quill.quantization.formats.gptq import canonical_to_gptq
 from quill.quantization.quantize import quantize_rtn
 from tests.moe_models_util import fuse_experts, hf_moe_model, split_experts

@@ -10,8 +10,8 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from quill.models.base import ForwardContext
 from quill.layers import SparseMoeBlock
+from quill.models.base import ForwardContext
 from quill.quantization.checkpoint import open_checkpoint
 from tests.gguf_util import T, V, llama_permute, write_gguf
 from tests.moe_models_util import hf_moe_model

@@ -15,9 +15,9 @@ from quill.engine.cache import KVCache
 from quill.engine.loader import build_model
 from quill.errors import CheckpointError, ModelError
 from quill.kernels import KernelPolicy, KernelSelector
+from quill.layers import SparseMoeBlock
 from quill.models import model_module
 from quill.models.base import ForwardContext
-from quill.layers import SparseMoeBlock
 from quill.moe import MoESelector
 from quill.platform import detect
 from quill.quantization.checkpoint import open_checkpoint

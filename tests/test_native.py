@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from quill import native
+from quill.canonical import ActivationQuant
 from quill.errors import KernelError
 from quill.kernels.activation import fake_quantize_activations, quantize_activations
 from quill.kernels.native import make_handle
 from quill.native.pack import pack, stream_order
 from quill.platform import detect
 from quill.quantization.quantize import quantize_rtn
-from quill.canonical import ActivationQuant
 
 PLATFORM = detect()
 EXT = native.load()

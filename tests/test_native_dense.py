@@ -73,7 +73,8 @@ def test_long_inputs_three_d_and_token_blocks():
 def test_preconditions_raise_kernel_error():
     w = torch.randn(16, 64).to(torch.bfloat16)
     words = pack_dense(w)
-    with pytest.raises(KernelError, match=r"words should be contiguous int16 \[1, 33, 16, 2\] for a \[16, 66\] weight, found short int \[1, 32, 16, 2\]"):
+    with pytest.raises(KernelError, match=r"words should be contiguous int16 \[1, 33, 16, 2\] for a \[16, 66\] "
+                                          r"weight, found short int \[1, 32, 16, 2\]"):
         EXT.NativeDense(words, 16, 66, "bfloat16", "scalar", 1)
     with pytest.raises(KernelError, match="unknown ISA 'sse9'"):
         EXT.NativeDense(words, 16, 64, "bfloat16", "sse9", 1)

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from quill.kernels import KernelPolicy, KernelSelector, LinearLayerConfig, build_quant_linear
-from quill.kernels import zentorch_ops
+from quill.canonical import ActivationQuant
+from quill.kernels import KernelPolicy, KernelSelector, LinearLayerConfig, build_quant_linear, zentorch_ops
 from quill.kernels.reference import ReferenceKernel
 from quill.kernels.zentorch_ops import REQUIRED_FLAGS, ZentorchKernel, ZentorchWoqKernel, load_zentorch
 from quill.platform import Platform, detect, parse_cpuinfo
 from quill.quantization.quantize import quantize_rtn
-from quill.canonical import ActivationQuant
 
 DATA = Path(__file__).parent / "data" / "cpuinfo"
 ZEN3 = parse_cpuinfo((DATA / "zen3_epyc7763_1s8c16t.txt").read_text())

@@ -20,7 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 from quill.quantization.formats.compressed_tensors_writer import (
-    quantization_config, scheme_config, to_compressed_tensors)
+    quantization_config,
+    scheme_config,
+    to_compressed_tensors,
+)
 from quill.quantization.quantize import quantize_rtn
 
 

@@ -24,13 +24,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quill.canonical import QuantizedWeight
 from quill.errors import ConfigError, format_choices
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.moe import MOE_BACKENDS, ExpertWeights, MoESelector, build_fused_moe, route
 from quill.platform import Platform, detect
 from quill.quantization.formats.compressed_tensors_writer import (
-    quantization_config, scheme_config, to_compressed_tensors)
-from quill.canonical import QuantizedWeight
+    quantization_config,
+    scheme_config,
+    to_compressed_tensors,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

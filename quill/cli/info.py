@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quill.kernels.selection import KERNELS, PRIORITIES, kernel_class
 from quill.errors import ConfigError
+from quill.kernels.selection import KERNELS, PRIORITIES, kernel_class
 from quill.platform import CPUINFO_PATH, ISA_FLAGS, Platform, detect, parse_cpuinfo
 
 

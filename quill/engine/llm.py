@@ -22,13 +22,12 @@ from quill.engine.hub import resolve_model
 from quill.engine.loader import LoadedModel, build_model
 from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.text import SequenceText
-from quill.errors import GenerationError, ModelError
+from quill.errors import GenerationError
 from quill.layers import LoadContext
 from quill.options import RunOptions
 from quill.platform import Platform, detect
 from quill.quantization.checkpoint import open_checkpoint
 from quill.tokenizer import Tokenizer, eos_token_ids
-
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Messages = Sequence[Mapping[str, Any]]

@@ -5,6 +5,7 @@ from quill.kernels.linear import DenseLinear, QuantLinear, build_dense_linear, b
 from quill.kernels.selection import KERNELS, PRIORITIES, KernelPolicy, KernelSelector, Selection, kernel_class
 
 __all__ = [
-    "ActKind", "DenseLinear", "KERNELS", "KernelPolicy", "KernelSelector", "LinearLayerConfig", "PRIORITIES", "QuantLinear",
+    "ActKind", "DenseLinear", "KERNELS", "KernelPolicy", "KernelSelector", "LinearLayerConfig", "PRIORITIES",
+    "QuantLinear",
     "Selection", "build_dense_linear", "build_quant_linear", "kernel_class", "resolve_activation",
 ]

@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from quill.canonical import QuantizedWeight
 from quill.kernels.config import LinearLayerConfig
 from quill.platform import Platform
-from quill.canonical import QuantizedWeight
 
 
 class LinearKernel(ABC):

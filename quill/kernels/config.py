@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from quill.platform import Platform
 from quill.canonical import ActivationQuant, QuantizedWeight
+from quill.platform import Platform
 
 
 class ActKind(str, Enum):

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.errors import ConfigError, format_choices
 from quill.kernels.config import LinearLayerConfig
 from quill.kernels.selection import KernelSelector, Selection, kernel_class
-from quill.canonical import ActivationQuant, QuantizedWeight
 
 ACTIVATION_CHOICES = ("none", "int8")
 
@@ -26,7 +26,8 @@ def resolve_activation(weight: QuantizedWeight, requested: str | None) -> Activa
     dynamic per token, symmetric): never silently.
     """
     if requested not in (None,) + ACTIVATION_CHOICES:
-        raise ConfigError(f"activation_quant '{requested}' is not supported; supported: {format_choices(ACTIVATION_CHOICES)}")
+        raise ConfigError(f"activation_quant '{requested}' is not supported; "
+                          f"supported: {format_choices(ACTIVATION_CHOICES)}")
     if weight.activation is not None:
         return weight.activation
     if requested == "int8":

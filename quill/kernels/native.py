@@ -29,12 +29,12 @@ from typing import Any, ClassVar
 import torch
 
 from quill import native
+from quill.canonical import QuantizedWeight
 from quill.errors import KernelError
 from quill.kernels.base import LinearKernel
 from quill.kernels.config import ActKind, LinearLayerConfig
 from quill.native.pack import PackedWeight, pack
 from quill.platform import Platform
-from quill.canonical import QuantizedWeight
 
 
 @dataclass
@@ -85,7 +85,8 @@ class _NativeKernel(LinearKernel):
         if cfg.bits != cls.bits:
             return f"runs {cls.bits}-bit weights, found {cfg.bits}-bit"
         if cls.int8 and cfg.act == ActKind.FLOAT:
-            return "activations are float; int8 activations run only when the checkpoint or activation_quant='int8' asks"
+            return ("activations are float; int8 activations run only when the checkpoint or "
+                    "activation_quant='int8' asks")
         if not cls.int8 and cfg.act != ActKind.FLOAT:
             return f"runs float activations, found {cfg.act.value}"
         return None

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.kernels.activation import fake_quantize_activations
 from quill.kernels.base import LinearKernel
 from quill.kernels.config import LinearLayerConfig
-from quill.canonical import ActivationQuant, QuantizedWeight
 
 INT4PACK_GROUPS = (256, 128, 64, 32)
 INT4PACK_INNER_K_TILES = 8

@@ -63,13 +63,13 @@ from types import ModuleType
 
 import torch
 
+from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.errors import KernelError
 from quill.kernels.act_order import contiguous_groups
 from quill.kernels.activation import quantize_activations
 from quill.kernels.base import LinearKernel
 from quill.kernels.config import ActKind, LinearLayerConfig
 from quill.platform import Platform
-from quill.canonical import ActivationQuant, QuantizedWeight
 
 log = logging.getLogger("quill.kernels")
 

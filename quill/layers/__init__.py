@@ -8,7 +8,13 @@ load (through :class:`LoadContext`) and never seen by a model.
 
 from quill.layers.context import LayerInfo, LoadContext
 from quill.layers.moe import (
-    ExpertSlot, SharedExpertMoeBlock, SparseMoeBlock, check_moe_config, expert_count, is_sparse_layer)
+    ExpertSlot,
+    SharedExpertMoeBlock,
+    SparseMoeBlock,
+    check_moe_config,
+    expert_count,
+    is_sparse_layer,
+)
 from quill.layers.ops import ACTIVATIONS, attention
 from quill.layers.rope import RopeConfig, RotaryEmbedding, apply_rope_qk, rope_inv_freq
 from quill.layers.slots import Embedding, Linear, PostLoad, RMSNorm, Slot, linear, take_rows

@@ -11,7 +11,6 @@ MoE layer's canonical experts are in memory at a time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn

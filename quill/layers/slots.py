@@ -67,7 +67,8 @@ def check_qshape(ctx: LoadContext, name: str, qw: QuantizedWeight, out: int, inp
                               f"{qw.in_features}], the model expects [{out}, {inp}]")
 
 
-def checked_bias(ctx: LoadContext, name: str, has_bias: bool, out: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+def checked_bias(ctx: LoadContext, name: str, has_bias: bool, out: int,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
     """The layer's bias (from the quantized weight or the dense ``<name>.bias``), checked against the architecture."""
     if bias is not None and not has_bias:
         raise CheckpointError(f"{ctx.where}: layer '{name}' has a bias in the checkpoint, but this "
@@ -229,7 +230,8 @@ class Embedding(nn.Module, Slot):
         g = "ch" if weight.per_channel else f"g{weight.group_size}"
         self._info = LayerInfo(
             name, "embedding", f"W{weight.bits} {g} {'sym' if weight.symmetric else 'asym'} rows dequantized on lookup",
-            weight.bits, weight.group_size, weight.symmetric, "lookup", (), weight.storage_bytes(), weight.codes.numel())
+            weight.bits, weight.group_size, weight.symmetric, "lookup", (), weight.storage_bytes(),
+            weight.codes.numel())
         return True
 
     def info(self, name: str) -> LayerInfo | None:

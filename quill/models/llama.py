@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from quill.errors import ModelError
-from quill.models.base import BaseModelArgs, ForwardContext, LayerCache, sliding_window_limit
 from quill.layers import ACTIVATIONS, Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope_qk, attention, linear
+from quill.models.base import BaseModelArgs, ForwardContext, LayerCache, sliding_window_limit
 
 
 @dataclass

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from quill.models import llama
 from quill.layers import SparseMoeBlock, check_moe_config, expert_count
+from quill.models import llama
 
 EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from quill.models import llama, qwen2
 from quill.layers import SharedExpertMoeBlock, check_moe_config, expert_count, is_sparse_layer
+from quill.models import llama, qwen2
 
 
 @dataclass

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from quill.layers import RMSNorm
 from quill.models import llama
 from quill.models.base import sliding_window_limit
-from quill.layers import RMSNorm
 
 
 @dataclass

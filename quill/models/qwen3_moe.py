@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from quill.models import llama, qwen3
 from quill.layers import SparseMoeBlock, check_moe_config, expert_count, is_sparse_layer
+from quill.models import llama, qwen3
 
 
 @dataclass

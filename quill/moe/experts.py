@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quill.errors import CheckpointError, ConfigError
 from quill.canonical import QuantizedWeight
+from quill.errors import CheckpointError, ConfigError
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
+from quill.canonical import QuantizedWeight
 from quill.errors import KernelError
 from quill.kernels import KernelSelector, build_dense_linear, build_quant_linear, resolve_activation
 from quill.kernels.priority import Selection
 from quill.moe.config import MoELayerConfig
 from quill.moe.experts import DenseWeight, ExpertWeights, Proj, check_experts
 from quill.moe.selection import MoESelector
-from quill.canonical import QuantizedWeight
 
 
 @dataclass

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from quill import native
-from quill.errors import KernelError
 from quill.canonical import QuantizedWeight
+from quill.errors import KernelError
 
 LANES = 16
 BLOCK_BYTES = 64

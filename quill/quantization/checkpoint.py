@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from quill.canonical import QuantizedWeight
 from quill.errors import CheckpointError, ConfigError
 from quill.quantization.formats import make_reader
 from quill.quantization.formats.base import FormatReader, ModuleTensors
 from quill.quantization.safetensors_io import TensorStore
-from quill.canonical import QuantizedWeight
 
 # Stand-alone quantization config files older tools write beside config.json,
 # with the quant_method to assume when the file does not say.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from quill.errors import ConfigError
 from quill.canonical import QuantizedWeight
+from quill.errors import ConfigError
 
 
 def quantize_rtn(

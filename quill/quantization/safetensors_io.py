@@ -84,7 +84,8 @@ class SafetensorsFile:
         dtype = DTYPES[dtype_name]
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if end - b != nbytes or b < 0:
-            raise CheckpointError(f"{where}: data_offsets [{b}, {end}] do not match {dtype_name} {shape} ({nbytes} bytes)")
+            raise CheckpointError(f"{where}: data_offsets [{b}, {end}] do not match {dtype_name} {shape} "
+                                  f"({nbytes} bytes)")
         if data_start + end > size:
             raise CheckpointError(
                 f"{where}: truncated file: tensor ends at byte {data_start + end}, file has {size}")

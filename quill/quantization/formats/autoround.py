@@ -35,13 +35,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from quill.canonical import QuantizedWeight
 from quill.errors import ConfigError, UnsupportedFormatError
 from quill.quantization.formats import awq, gptq
 from quill.quantization.formats.base import FormatReader, ModuleMap, ModuleTensors, config_field
-from quill.quantization.formats.layer_rules import (Dense, LayerScheme, OverrideRules, apply_overrides, block_prefixes,
-                                                    check_plain_int_weights, in_blocks, is_lm_head,
-                                                    parse_extra_config, plan_packed_modules)
-from quill.canonical import QuantizedWeight
+from quill.quantization.formats.layer_rules import (
+    Dense,
+    LayerScheme,
+    OverrideRules,
+    apply_overrides,
+    block_prefixes,
+    check_plain_int_weights,
+    in_blocks,
+    is_lm_head,
+    parse_extra_config,
+    plan_packed_modules,
+)
 
 # packing_format -> (layout, GPTQ v1 zeros)
 PACKING_FORMATS: dict[str, tuple[str, bool]] = {

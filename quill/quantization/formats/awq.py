@@ -36,13 +36,24 @@ from typing import Any
 
 import torch
 
-from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.formats.base import (FormatReader, ModuleMap, ModuleTensors, check_bits, config_field,
-                                             resolve_group_size)
-from quill.quantization.formats.layer_rules import (Dense, LayerScheme, check_plain_int_weights,
-                                                    matches_name, plan_packed_modules)
-from quill.quantization.packing import pack_int32, unpack_int32
 from quill.canonical import FLOAT_DTYPES, QuantizedWeight
+from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
+from quill.quantization.formats.base import (
+    FormatReader,
+    ModuleMap,
+    ModuleTensors,
+    check_bits,
+    config_field,
+    resolve_group_size,
+)
+from quill.quantization.formats.layer_rules import (
+    Dense,
+    LayerScheme,
+    check_plain_int_weights,
+    matches_name,
+    plan_packed_modules,
+)
+from quill.quantization.packing import pack_int32, unpack_int32
 
 AWQ_BITS = (4,)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # slot j of a word holds column order[j] of its 8

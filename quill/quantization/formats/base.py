@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from quill.errors import CheckpointError, ConfigError
 from quill.canonical import QuantizedWeight
+from quill.errors import CheckpointError, ConfigError
 
 ModuleMap = Mapping[str, frozenset[str]]  # module prefix -> tensor suffixes stored under it
 

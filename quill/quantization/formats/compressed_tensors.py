@@ -49,12 +49,20 @@ from typing import Any
 
 import torch
 
+from quill.canonical import FLOAT_DTYPES, ActivationQuant, QuantizedWeight
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 from quill.quantization.formats.base import FormatReader, ModuleMap, ModuleTensors
 from quill.quantization.formats.compressed_tensors_scheme import (
-    PACKED, CTConfig, InputArgs, Resolution, Scheme, WeightArgs, role, version_tuple)
+    PACKED,
+    CTConfig,
+    InputArgs,
+    Resolution,
+    Scheme,
+    WeightArgs,
+    role,
+    version_tuple,
+)
 from quill.quantization.packing import unpack_int32
-from quill.canonical import FLOAT_DTYPES, ActivationQuant, QuantizedWeight
 
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 # every tensor suffix that marks a module as stored quantized
@@ -272,7 +280,8 @@ def _read_g_idx(t: ModuleTensors, w: WeightArgs, k: int) -> torch.Tensor | None:
     groups = k // w.group_size
     if int(g.min()) < 0 or int(g.max()) >= groups:
         raise CheckpointError(
-            f"layer {t.module}: tensor '{name}' holds groups in [{int(g.min())}, {int(g.max())}], expected [0, {groups})")
+            f"layer {t.module}: tensor '{name}' holds groups in [{int(g.min())}, {int(g.max())}], "
+            f"expected [0, {groups})")
     counts = torch.bincount(g, minlength=groups)
     if bool((counts != w.group_size).any()):
         j = int((counts != w.group_size).nonzero()[0])
@@ -293,7 +302,8 @@ def _read_activation(t: ModuleTensors, inputs: InputArgs | None) -> ActivationQu
             f"layer {t.module}: tensor '{t.module}.input_scale' has shape {list(s.shape)}, expected [1] (per tensor)")
     scale = float(s.reshape(-1)[0].float())
     if not scale > 0 or scale == float("inf"):
-        raise CheckpointError(f"layer {t.module}: tensor '{t.module}.input_scale' is {scale}, expected a positive scale")
+        raise CheckpointError(f"layer {t.module}: tensor '{t.module}.input_scale' is {scale}, "
+                              "expected a positive scale")
     zero = 0
     if t.has("input_zero_point"):
         zp = t.get("input_zero_point", dtype=INT_DTYPES)

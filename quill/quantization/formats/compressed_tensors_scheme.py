@@ -250,7 +250,8 @@ def parse_scheme(name: str, raw: Any, top_fmt: str | None) -> Scheme:
     if not targets or not all(isinstance(t, str) for t in targets):
         raise ConfigError(f"{where}.targets: expected a non-empty list of strings, found {targets!r}")
     if raw.get("output_activations") is not None:
-        raise UnsupportedFormatError(f"{where}.output_activations: output quantization is not supported; supported: null")
+        raise UnsupportedFormatError(f"{where}.output_activations: output quantization is not supported; "
+                                     "supported: null")
     if raw.get("weights") is None:
         raise UnsupportedFormatError(
             f"{where}.weights: activation-only quantization (no weight quantization) is not supported; "
@@ -365,7 +366,8 @@ class CTConfig:
         return Resolution(scheme, f"target '{best.text}' of {scheme.group}", by_name=best.kind == "name")
 
     def describe(self) -> str:
-        return "; ".join(f"{s.group}: {s.summary()}" for s in self.schemes) + (f"; ignore {len(self.ignore)}" if self.ignore else "")
+        ignore = f"; ignore {len(self.ignore)}" if self.ignore else ""
+        return "; ".join(f"{s.group}: {s.summary()}" for s in self.schemes) + ignore
 
 
 def _precedence(t: Target) -> tuple:

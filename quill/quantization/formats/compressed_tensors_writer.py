@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from quill.canonical import QuantizedWeight
 from quill.errors import ConfigError
 from quill.quantization.formats.compressed_tensors_scheme import PACKED, SUPPORTED_FORMATS
 from quill.quantization.packing import pack_int32
-from quill.canonical import QuantizedWeight
 
 
 def weight_strategy(qw: QuantizedWeight, per_tensor: bool = False) -> str:

@@ -28,16 +28,25 @@ from typing import ClassVar
 
 import torch
 
+from quill.canonical import QuantizedWeight
 from quill.errors import CheckpointError, UnsupportedFormatError
 from quill.quantization.formats.gguf_arch import (
-    TensorName, arch_spec, build_config, map_name, qk_heads, unpermute_index,
+    TensorName,
+    arch_spec,
+    build_config,
+    map_name,
+    qk_heads,
+    unpermute_index,
 )
 from quill.quantization.formats.gguf_file import GGML_TYPES, GGUFFile
 from quill.quantization.formats.gguf_quants import (
-    DENSE_TYPES, QUANTIZED_TYPES, block_weight, check_supported, permute_rows,
+    DENSE_TYPES,
+    QUANTIZED_TYPES,
+    block_weight,
+    check_supported,
+    permute_rows,
 )
 from quill.quantization.formats.gguf_tokenizer import tokenizer_spec_from_gguf
-from quill.canonical import QuantizedWeight
 from quill.tokenizer_spec import TokenizerSpec
 
 # Tensors llama.cpp adds that HF models keep elsewhere: GGUF name -> quill's name for them.

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from quill.canonical import QuantizedWeight
 from quill.errors import UnsupportedFormatError
 from quill.quantization.formats.gguf_file import GGML_TYPE_IDS, GGML_TYPES
-from quill.canonical import QuantizedWeight
 
 GROUP = 32
 Q4_0, Q4_1, Q8_0 = GGML_TYPE_IDS["Q4_0"], GGML_TYPE_IDS["Q4_1"], GGML_TYPE_IDS["Q8_0"]

@@ -51,14 +51,25 @@ from typing import Any
 
 import torch
 
-from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.formats.base import (FormatReader, ModuleMap, ModuleTensors, check_bits, config_field,
-                                             resolve_group_size)
-from quill.quantization.formats.layer_rules import (Dense, LayerScheme, check_plain_int_weights,
-                                                    parse_dynamic, plan_packed_modules,
-                                                    resolve_scheme)
-from quill.quantization.packing import pack_int32, unpack_int32
 from quill.canonical import FLOAT_DTYPES, QuantizedWeight
+from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
+from quill.quantization.formats.base import (
+    FormatReader,
+    ModuleMap,
+    ModuleTensors,
+    check_bits,
+    config_field,
+    resolve_group_size,
+)
+from quill.quantization.formats.layer_rules import (
+    Dense,
+    LayerScheme,
+    check_plain_int_weights,
+    parse_dynamic,
+    plan_packed_modules,
+    resolve_scheme,
+)
+from quill.quantization.packing import pack_int32, unpack_int32
 
 GPTQ_BITS = (2, 3, 4, 8)
 CHECKPOINT_FORMATS = {"gptq": True, "gptq_v2": False}  # name -> zeros stored minus one (v1)
