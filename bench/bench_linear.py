@@ -18,7 +18,7 @@ import torch
 from quill.kernels import LinearLayerConfig, resolve_activation
 from quill.kernels.selection import KERNELS, kernel_class
 from quill.platform import detect
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 CONFIGS = (  # (label, bits, group size, symmetric, activation)
     ("W4A16 g128 sym", 4, 128, True, None),

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from quill.canonical import QuantizedWeight
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 
 def write_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], quant_config: Mapping | None = None,

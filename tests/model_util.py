@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from quill.canonical import QuantizedWeight
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 VOCAB = 320
 CHATML = (

@@ -7,7 +7,7 @@ import torch
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.moe import MOE_REGISTRY, DenseWeight, ExpertWeights, MoESelector, build_fused_moe
 from quill.platform import Platform
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 PLAT = Platform(vendor="AMD", microarch="zen3", flags=frozenset({"avx2", "fma", "f16c"}))
 

@@ -6,7 +6,7 @@ import torch
 
 from quill.bench.checkpoint import LlamaShape, write_llama_w4
 from quill.cli import main
-from quill.quantization.checkpoint import open_checkpoint
+from quill.formats.checkpoint import open_checkpoint
 
 
 def test_bench_kernels_tiny_run(tmp_path, capsys):

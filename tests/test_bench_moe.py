@@ -5,8 +5,8 @@ import json
 import torch
 
 from quill.bench import moe as bench
+from quill.formats.checkpoint import open_checkpoint
 from quill.platform import detect
-from quill.quantization.checkpoint import open_checkpoint
 
 TINY = bench.MoEShape(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96)

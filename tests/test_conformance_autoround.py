@@ -7,8 +7,8 @@ import pytest
 import torch
 from fixture_util import expected_weights, fixture_names, fixture_path
 
-from quill.quantization.checkpoint import open_checkpoint
-from quill.quantization.safetensors_io import TensorStore
+from quill.formats.checkpoint import open_checkpoint
+from quill.formats.safetensors_io import TensorStore
 
 FIXTURES = fixture_names("ar-")
 

@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 
 from quill.canonical import ActivationQuant
+from quill.formats.checkpoint import open_checkpoint
 from quill.kernels import KernelPolicy, KernelSelector, build_quant_linear
 from quill.kernels.activation import fake_quantize_activations
 from quill.platform import Platform
-from quill.quantization.checkpoint import open_checkpoint
 from tests.fixture_util import expected_weights, fixture_names, fixture_path
 
 CT_FIXTURES = fixture_names("ct-")

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.packing import pack_int32, unpack_int32
-from quill.quantization.quantize import quantize_rtn
-from quill.quantization.safetensors_io import SafetensorsFile, TensorStore
+from quill.formats.packing import pack_int32, unpack_int32
+from quill.formats.safetensors_io import SafetensorsFile, TensorStore
+from quill.writers.rtn import quantize_rtn
 
 
 @settings(max_examples=60, deadline=None)

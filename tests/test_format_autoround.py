@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.checkpoint import open_checkpoint, read_checkpoint
-from quill.quantization.formats import QuillDeprecationWarning
-from quill.quantization.formats.autoround import PACKING_FORMATS
-from quill.quantization.formats.awq import canonical_to_awq
-from quill.quantization.formats.gptq import canonical_to_gptq
+from quill.formats.autoround import PACKING_FORMATS
+from quill.formats.checkpoint import open_checkpoint, read_checkpoint
+from quill.formats.registry import QuillDeprecationWarning
+from quill.writers.awq import canonical_to_awq
+from quill.writers.gptq import canonical_to_gptq
 
 
 def ar_config(bits=4, group_size=32, sym=True, packing="auto_round:auto_gptq", **extra):

@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.checkpoint import open_checkpoint, read_checkpoint
-from quill.quantization.formats import QuillDeprecationWarning
-from quill.quantization.formats.awq import AWQ_ORDER, canonical_to_awq
+from quill.formats.awq import AWQ_ORDER
+from quill.formats.checkpoint import open_checkpoint, read_checkpoint
+from quill.formats.registry import QuillDeprecationWarning
+from quill.writers.awq import canonical_to_awq
 
 
 def awq_config(group_size=32, zero_point=True, version="gemm", **extra):

@@ -10,13 +10,13 @@ from safetensors.torch import save_file
 
 from quill.canonical import ActivationQuant
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.checkpoint import open_checkpoint, read_checkpoint
-from quill.quantization.formats.compressed_tensors_writer import (
+from quill.formats.checkpoint import open_checkpoint, read_checkpoint
+from quill.writers.compressed_tensors import (
     quantization_config,
     scheme_config,
     to_compressed_tensors,
 )
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 DOWN = "model.layers.0.mlp.down_proj"
 UP = "model.layers.0.mlp.up_proj"

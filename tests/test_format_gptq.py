@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.checkpoint import open_checkpoint, read_checkpoint
-from quill.quantization.formats import QuillDeprecationWarning
-from quill.quantization.formats.gptq import canonical_to_gptq
-from quill.quantization.packing import pack_int32, unpack_int32
+from quill.formats.checkpoint import open_checkpoint, read_checkpoint
+from quill.formats.packing import pack_int32, unpack_int32
+from quill.formats.registry import QuillDeprecationWarning
+from quill.writers.gptq import canonical_to_gptq
 
 
 def gptq_config(bits=4, group_size=32, sym=True, desc_act=False, fmt=None, **extra):

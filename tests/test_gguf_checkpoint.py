@@ -9,9 +9,9 @@ from gguf.quants import dequantize, quantize
 from gguf_util import T, V, llama_permute, write_gguf
 
 from quill.errors import ConfigError, UnsupportedFormatError
-from quill.quantization.checkpoint import open_checkpoint
-from quill.quantization.formats.gguf import GGUFCheckpoint
-from quill.quantization.formats.gguf_quants import block_weight
+from quill.formats.checkpoint import open_checkpoint
+from quill.formats.gguf.checkpoint import GGUFCheckpoint
+from quill.formats.gguf.quants import block_weight
 
 
 def bits(t) -> torch.Tensor:

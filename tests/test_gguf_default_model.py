@@ -9,10 +9,10 @@ from gguf.quants import dequantize
 
 import quill.default_model as default_model
 from quill.errors import CheckpointError
-from quill.quantization.checkpoint import open_checkpoint
-from quill.quantization.formats.gguf import GGUFCheckpoint
-from quill.quantization.formats.gguf_file import GGUFFile
-from quill.quantization.formats.gguf_quants import block_weight
+from quill.formats.checkpoint import open_checkpoint
+from quill.formats.gguf.checkpoint import GGUFCheckpoint
+from quill.formats.gguf.file import GGUFFile
+from quill.formats.gguf.quants import block_weight
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from gguf_util import T, V, pack_string, raw_gguf, write_gguf
 
 from quill.errors import CheckpointError, UnsupportedFormatError
-from quill.quantization.formats.gguf_file import GGUFFile
+from quill.formats.gguf.file import GGUFFile
 
 SCALARS = [
     ("t.u8", 200, V.UINT8, "uint8"), ("t.i8", -100, V.INT8, "int8"),

@@ -10,8 +10,8 @@ from gguf_util import V, write_gguf
 
 from quill.default_model import default_model_path
 from quill.errors import CheckpointError, UnsupportedFormatError
-from quill.quantization.formats.gguf_file import GGUFFile
-from quill.quantization.formats.gguf_tokenizer import tokenizer_spec_from_gguf
+from quill.formats.gguf.file import GGUFFile
+from quill.formats.gguf.tokenizer import tokenizer_spec_from_gguf
 
 CORPUS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

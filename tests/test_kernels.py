@@ -21,7 +21,7 @@ from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.kernels import LinearLayerConfig, resolve_activation
 from quill.kernels.selection import KERNELS, kernel_class
 from quill.platform import detect
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 PLATFORM = detect()
 MIN_SQNR_DB = 40.0

@@ -18,8 +18,8 @@ import pytest
 import torch
 from checkpoint_writer import write_checkpoint
 
-from quill.quantization.formats.gptq import canonical_to_gptq
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.gptq import canonical_to_gptq
+from quill.writers.rtn import quantize_rtn
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, OUT, IN, SHARDS = 48, 1024, 1024, 4
@@ -27,7 +27,7 @@ MIB = 1 << 20
 
 PROBE = textwrap.dedent("""
     import json, sys
-    from quill.quantization.checkpoint import open_checkpoint
+    from quill.formats.checkpoint import open_checkpoint
 
     def status():
         fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)

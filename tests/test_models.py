@@ -10,11 +10,11 @@ import torch
 from quill.engine.cache import KVCache
 from quill.engine.loader import build_model
 from quill.errors import ModelError
+from quill.formats.checkpoint import open_checkpoint
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.models import model_module, supported_model_types
 from quill.models.base import ForwardContext
 from quill.platform import detect
-from quill.quantization.checkpoint import open_checkpoint
 from tests.model_util import MemoryCheckpoint, hf_model, save_hf_dir
 
 ARCHS = ["llama", "qwen2", "qwen3"]

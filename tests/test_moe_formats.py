@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import save_file
 
 import quill
-from quill.quantization.formats.awq import canonical_to_awq
-from quill.quantization.formats.compressed_tensors_writer import (
+from quill.writers.awq import canonical_to_awq
+from quill.writers.compressed_tensors import (
     quantization_config,
     scheme_config,
     to_compressed_tensors,
 )
-from quill.quantization.formats.gptq import canonical_to_gptq
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.gptq import canonical_to_gptq
+from quill.writers.rtn import quantize_rtn
 from tests.moe_models_util import fuse_experts, hf_moe_model, split_experts
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32}

@@ -10,9 +10,9 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
+from quill.formats.checkpoint import open_checkpoint
 from quill.layers import SparseMoeBlock
 from quill.models.base import ForwardContext
-from quill.quantization.checkpoint import open_checkpoint
 from tests.gguf_util import T, V, llama_permute, write_gguf
 from tests.moe_models_util import hf_moe_model
 from tests.test_moe_models import TOL, hf_logits, ids_of, load

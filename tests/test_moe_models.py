@@ -14,13 +14,13 @@ import quill
 from quill.engine.cache import KVCache
 from quill.engine.loader import build_model
 from quill.errors import CheckpointError, ModelError
+from quill.formats.checkpoint import open_checkpoint
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.layers import SparseMoeBlock
 from quill.models import model_module
 from quill.models.base import ForwardContext
 from quill.moe import MoESelector
 from quill.platform import detect
-from quill.quantization.checkpoint import open_checkpoint
 from tests.model_util import MemoryCheckpoint, save_hf_dir
 from tests.moe_models_util import MOE_ARCHS, fuse_experts, hf_moe_model, split_experts
 

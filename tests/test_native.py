@@ -21,7 +21,7 @@ from quill.kernels.activation import fake_quantize_activations, quantize_activat
 from quill.kernels.native import make_handle
 from quill.native.pack import pack, stream_order
 from quill.platform import detect
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 PLATFORM = detect()
 EXT = native.load()

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import quill.default_model as default_model
+from quill.formats.checkpoint import open_checkpoint, read_checkpoint
 from quill.kernels import KernelSelector, build_quant_linear
 from quill.kernels.activation import fake_quantize_activations
 from quill.platform import detect
-from quill.quantization.checkpoint import open_checkpoint, read_checkpoint
 from tests.fixture_util import expected_weights, fixture_path
 
 PLATFORM = detect()

@@ -10,7 +10,7 @@ from quill.errors import KernelSelectionError, format_choices
 from quill.kernels import KernelPolicy, KernelSelector, LinearLayerConfig, build_quant_linear
 from quill.kernels.selection import KERNELS, PRIORITIES, kernel_class
 from quill.platform import Platform, parse_cpuinfo
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 PLAT = Platform(vendor="AMD", microarch="zen3", flags=frozenset({"avx2", "fma", "f16c"}))
 

@@ -19,7 +19,7 @@ from quill.kernels import KernelPolicy, KernelSelector, LinearLayerConfig, build
 from quill.kernels.reference import ReferenceKernel
 from quill.kernels.zentorch_ops import REQUIRED_FLAGS, ZentorchKernel, ZentorchWoqKernel, load_zentorch
 from quill.platform import Platform, detect, parse_cpuinfo
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 DATA = Path(__file__).parent / "data" / "cpuinfo"
 ZEN3 = parse_cpuinfo((DATA / "zen3_epyc7763_1s8c16t.txt").read_text())
@@ -125,7 +125,7 @@ import torch
 from quill.kernels.zentorch_ops import ZentorchKernel, ZentorchWoqKernel
 from quill.kernels import LinearLayerConfig
 from quill.platform import detect
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 from quill.canonical import ActivationQuant
 plat = detect()
 assert ZentorchKernel.supported(plat) is None
@@ -196,7 +196,7 @@ def test_default_and_forced_choices_on_this_host():
 # ---- real checkpoints ------------------------------------------------------------
 
 def _real_layers(fixture: str, limit: int = 6):
-    from quill.quantization.checkpoint import open_checkpoint
+    from quill.formats.checkpoint import open_checkpoint
     from tests.fixture_util import fixture_path
 
     layers = []

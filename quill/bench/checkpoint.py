@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from quill.quantization.formats.compressed_tensors_writer import (
+from quill.writers.compressed_tensors import (
     quantization_config,
     scheme_config,
     to_compressed_tensors,
 )
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.kernels.config import LinearLayerConfig
 from quill.kernels.selection import kernel_class
 from quill.platform import Platform
-from quill.quantization.quantize import quantize_rtn
+from quill.writers.rtn import quantize_rtn
 
 SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096))
 TOKENS = (1, 8, 32, 128, 512)

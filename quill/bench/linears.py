@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from quill.formats.checkpoint import open_checkpoint
 from quill.kernels import KernelPolicy, KernelSelector, build_quant_linear
 from quill.platform import Platform
-from quill.quantization.checkpoint import open_checkpoint
 
 
 @dataclass

@@ -29,7 +29,7 @@ from quill.errors import ConfigError, format_choices
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.moe import MOE_BACKENDS, ExpertWeights, MoESelector, build_fused_moe, route
 from quill.platform import Platform, detect
-from quill.quantization.formats.compressed_tensors_writer import (
+from quill.writers.compressed_tensors import (
     quantization_config,
     scheme_config,
     to_compressed_tensors,

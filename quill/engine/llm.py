@@ -23,11 +23,11 @@ from quill.engine.loader import LoadedModel, build_model
 from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.text import SequenceText
 from quill.errors import GenerationError
+from quill.formats.checkpoint import open_checkpoint
 from quill.layers import LoadContext
 from quill.options import RunOptions
 from quill.platform import Platform, detect
-from quill.quantization.checkpoint import open_checkpoint
-from quill.tokenizer import Tokenizer, eos_token_ids
+from quill.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Messages = Sequence[Mapping[str, Any]]
@@ -119,9 +119,8 @@ class LLM:
         self.loaded: LoadedModel = build_model(checkpoint, progress=progress, ctx=ctx)
         self.model = self.loaded.model
         self.tokenizer = None if skip_tokenizer_init else Tokenizer(checkpoint.tokenizer_spec())
-        directory = self.path if self.path.is_dir() else None
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
-                              else eos_token_ids(directory, checkpoint.config))
+                              else checkpoint.eos_token_ids())
         self.context_length = self.model.args.context_length
         if max_model_len is not None:
             self.context_length = min(self.context_length, max_model_len)

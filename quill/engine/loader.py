@@ -25,9 +25,9 @@ from tqdm import tqdm
 from quill.canonical import QuantizedWeight
 from quill.engine.memory import LoadMemory, MemoryMeter, release_freed_memory
 from quill.errors import CheckpointError
+from quill.formats.checkpoint import open_checkpoint
 from quill.layers import ExpertSlot, LayerInfo, Linear, LoadContext, PostLoad, Slot
 from quill.models import model_module
-from quill.quantization.checkpoint import open_checkpoint
 
 # Tensors some checkpoints carry that the model recomputes (older HF exports store rotary tables).
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")

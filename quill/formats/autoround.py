@@ -2,8 +2,8 @@
 
 AutoRound has no tensor layout of its own for integer weights: ``packing_format`` says
 which one it borrowed, and this reader hands each layer to that format's converter
-(:func:`~quill.quantization.formats.gptq.gptq_to_canonical` or
-:func:`~quill.quantization.formats.awq.awq_to_canonical`), whose module docstrings
+(:func:`~quill.formats.gptq.gptq_to_canonical` or
+:func:`~quill.formats.awq.awq_to_canonical`), whose module docstrings
 describe the tensors.
 
 ``packing_format`` (auto-round 0.15.1, ``inference/backend.py`` and ``convert_model.py``):
@@ -37,9 +37,9 @@ from typing import Any
 
 from quill.canonical import QuantizedWeight
 from quill.errors import ConfigError, UnsupportedFormatError
-from quill.quantization.formats import awq, gptq
-from quill.quantization.formats.base import FormatReader, ModuleMap, ModuleTensors, config_field
-from quill.quantization.formats.layer_rules import (
+from quill.formats import awq, gptq
+from quill.formats.base import FormatReader, ModuleMap, ModuleTensors, config_field
+from quill.formats.layer_rules import (
     Dense,
     LayerScheme,
     OverrideRules,

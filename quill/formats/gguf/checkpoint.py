@@ -24,13 +24,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
 from quill.canonical import QuantizedWeight
 from quill.errors import CheckpointError, UnsupportedFormatError
-from quill.quantization.formats.gguf_arch import (
+from quill.formats.gguf.arch import (
     TensorName,
     arch_spec,
     build_config,
@@ -38,15 +37,16 @@ from quill.quantization.formats.gguf_arch import (
     qk_heads,
     unpermute_index,
 )
-from quill.quantization.formats.gguf_file import GGML_TYPES, GGUFFile
-from quill.quantization.formats.gguf_quants import (
+from quill.formats.gguf.file import GGML_TYPES, GGUFFile
+from quill.formats.gguf.quants import (
     DENSE_TYPES,
     QUANTIZED_TYPES,
     block_weight,
     check_supported,
     permute_rows,
 )
-from quill.quantization.formats.gguf_tokenizer import tokenizer_spec_from_gguf
+from quill.formats.gguf.tokenizer import tokenizer_spec_from_gguf
+from quill.tokenizer import eos_token_ids
 from quill.tokenizer_spec import TokenizerSpec
 
 # Tensors llama.cpp adds that HF models keep elsewhere: GGUF name -> quill's name for them.
@@ -66,19 +66,6 @@ class _Source:
     expert: int | None = None  # slice of a stacked [E, out, in] expert tensor
     heads: int | None = None  # llama q/k: un-interleave rows per head
     shape: tuple[int, ...] | None = None  # reshape a dense tensor to this HF shape
-
-
-class GGUFFormat:
-    """The ``reader`` of a GGUF checkpoint: its method name and a one-line description."""
-
-    method: ClassVar[str] = "gguf"
-
-    def __init__(self, type_counts: dict[str, int], file_type: int | None):
-        self.type_counts = type_counts
-        self.file_type = file_type
-
-    def describe(self) -> str:
-        return "gguf (" + ", ".join(f"{n} x{c}" for n, c in sorted(self.type_counts.items())) + ")"
 
 
 class GGUFCheckpoint:
@@ -101,14 +88,14 @@ class GGUFCheckpoint:
         self._plan()
         counts = Counter(t.type_name for t in self.file.tensors.values())
         has_quant = any(t.ggml_type in QUANTIZED_TYPES for t in self.file.tensors.values())
-        file_type = meta.get("general.file_type")
-        self.reader: GGUFFormat | None = GGUFFormat(dict(counts), file_type) if has_quant else None
-        self.quant_config = (
-            {"quant_method": "gguf", "file_type": file_type, "tensor_types": dict(counts)} if has_quant else None)
+        self.tensor_types = dict(counts)  # ggml type name -> tensor count
+        # what `quill inspect` / tests read as the "quantization config" of a GGUF file
+        self.quant_config = ({"quant_method": "gguf", "file_type": meta.get("general.file_type"),
+                              "tensor_types": self.tensor_types} if has_quant else None)
 
     @property
     def quant_method(self) -> str | None:
-        return None if self.reader is None else self.reader.method
+        return None if self.quant_config is None else "gguf"
 
     # ---- planning: every tensor's HF name and role, before any data is read ----
     def _plan(self) -> None:
@@ -207,6 +194,11 @@ class GGUFCheckpoint:
         """The tokenizer stored in the file's metadata (``tokenizer.ggml.*``)."""
         return tokenizer_spec_from_gguf(self.file.metadata, self.path)
 
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """From the metadata's config (what a tokenizer-less run stops on)."""
+        return eos_token_ids(None, self.config)
+
     def describe(self) -> str:
-        fmt = "dense" if self.reader is None else self.reader.describe()
+        types = ", ".join(f"{n} x{c}" for n, c in sorted(self.tensor_types.items()))
+        fmt = "dense" if self.quant_config is None else f"gguf ({types})"
         return f"{fmt}; {self.architecture} GGUF v{self.file.version}"

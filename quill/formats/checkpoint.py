@@ -1,4 +1,4 @@
-"""Open a checkpoint directory and stream its layers in canonical form.
+"""Open a checkpoint (a safetensors directory or a GGUF file) and stream its layers in canonical form.
 
     ckpt = open_checkpoint("path/to/model")
     for name, qw in ckpt.quantized_layers():   # one layer unpacked at a time
@@ -15,15 +15,15 @@ import re
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from quill.canonical import QuantizedWeight
 from quill.errors import CheckpointError, ConfigError
-from quill.quantization.formats import make_reader
-from quill.quantization.formats.base import FormatReader, ModuleTensors
-from quill.quantization.safetensors_io import TensorStore
+from quill.formats.base import FormatReader, ModuleTensors
+from quill.formats.registry import make_reader
+from quill.formats.safetensors_io import TensorStore
 
 # Stand-alone quantization config files older tools write beside config.json,
 # with the quant_method to assume when the file does not say.
@@ -73,7 +73,27 @@ def find_quant_config(directory: Path, config: dict[str, Any]) -> dict[str, Any]
     return None
 
 
-class Checkpoint:
+class Checkpoint(Protocol):
+    """What the loader and the engine read from any checkpoint (safetensors directory, GGUF file)."""
+
+    path: Path
+    config: dict[str, Any]  # HF config.json (for GGUF: built from its metadata)
+
+    @property
+    def quant_method(self) -> str | None: ...  # "gptq", "gguf", ... or None for a dense checkpoint
+
+    def quantized_layers(self) -> Iterator[tuple[str, QuantizedWeight]]: ...  # one unpacked at a time
+
+    def dense_tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...  # everything else
+
+    def tokenizer_spec(self): ...  # quill.tokenizer_spec.TokenizerSpec, CheckpointError when absent
+
+    def eos_token_ids(self) -> tuple[int, ...]: ...  # without loading a tokenizer
+
+    def describe(self) -> str: ...
+
+
+class SafetensorsCheckpoint:
     """A safetensors checkpoint directory: config, format reader and tensor store."""
 
     def __init__(self, directory: str | os.PathLike):
@@ -128,19 +148,24 @@ class Checkpoint:
         from quill.tokenizer import hf_tokenizer_spec
         return hf_tokenizer_spec(self.path, self.config)
 
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """From generation_config.json and config.json (what a tokenizer-less run stops on)."""
+        from quill.tokenizer import eos_token_ids
+        return eos_token_ids(self.path, self.config)
+
     def describe(self) -> str:
         return "dense (no quantization_config)" if self.reader is None else self.reader.describe()
 
 
-def open_checkpoint(path: str | os.PathLike):
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """A checkpoint directory (safetensors) or a ``.gguf`` file, behind the same interface."""
     p = Path(path)
     if p.is_file() and p.suffix == ".gguf":
-        from quill.quantization.formats.gguf import GGUFCheckpoint
+        from quill.formats.gguf.checkpoint import GGUFCheckpoint
         return GGUFCheckpoint(p)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
-    return Checkpoint(p)
+    return SafetensorsCheckpoint(p)
 
 
 def read_checkpoint(path: str | os.PathLike) -> Iterator[tuple[str, QuantizedWeight]]:

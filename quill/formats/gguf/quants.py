@@ -22,7 +22,7 @@ import torch
 
 from quill.canonical import QuantizedWeight
 from quill.errors import UnsupportedFormatError
-from quill.quantization.formats.gguf_file import GGML_TYPE_IDS, GGML_TYPES
+from quill.formats.gguf.file import GGML_TYPE_IDS, GGML_TYPES
 
 GROUP = 32
 Q4_0, Q4_1, Q8_0 = GGML_TYPE_IDS["Q4_0"], GGML_TYPE_IDS["Q4_1"], GGML_TYPE_IDS["Q8_0"]

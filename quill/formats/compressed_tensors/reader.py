@@ -51,8 +51,8 @@ import torch
 
 from quill.canonical import FLOAT_DTYPES, ActivationQuant, QuantizedWeight
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.formats.base import FormatReader, ModuleMap, ModuleTensors
-from quill.quantization.formats.compressed_tensors_scheme import (
+from quill.formats.base import FormatReader, ModuleMap, ModuleTensors
+from quill.formats.compressed_tensors.scheme import (
     PACKED,
     CTConfig,
     InputArgs,
@@ -62,7 +62,7 @@ from quill.quantization.formats.compressed_tensors_scheme import (
     role,
     version_tuple,
 )
-from quill.quantization.packing import unpack_int32
+from quill.formats.packing import unpack_int32
 
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 # every tensor suffix that marks a module as stored quantized

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError, format_choices
-from quill.quantization.formats.gguf_quants import BF16, F16
+from quill.formats.gguf.quants import BF16, F16
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The inverse of the compressed-tensors reader: canonical weight -> compressed-tensors tensors and config.
 
 Used by round-trip tests and for writing synthetic checkpoints; the layout is the
-one documented in :mod:`quill.quantization.formats.compressed_tensors`.
+one documented in :mod:`quill.formats.compressed_tensors.reader`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from quill.canonical import QuantizedWeight
 from quill.errors import ConfigError
-from quill.quantization.formats.compressed_tensors_scheme import PACKED, SUPPORTED_FORMATS
-from quill.quantization.packing import pack_int32
+from quill.formats.compressed_tensors.scheme import PACKED, SUPPORTED_FORMATS
+from quill.formats.packing import pack_int32
 
 
 def weight_strategy(qw: QuantizedWeight, per_tensor: bool = False) -> str:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quill.errors import ConfigError, UnsupportedFormatError, format_choices
-from quill.quantization.formats.base import config_field
+from quill.formats.base import config_field
 
 PACKED = "pack-quantized"
 UNPACKED = ("int-quantized", "naive-quantized")

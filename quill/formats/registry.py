@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from quill.errors import UnsupportedFormatError, format_choices
-from quill.quantization.formats.base import FormatReader
+from quill.formats.base import FormatReader
 
 # canonical quant_method -> "module:Class"
 READERS: dict[str, str] = {
-    "gptq": "quill.quantization.formats.gptq:GPTQReader",
-    "awq": "quill.quantization.formats.awq:AWQReader",
-    "compressed-tensors": "quill.quantization.formats.compressed_tensors:CompressedTensorsReader",
-    "auto-round": "quill.quantization.formats.autoround:AutoRoundReader",
+    "gptq": "quill.formats.gptq:GPTQReader",
+    "awq": "quill.formats.awq:AWQReader",
+    "compressed-tensors": "quill.formats.compressed_tensors.reader:CompressedTensorsReader",
+    "auto-round": "quill.formats.autoround:AutoRoundReader",
 }
 
 # Other spellings of the same formats, accepted silently.

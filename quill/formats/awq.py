@@ -38,7 +38,7 @@ import torch
 
 from quill.canonical import FLOAT_DTYPES, QuantizedWeight
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.formats.base import (
+from quill.formats.base import (
     FormatReader,
     ModuleMap,
     ModuleTensors,
@@ -46,14 +46,14 @@ from quill.quantization.formats.base import (
     config_field,
     resolve_group_size,
 )
-from quill.quantization.formats.layer_rules import (
+from quill.formats.layer_rules import (
     Dense,
     LayerScheme,
     check_plain_int_weights,
     matches_name,
     plan_packed_modules,
 )
-from quill.quantization.packing import pack_int32, unpack_int32
+from quill.formats.packing import unpack_int32
 
 AWQ_BITS = (4,)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # slot j of a word holds column order[j] of its 8
@@ -107,30 +107,6 @@ def awq_to_canonical(t: ModuleTensors, bits: int, group_size: int, sym: bool | N
 
 def _implied_bits(words: int, count: int) -> str:
     return " (the tensor is shaped for bits=8)" if words * 4 == count else ""
-
-
-# ---- canonical -> tensors (the writer) -------------------------------------------
-
-def canonical_to_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """The AWQ-GEMM tensors of one layer (suffix -> tensor), inverse of :func:`awq_to_canonical`."""
-    if qw.bits not in AWQ_BITS:
-        raise UnsupportedFormatError(f"{qw.name}: AWQ GEMM stores 4-bit codes, not {qw.bits}-bit")
-    if qw.g_idx is not None or qw.offsets is not None:
-        raise UnsupportedFormatError(f"{qw.name}: AWQ cannot store act-order (g_idx) or float offsets")
-    if qw.out_features % 8:
-        raise UnsupportedFormatError(f"{qw.name}: AWQ packs 8 output columns per int32; out_features "
-                                     f"{qw.out_features} is not a multiple of 8")
-    zeros = qw.zeros if qw.zeros is not None else torch.full(tuple(qw.scales.shape), 8, dtype=torch.int16)
-    if zeros.numel() and int(zeros.max()) > 15:
-        raise UnsupportedFormatError(f"{qw.name}: zero point {int(zeros.max())} does not fit AWQ's 4 bits")
-    out = {
-        "qweight": pack_int32(qw.codes.T, 4, dim=1, order=AWQ_ORDER),  # [K, N/8]
-        "qzeros": pack_int32(zeros.T, 4, dim=1, order=AWQ_ORDER),  # [G, N/8]
-        "scales": qw.scales.T.contiguous(),  # [G, N]
-    }
-    if qw.bias is not None:
-        out["bias"] = qw.bias
-    return out
 
 
 # ---- the reader ----------------------------------------------------------------------

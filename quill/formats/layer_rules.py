@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
-from quill.quantization.formats.base import ModuleMap, config_field
+from quill.formats.base import ModuleMap, config_field
 
 
 @dataclass(frozen=True)

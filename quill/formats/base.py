@@ -132,7 +132,3 @@ def resolve_group_size(group_size: int, in_features: int, layer: str) -> int:
             f"layer {layer}: group_size {group_size} does not divide in_features {in_features}; "
             "supported: -1 (per-channel) or a divisor of in_features")
     return group_size
-
-
-def to_int16_zeros(zeros: torch.Tensor) -> torch.Tensor:
-    return zeros.to(torch.int16).contiguous()

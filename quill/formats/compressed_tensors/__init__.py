@@ -1,0 +1,1 @@
+"""compressed-tensors (llm-compressor) checkpoints: the config scheme and the reader."""
