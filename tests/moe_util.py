@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from quill.bench.stats import sqnr_db  # noqa: F401  (re-exported for the MoE tests)
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.moe import MOE_REGISTRY, DenseWeight, ExpertWeights, MoESelector, build_fused_moe
 from quill.platform import Platform
@@ -60,11 +61,3 @@ def build(experts, top_k, backend: str, activation=None, dtype=torch.float32):
     """A FusedMoE on ``backend`` (forced), linear kernels chosen normally."""
     moe_sel, lin_sel = selectors(MOE_REGISTRY.policy_from_env({"QUILL_MOE_BACKEND": backend}))
     return build_fused_moe("model.layers.0.mlp", experts, top_k, moe_sel, lin_sel, activation, dtype=dtype)
-
-
-def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref, out = ref.double(), out.double()
-    noise = (ref - out).pow(2).sum()
-    if noise == 0:
-        return float("inf")
-    return float(10 * torch.log10(ref.pow(2).sum() / noise))

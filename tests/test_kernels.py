@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quill.bench.stats import sqnr_db
 from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.kernels import LinearLayerConfig, resolve_activation
 from quill.kernels.selection import KERNELS, kernel_class
@@ -31,10 +32,6 @@ M_VALUES = (1, 7, 64)
 MIN_CASES = 12  # each kernel must run at least this many grid cases (x every M) on this machine
 
 
-def sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
-    ref, y = ref.double(), y.double()
-    noise = (ref - y).pow(2).sum()
-    return float("inf") if noise == 0 else float(10 * torch.log10(ref.pow(2).sum() / noise))
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ from safetensors.torch import load_file, save_file
 
 import quill
 from quill.engine.hub import looks_like_hub_id, resolve_model
-from quill.engine.loader import load_model
+from quill.engine.loader import build_model
 from quill.engine.memory import peak_bytes, reset_peak, rss_bytes
 from quill.errors import CheckpointError, ModelError
+from quill.formats.checkpoint import open_checkpoint
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.platform import detect
 from tests.model_util import hf_model, save_hf_dir
@@ -36,7 +37,7 @@ def copy_with(src, dst, edit_tensors=None, edit_config=None):
 
 
 def load(path, **kw):
-    return load_model(path, KernelSelector(detect(), KernelPolicy()), **kw)
+    return build_model(open_checkpoint(path), KernelSelector(detect(), KernelPolicy()), **kw)
 
 
 def test_directory_without_config(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from quill import native
+from quill.bench.stats import sqnr
 from quill.canonical import ActivationQuant
 from quill.errors import KernelError
 from quill.kernels.activation import fake_quantize_activations, quantize_activations
@@ -35,9 +36,6 @@ def _variants() -> list[str]:
 INT8_VARIANTS = FLOAT_VARIANTS = _variants()
 
 
-def sqnr(y: torch.Tensor, ref: torch.Tensor) -> float:
-    err = (y.double() - ref.double()).pow(2).sum()
-    return float(10 * torch.log10(ref.double().pow(2).sum() / err.clamp_min(1e-300)))
 
 
 def _weight(n, k, bits=4, gs=32, sym=True, act_order=False, offsets=False, scale_dtype=torch.float16, seed=0):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import quill.default_model as default_model
+from quill.bench.stats import sqnr
 from quill.formats.checkpoint import open_checkpoint, read_checkpoint
 from quill.kernels import KernelSelector, build_quant_linear
 from quill.kernels.activation import fake_quantize_activations
@@ -28,8 +29,6 @@ FIXTURES = {
 }
 
 
-def sqnr(y, ref):
-    return float(10 * torch.log10(ref.double().pow(2).sum() / (y.double() - ref.double()).pow(2).sum()))
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from quill import native
+from quill.bench.stats import sqnr
 from quill.errors import KernelError
 from quill.kernels import KernelPolicy, KernelSelector, build_dense_linear
 from quill.native.pack import pack_dense
@@ -21,9 +22,6 @@ EXT = native.load().module
 ISAS = ["scalar"] + [name for name, flags in native.ISAS if PLATFORM.has(*flags)]
 
 
-def sqnr(y: torch.Tensor, ref: torch.Tensor) -> float:
-    err = (y.double() - ref.double()).pow(2).sum()
-    return float(10 * torch.log10(ref.double().pow(2).sum() / err.clamp_min(1e-300)))
 
 
 def _handle(w: torch.Tensor, isa: str, threads: int = 2):

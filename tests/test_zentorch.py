@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from quill.bench.stats import sqnr_db
 from quill.canonical import ActivationQuant
 from quill.kernels import KernelPolicy, KernelSelector, LinearLayerConfig, build_quant_linear, zentorch_ops
 from quill.kernels.reference import ReferenceKernel
@@ -35,9 +36,6 @@ needs_zentorch = pytest.mark.skipif(not (INSTALLED and HOST_QUALIFIES),
                                     reason="zentorch not installed or this CPU is not an AMD Zen with AVX-512")
 
 
-def sqnr_db(ref, y):
-    ref, y = ref.double(), y.double()
-    return float(10 * torch.log10(ref.pow(2).sum() / (ref - y).pow(2).sum()))
 
 
 KERNELS = (ZentorchKernel, ZentorchWoqKernel)

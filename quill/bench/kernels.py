@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from quill.bench.memory import Bandwidth
+from quill.bench.stats import sqnr
 from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.kernels.config import LinearLayerConfig
 from quill.kernels.selection import kernel_class
@@ -171,9 +172,6 @@ def accuracy(n: int, k: int, platform: Platform, m: int = 8) -> dict:
         f, _, _ = _prepare(case, qw, None, platform, 1)
         return f(x).float()
 
-    def sqnr(y, r):
-        return round(float(10 * torch.log10(r.pow(2).sum() / (y - r).pow(2).sum())), 1)
-
     a16, a8 = out("native_w4a16"), out("native_w4a8")
-    return {"n": n, "k": k, "m": m, "w4a8_vs_w4a16_db": sqnr(a8, a16), "w4a16_vs_fp32_db": sqnr(a16, ref),
-            "w4a8_vs_fp32_db": sqnr(a8, ref)}
+    return {"n": n, "k": k, "m": m, "w4a8_vs_w4a16_db": round(sqnr(a8, a16), 1),
+            "w4a16_vs_fp32_db": round(sqnr(a16, ref), 1), "w4a8_vs_fp32_db": round(sqnr(a8, ref), 1)}

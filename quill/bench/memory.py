@@ -27,10 +27,6 @@ class Bandwidth:
         """The figure kernels are compared against: the best all-thread read measured."""
         return max(v for v in (self.native_all, self.torch_sum_all) if v is not None)
 
-    @property
-    def best_1t(self) -> float:
-        return max(v for v in (self.native_1t, self.torch_sum_1t) if v is not None)
-
 
 def _median_gbs(fn, nbytes: int, runs: int) -> float:
     fn()  # fault the pages in, warm the pool

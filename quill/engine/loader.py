@@ -1,7 +1,7 @@
 """Load a checkpoint into a model: resolve the path, build the architecture, fill every slot.
 
-    loaded = load_model("path/to/checkpoint", selector)
-    logits = loaded.model(tokens, ctx)
+    loaded = build_model(open_checkpoint("path/to/checkpoint"), ctx=LoadContext.create(platform, torch.float32))
+    logits = loaded.model(tokens, forward_ctx)
 
 Dense tensors (norms, embeddings, layers the checkpoint left unquantized) are
 memory-mapped and read first; quantized layers are then streamed one at a time,
@@ -11,7 +11,6 @@ each repacked by its kernel as it arrives, so only one layer is ever unpacked.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -25,14 +24,13 @@ from tqdm import tqdm
 from quill.canonical import QuantizedWeight
 from quill.engine.memory import LoadMemory, MemoryMeter, release_freed_memory
 from quill.errors import CheckpointError
-from quill.formats.checkpoint import open_checkpoint
 from quill.layers import ExpertSlot, LayerInfo, Linear, LoadContext, PostLoad, Slot
 from quill.models import model_module
 
 # Tensors some checkpoints carry that the model recomputes (older HF exports store rotary tables).
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
-__all__ = ["IGNORED_TENSORS", "LayerInfo", "LoadedModel", "build_model", "load_model"]
+__all__ = ["IGNORED_TENSORS", "LayerInfo", "LoadedModel", "build_model"]
 
 
 @dataclass
@@ -152,10 +150,3 @@ def build_model(checkpoint, selector=None, dtype: torch.dtype = torch.float32, a
     memory = meter.finish(_largest_layer_bytes(model))
     model.eval()
     return LoadedModel(model, checkpoint, Path(where), infos, memory, ctx.dtype)
-
-
-def load_model(path: str | os.PathLike, selector=None, dtype: torch.dtype = torch.float32,
-               activation: str | None = None, progress: bool = False, moe_selector=None,
-               ctx: LoadContext | None = None) -> LoadedModel:
-    """Open a checkpoint directory or ``.gguf`` file and build its model."""
-    return build_model(open_checkpoint(path), selector, dtype, activation, progress, moe_selector, ctx)

@@ -15,6 +15,15 @@ import torch
 from quill.canonical import QuantizedWeight
 
 
+def group_order(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm int64 [K]: the input columns sorted by act-order group, stable; counts int64 [G]: columns per group).
+
+    The one place act-order columns are sorted: the torch, zentorch and native kernels all start here.
+    """
+    g = w.g_idx.long()
+    return torch.argsort(g, stable=True), torch.bincount(g, minlength=w.num_groups)
+
+
 def contiguous_groups(w: QuantizedWeight) -> tuple[QuantizedWeight, torch.Tensor | None]:
     """``(weight, perm)`` with ``weight``'s groups contiguous and equal-sized, and perm int64 [K] or None.
 
@@ -26,9 +35,7 @@ def contiguous_groups(w: QuantizedWeight) -> tuple[QuantizedWeight, torch.Tensor
     """
     if w.g_idx is None:
         return w, None
-    g = w.g_idx.long()
-    perm = torch.argsort(g, stable=True)
-    counts = torch.bincount(g, minlength=w.num_groups)  # [G]
+    perm, counts = group_order(w)  # [K], [G]
     present = counts[counts > 0]
     sub = math.gcd(*present.tolist()) if present.numel() else w.in_features
     repeats = counts // sub  # sub-groups per original group (0 for an unused group)

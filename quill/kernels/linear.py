@@ -138,7 +138,7 @@ def _native_dense(w: torch.Tensor, selector: KernelSelector | None) -> tuple[Any
     half = _as_16bit(w)
     if half is None:
         return None
-    ext, isa = native.load().module, native.isa_for(selector.platform, int8=False)
+    ext, isa = native.load().module, native.isa_for(selector.platform)
     dtype = "bfloat16" if half.dtype == torch.bfloat16 else "float16"
     handle = ext.NativeDense(pack_dense(half.contiguous()), w.shape[0], w.shape[1], dtype, isa,
                              max(1, selector.platform.physical_cores))

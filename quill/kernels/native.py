@@ -71,14 +71,14 @@ class _NativeKernel(LinearKernel):
         ext = native.load()
         if ext.error:
             return ext.error
-        if native.isa_for(platform, cls.int8) is None:
-            return f"needs {native.isa_requirement(cls.int8)}, which this CPU lacks"
+        if native.isa_for(platform) is None:
+            return f"needs {native.isa_requirement()}, which this CPU lacks"
         return None
 
     @classmethod
     def variant(cls, platform: Platform) -> str:
         """The ISA variant ``prepare`` picks on ``platform`` (shown by ``quill info``)."""
-        return native.isa_for(platform, cls.int8) or "none"
+        return native.isa_for(platform) or "none"
 
     @classmethod
     def can_implement(cls, cfg: LinearLayerConfig) -> str | None:
@@ -93,9 +93,9 @@ class _NativeKernel(LinearKernel):
 
     @classmethod
     def prepare(cls, weight: QuantizedWeight, cfg: LinearLayerConfig) -> NativeState:
-        isa = native.isa_for(cfg.platform, cls.int8)
+        isa = native.isa_for(cfg.platform)
         if isa is None:
-            raise KernelError(f"{weight.name}: {cls.name} needs {native.isa_requirement(cls.int8)}")
+            raise KernelError(f"{weight.name}: {cls.name} needs {native.isa_requirement()}")
         packed = pack(weight, cls.int8)
         handle = make_handle(packed, weight, isa, max(1, cfg.platform.physical_cores), cls.int8)
         return NativeState(packed, handle, isa)

@@ -22,7 +22,6 @@ _BUILD = Path(__file__).resolve().parent / "_build"
 # int8 dot products: AVX-512 VNNI (vpdpbusd), else the AVX2 + FMA + F16C baseline
 # (vpmaddubsw).  Float activations enter as a fixed-point image (docs/NATIVE.md).
 ISAS = (("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")), ("avx2", ("avx2", "fma", "f16c")))
-FLOAT_ISAS = INT8_ISAS = ISAS
 
 
 @dataclass(frozen=True)
@@ -47,14 +46,14 @@ def load() -> NativeExtension:
         return NativeExtension(None, f"extension not built: {why}")
 
 
-def isa_for(platform: Platform, int8: bool) -> str | None:
-    """The variant a kernel family runs on ``platform``: 'avx512', 'avx2', or None (no native kernel)."""
-    for name, flags in INT8_ISAS if int8 else FLOAT_ISAS:
+def isa_for(platform: Platform) -> str | None:
+    """The variant every native kernel runs on ``platform``: 'avx512', 'avx2', or None (no native kernel)."""
+    for name, flags in ISAS:
         if platform.has(*flags):
             return name
     return None
 
 
-def isa_requirement(int8: bool) -> str:
+def isa_requirement() -> str:
     """Human description of the weakest variant's needs, for refusals."""
-    return "+".join(f.upper() for f in (INT8_ISAS if int8 else FLOAT_ISAS)[-1][1])
+    return "+".join(f.upper() for f in ISAS[-1][1])

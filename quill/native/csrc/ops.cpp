@@ -4,7 +4,7 @@
 //
 // Plain C++ (baseline x86-64, vectorised by the compiler): the vectors are a few
 // thousand elements.  Each op performs the arithmetic of its torch spelling in
-// quill/models/layers.py, rounding to the tensor's dtype where torch rounds, so
+// quill/kernels/fused.py, rounding to the tensor's dtype where torch rounds, so
 // float32 results match torch up to summation order (RMSNorm) or exactly
 // (rope), and 16-bit results round the same intermediate values.  Rows are split
 // across torch's pool only when there are many of them (prefill).

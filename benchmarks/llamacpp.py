@@ -1,6 +1,6 @@
 """quill against llama.cpp on the same GGUF file: decode and prefill tokens/s, 2 threads each.
 
-    python bench/llamacpp.py --llama-python /tmp/llamacpp-venv/bin/python [--gguf FILE] [--write-1b DIR]
+    python benchmarks/llamacpp.py --llama-python /tmp/llamacpp-venv/bin/python [--gguf FILE] [--write-1b DIR]
 
 llama.cpp runs through llama-cpp-python, in its own interpreter (``--llama-python``; it is not a
 quill dependency: install it with ``CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python``
