@@ -81,7 +81,8 @@ def test_llamacpp_bench_writes_a_gguf_quill_runs(tmp_path):
     import quill
     from quill.engine.hub import default_model
 
-    spec = importlib.util.spec_from_file_location("bench_llamacpp", Path(__file__).parents[1] / "benchmarks" / "llamacpp.py")
+    script = Path(__file__).parents[1] / "benchmarks" / "llamacpp.py"
+    spec = importlib.util.spec_from_file_location("bench_llamacpp", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     path = mod.write_1b_gguf(tmp_path, default_model(), hidden=64, ffn=128, heads=4, kv_heads=2, layers=2,

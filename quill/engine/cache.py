@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from quill.layers import attention
 from quill.models.base import ForwardContext
 
 
@@ -26,6 +27,11 @@ class _LayerView:
         c.keys[self.index][:, :, start:end] = k
         c.values[self.index][:, :, start:end] = v
         return c.keys[self.index][:, :, :end], c.values[self.index][:, :, :end]  # [B, Hkv, S, D]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+        k, v = self.update(k, v)  # [B, Hkv, S, D]
+        return attention(q, k, v, mask, scale)
 
 
 class KVCache:

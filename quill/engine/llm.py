@@ -9,18 +9,21 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from quill.engine.generate import BatchGenerator, Timings
+from quill.engine.core import EngineConfig, EngineCore
 from quill.engine.hub import resolve_model
 from quill.engine.loader import LoadedModel, build_model
 from quill.engine.sampling import Logprob, SamplingParams
+from quill.engine.sequence import Sequence as EngineSequence
+from quill.engine.sequence import Timings
 from quill.engine.text import SequenceText
 from quill.errors import GenerationError
 from quill.formats.checkpoint import open_checkpoint
@@ -99,13 +102,18 @@ class LLM:
         seed: seed of the sampler used by requests that give no seed of their own.
         offline: resolve Hub ids from the local cache only.
         progress: show a loading progress bar on stderr (default: when stderr is a terminal).
+        engine_config: the engine core's batching and KV-cache sizes (``quill.engine.core.EngineConfig``).
+
+    Every call runs on ``llm.engine`` (an ``EngineCore``: continuous batching over a paged KV cache
+    with prefix caching), the same core ``quill serve`` drives.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
                  activation_quant: str | None = None, threads: int | None = None, kernel: str | None = None,
                  moe_backend: str | None = None,
                  skip_tokenizer_init: bool = False, max_model_len: int | None = None, seed: int = 0,
-                 offline: bool = False, progress: bool | None = None, platform: Platform | None = None):
+                 offline: bool = False, progress: bool | None = None, platform: Platform | None = None,
+                 engine_config: EngineConfig | None = None):
         self.options = RunOptions.parse(dtype, activation_quant, threads, kernel, moe_backend, max_model_len)
         self.platform = platform or detect()
         self.threads = self.options.threads or self.platform.physical_cores
@@ -124,7 +132,20 @@ class LLM:
         self.context_length = self.model.args.context_length
         if max_model_len is not None:
             self.context_length = min(self.context_length, max_model_len)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.engine = EngineCore(self.model, self.eos_token_ids, self.context_length, engine_config, seed)
+        self._ids = itertools.count()
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The token ids that end generation (unless ``ignore_eos``); settable."""
+        return self._eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self._eos_token_ids = tuple(ids)
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            engine.eos = frozenset(self._eos_token_ids)
 
     # ---- prompts -------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -166,44 +187,70 @@ class LLM:
                 raise GenerationError("stop strings need a tokenizer (this LLM has skip_tokenizer_init=True)")
         return plist
 
-    # ---- generation ----------------------------------------------------------
-    def _start(self, prompts: Prompt | Sequence[Prompt], params) -> "_Batch":
+    # ---- generation (on the engine core) ----------------------------------------
+    def _submit(self, prompts: Prompt | Sequence[Prompt], params) -> list["_Request"]:
         encoded = self._prompts(prompts)
         plist = self._params(params, len(encoded))
-        spec = None if self.tokenizer is None else self.tokenizer.spec
-        pad = 0 if spec is None or spec.pad_token_id is None else spec.pad_token_id
-        gen = BatchGenerator(self.model, [ids for _, ids in encoded], plist, self.eos_token_ids,
-                             self.context_length, self.generator, pad)
-        texts = [SequenceText(None if self.tokenizer is None else
-                              self.tokenizer.detokenizer(ids, p.skip_special_tokens), p.stop_strings)
-                 for (_, ids), p in zip(encoded, plist)]
-        return _Batch(encoded, gen, texts, [[] for _ in encoded])
+        reqs = []
+        try:
+            for i, ((prompt, ids), p) in enumerate(zip(encoded, plist)):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, ids, p, label=f"prompt {i}")
+                detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids, p.skip_special_tokens)
+                text = SequenceText(detok, p.stop_strings)
+                reqs.append(_Request(rid, prompt, ids, p, self.engine.requests[rid], text))
+        except BaseException:
+            for r in reqs:
+                self.engine.abort_request(r.rid)
+            raise
+        return reqs
 
-    def _events(self, batch: "_Batch") -> Iterator[tuple[int, StreamChunk]]:
-        gen = batch.gen
-        while not gen.done:
-            for e in gen.step():
-                seq = batch.texts[e.index]
-                as_token = e.finish_reason == "stop"  # EOS or a stop token id: never part of the text
-                piece = seq.add(e.token_id, emit=not as_token, last=e.finish_reason is not None)
-                if seq.stopped_by is not None and e.finish_reason is None:
-                    gen.finish(e.index, "stop")
-                    e.finish_reason = "stop"
-                lp = self._decorate(e.logprobs)
-                if lp is not None:
-                    batch.logprobs[e.index].append(lp)
-                yield e.index, StreamChunk(piece, e.token_id, lp, e.finish_reason, gen.requests[e.index].timings)
+    def _events(self, reqs: list["_Request"]) -> Iterator[tuple[int, StreamChunk]]:
+        """Step the engine until every request of ``reqs`` is done; abort the rest if the caller stops early."""
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        try:
+            while any(r.finish_reason is None for r in reqs):
+                outs = self.engine.step()
+                if not outs and not self.engine.has_unfinished_requests():
+                    raise GenerationError("the engine stopped with requests unfinished")
+                for out in outs:
+                    i = index.get(out.request_id)
+                    if i is not None:
+                        yield from self._apply(i, reqs[i], out)
+        finally:
+            for r in reqs:
+                if r.finish_reason is None:
+                    self.engine.abort_request(r.rid)
 
-    def _outputs(self, batch: "_Batch") -> list[RequestOutput]:
+    def _apply(self, i: int, r: "_Request", out) -> Iterator[tuple[int, StreamChunk]]:
+        if out.prompt_logprobs is not None:
+            r.prompt_logprobs = [self._decorate(d) for d in out.prompt_logprobs]
+        finish = out.finish_reason
+        if not out.new_token_ids:  # ended without a token (the KV pool could never hold it)
+            r.finish_reason = finish
+            return
+        token = out.new_token_ids[0]
+        r.token_ids.append(token)
+        as_token = finish == "stop"  # EOS or a stop token id: never part of the text
+        piece = r.text.add(token, emit=not as_token, last=finish is not None)
+        if r.text.stopped_by is not None and finish is None:
+            self.engine.abort_request(r.rid)
+            finish = "stop"
+        r.finish_reason = finish
+        if finish == "stop":
+            r.stop_reason = r.text.stopped_by if r.text.stopped_by is not None else out.stop_reason
+        lp = self._decorate(out.logprobs[0]) if out.logprobs else None
+        if lp is not None:
+            r.logprobs.append(lp)
+        yield i, StreamChunk(piece, token, lp, finish, r.seq.timings)
+
+    def _outputs(self, reqs: list["_Request"]) -> list[RequestOutput]:
         outs = []
-        for (prompt, ids), req, seq, lps in zip(batch.encoded, batch.gen.requests, batch.texts, batch.logprobs):
-            stop_reason: int | str | None = seq.stopped_by
-            if stop_reason is None and req.finish_reason == "stop" and req.output[-1] in req.params.stop_token_ids:
-                stop_reason = req.output[-1]
-            comp = CompletionOutput(0, seq.text, list(req.output),
-                                    lps if req.params.logprobs is not None else None, req.finish_reason, stop_reason)
-            prompt_lp = None if req.prompt_logprobs is None else [self._decorate(d) for d in req.prompt_logprobs]
-            outs.append(RequestOutput(prompt, ids, prompt_lp, [comp], req.timings))
+        for r in reqs:
+            comp = CompletionOutput(0, r.text.text, list(r.token_ids),
+                                    r.logprobs if r.params.logprobs is not None else None, r.finish_reason,
+                                    r.stop_reason)
+            outs.append(RequestOutput(r.prompt, r.prompt_ids, r.prompt_logprobs, [comp], r.seq.timings))
         return outs
 
     def _decorate(self, lps: dict[int, Logprob] | None) -> dict[int, Logprob] | None:
@@ -215,16 +262,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}) as one batch."""
-        batch = self._start(prompts, sampling_params)
-        for _ in self._events(batch):
+        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}), batched continuously."""
+        reqs = self._submit(prompts, sampling_params)
+        for _ in self._events(reqs):
             pass
-        return self._outputs(batch)
+        return self._outputs(reqs)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
-        """Generate for one prompt, yielding text pieces as they are decided."""
-        batch = self._start([prompt], sampling_params)
-        for _, chunk in self._events(batch):
+        """Generate for one prompt, yielding text pieces as they are decided (closing it aborts the request)."""
+        reqs = self._submit([prompt], sampling_params)
+        for _, chunk in self._events(reqs):
             yield chunk
 
     def chat_prompt(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
@@ -245,12 +292,21 @@ class LLM:
         return self.stream({"prompt_token_ids": self.chat_prompt(messages)}, sampling_params)
 
 
-@dataclass
-class _Batch:
-    encoded: list[tuple[str | None, list[int]]]
-    gen: BatchGenerator
-    texts: list[SequenceText]
-    logprobs: list[list[dict[int, Logprob]]]
+@dataclass(eq=False)
+class _Request:
+    """One request of an ``LLM`` call: the engine's sequence plus what the text layer adds."""
+
+    rid: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq: EngineSequence
+    text: SequenceText
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 def _stderr_is_tty() -> bool:

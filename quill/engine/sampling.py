@@ -14,8 +14,10 @@ class SamplingParams:
     """How to pick each next token and when to stop (the fields vLLM users know).
 
     temperature 0 is greedy.  ``top_k`` 0 or -1, ``top_p`` 1 and ``min_p`` 0
-    disable those filters.  ``stop`` strings end generation and are not part of
-    the text; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it too.
+    disable those filters.  ``min_tokens``: EOS and stop tokens are masked until that
+    many tokens exist.  ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in
+    [-2, 2]) lower the logits of generated tokens once / per occurrence.  ``stop``
+    strings end generation and are not part of the text; ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it too.
     ``logprobs=k`` returns, for each generated token, the k most likely tokens'
     log-probabilities plus the sampled token's own; ``prompt_logprobs=k`` does
     the same for every prompt position after the first.  ``-1`` means the whole
@@ -24,11 +26,14 @@ class SamplingParams:
     """
 
     max_tokens: int | None = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -40,6 +45,11 @@ class SamplingParams:
 
     def __post_init__(self):
         _check_int(self.max_tokens, "max_tokens", 1, allow_none=True)
+        _check_int(self.min_tokens, "min_tokens", 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise GenerationError(f"SamplingParams.min_tokens: {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        _check_number(self.presence_penalty, "presence_penalty", lo=-2.0, hi=2.0)
+        _check_number(self.frequency_penalty, "frequency_penalty", lo=-2.0, hi=2.0)
         _check_number(self.temperature, "temperature", lo=0.0)
         _check_int(self.top_k, "top_k", -1)
         _check_number(self.top_p, "top_p", lo=0.0, hi=1.0, lo_open=True)
@@ -106,6 +116,24 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
         probs = torch.softmax(out, -1)
         out[probs < min_p * probs.max()] = float("-inf")
     return out
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
+                   eos: frozenset[int]) -> torch.Tensor:
+    """logits [V] after min_tokens masking and the repetition / presence / frequency penalties."""
+    if len(output) < params.min_tokens:
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+        if banned:
+            logits = logits.clone()
+            logits[torch.tensor(sorted(banned), dtype=torch.int64)] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(prompt + output, dtype=torch.int64)
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=logits.numel())
+        counts = counts[:logits.numel()].to(logits.dtype)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor,

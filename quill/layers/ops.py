@@ -23,3 +23,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if q.shape[2] == 1:
         return fused.decode_attention(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, mask: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
+    """Attention of the new tokens, through the layer's KV cache when there is one.
+
+    q [B, H, T, D], k and v [B, Hkv, T, D] (the new tokens' keys and values) -> [B, H, T, D].
+    A cache (``quill.models.base.LayerCache``) stores k and v and attends over everything it
+    holds for each sequence; without one the new tokens attend to themselves under ``mask``.
+    """
+    if cache is None:
+        return attention(q, k, v, mask, scale)
+    return cache.attend(q, k, v, mask, scale)

@@ -35,10 +35,11 @@ class BaseModelArgs:
 
 
 class LayerCache(Protocol):
-    """One layer's view of a KV cache (see ``quill.engine.cache``)."""
+    """One layer's view of a KV cache (``quill.engine.cache``, ``quill.engine.kv_cache``)."""
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, D] after the cached ones; return all keys/values [B, Hkv, S, D]."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+        """Store the new tokens' k, v [B, Hkv, T, D]; attend q [B, H, T, D] over the cache -> [B, H, T, D]."""
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ForwardContext:
     positions: torch.Tensor
     mask: torch.Tensor | None
     caches: Sequence[LayerCache] | None = None
+    logits_indices: torch.Tensor | None = None  # int64 [N]: the only flattened positions that need logits
 
     @classmethod
     def causal(cls, batch: int, length: int) -> "ForwardContext":

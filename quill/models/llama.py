@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from quill.errors import ModelError
-from quill.layers import ACTIVATIONS, Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope_qk, attention, linear
+from quill.layers import ACTIVATIONS, Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope_qk, attend, linear
 from quill.models.base import BaseModelArgs, ForwardContext, LayerCache, sliding_window_limit
 
 
@@ -85,9 +85,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x)  # [B, T, H, D]
         q, k = apply_rope_qk(q, k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        if cache is not None:
-            k, v = cache.update(k, v)  # [B, Hkv, S, D]
-        out = attention(q, k, v, mask, self.scale)  # [B, H, T, D]
+        out = attend(q, k, v, cache, mask, self.scale)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -158,11 +156,17 @@ class Model(nn.Module):
         return bool(self.args.tie_word_embeddings)
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, all_logits: bool = True) -> torch.Tensor:
-        """tokens int64 [B, T] -> float32 logits [B, T, V] (or [B, 1, V]: the last position only)."""
+        """tokens int64 [B, T] -> float32 logits [B, T, V] (or [B, 1, V]: the last position only).
+
+        With ``ctx.logits_indices`` (int64 [N], positions in the flattened [B * T] tokens) only
+        those positions get logits: [1, N, V] (the engine's packed batches).
+        """
         h = self.model.embed_tokens(tokens, self.dtype)  # [B, T, E]
         rope = self.rotary(ctx.positions, self.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, ctx.mask, ctx.layer_cache(i))
-        if not all_logits:
+        if ctx.logits_indices is not None:
+            h = h.reshape(-1, h.shape[-1])[ctx.logits_indices][None]  # [1, N, E]
+        elif not all_logits:
             h = h[:, -1:]
         return self.lm_head(self.model.norm(h)).float()

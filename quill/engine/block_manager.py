@@ -1,0 +1,148 @@
+"""Fixed-size KV blocks from one pool: allocation, reference counts, prefix caching with LRU eviction.
+
+A block holds ``block_size`` consecutive tokens of one sequence.  A *full* block whose
+KV has been computed is keyed by a hash of its tokens and of everything before it
+(the previous block's hash), so two prompts that start with the same tokens share
+those blocks.  Blocks whose reference count drops to zero go to the back of the free
+list with their content and hash kept: a later request may still hit them, and
+allocation takes from the front, so the least recently used content is evicted first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+from quill.engine.sequence import Sequence
+from quill.errors import GenerationError
+
+
+def block_hash(parent: bytes, tokens: Seq[int]) -> bytes:
+    """The key of a full block: its tokens and its parent's key (so the whole prefix counts)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens))
+    return h.digest()
+
+
+class BlockManager:
+    """The block pool's bookkeeping (the KV tensors themselves live in ``kv_cache.PagedKVCache``)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise GenerationError(f"a KV cache needs at least one block of one token, found {num_blocks} "
+                                  f"blocks of {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.prefix_caching = enable_prefix_caching
+        self.ref = [0] * num_blocks
+        self.key: list[bytes | None] = [None] * num_blocks  # hash of a registered (computed, full) block
+        self.by_key: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU at the front
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    # ---- facts ---------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks still holding reusable prefix content."""
+        return sum(1 for b in self.free if self.key[b] is not None)
+
+    # ---- allocation ------------------------------------------------------------
+    def _prefix_keys(self, tokens: Seq[int], limit: int) -> list[bytes]:
+        keys, parent, bs = [], b"", self.block_size
+        for i in range(limit // bs):
+            parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            keys.append(parent)
+        return keys
+
+    def _take_free(self) -> int:
+        block, _ = self.free.popitem(last=False)  # least recently used
+        if self.key[block] is not None:  # evict its cached content
+            del self.by_key[self.key[block]]
+            self.key[block] = None
+        return block
+
+    def _use(self, block: int) -> None:
+        if self.ref[block] == 0:
+            del self.free[block]
+        self.ref[block] += 1
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks of the prefix cache holding ``seq``'s leading tokens (at least one token is left to compute)."""
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt log-probs need every prompt position computed
+        hits = []
+        for key in self._prefix_keys(seq.tokens, seq.num_tokens - 1):
+            block = self.by_key.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether the free list can hold ``seq``'s tokens beyond its cached prefix."""
+        hits = self.cached_prefix(seq)
+        reusable_free = sum(1 for b in hits if self.ref[b] == 0)
+        return self.blocks_for(seq.num_tokens) - len(hits) <= self.num_free - reusable_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, the leading ones from the prefix cache when they match."""
+        if seq.block_table:
+            raise GenerationError(f"request {seq.request_id}: blocks allocated twice")
+        hits = self.cached_prefix(seq)
+        for b in hits:
+            self._use(b)
+        new = [self._take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
+        for b in new:
+            self.ref[b] = 1
+        seq.block_table = hits + new
+        seq.num_hashed = len(hits)
+        seq.num_cached = seq.num_computed = len(hits) * self.block_size
+        self.queried_tokens += seq.num_tokens
+        self.hit_tokens += seq.num_cached
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can take one more token (a new block only when its last one is full)."""
+        return self.blocks_for(seq.num_tokens + 1) <= len(seq.block_table) or self.num_free >= 1
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for token ``seq.num_tokens`` (the one about to be computed)."""
+        if self.blocks_for(seq.num_tokens) > len(seq.block_table):
+            block = self._take_free()
+            self.ref[block] = 1
+            seq.block_table.append(block)
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Key every full block whose KV is now computed, so later prompts can reuse it."""
+        if not self.prefix_caching:
+            return
+        full = seq.num_computed // self.block_size
+        if full <= seq.num_hashed:
+            return
+        keys = self._prefix_keys(seq.tokens, full * self.block_size)
+        for i in range(seq.num_hashed, full):
+            block, key = seq.block_table[i], keys[i]
+            if key not in self.by_key and self.key[block] is None:
+                self.key[block] = key
+                self.by_key[key] = block
+        seq.num_hashed = full
+
+    def free_blocks(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks (last first, so a prompt's tail is evicted before its head)."""
+        for block in reversed(seq.block_table):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free[block] = None
+        seq.block_table = []
+        seq.num_hashed = 0

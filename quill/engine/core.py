@@ -1,0 +1,250 @@
+"""The engine core: requests in, one scheduled step at a time, tokens out.
+
+    core = EngineCore(model, eos_token_ids=[2], context_length=8192, config=EngineConfig())
+    core.add_request("a", [1, 450, 7483], SamplingParams(max_tokens=8))
+    while core.has_unfinished_requests():
+        for out in core.step():
+            ...
+
+Single-threaded: one caller drives ``step``; ``LLM`` (offline) and the server's engine
+thread (online) are such callers.  Stop *strings* are the caller's (it holds the text):
+it aborts the request when one appears.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quill.engine.block_manager import BlockManager
+from quill.engine.kv_cache import PagedKVCache, StepLayout
+from quill.engine.memory import available_ram
+from quill.engine.sampling import Logprob, SamplingParams, process_logits, sample_token, token_logprobs
+from quill.engine.scheduler import Scheduler
+from quill.engine.sequence import Sequence, Status
+from quill.errors import GenerationError
+from quill.models.base import ForwardContext
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How much the engine runs at once and how much KV memory it holds."""
+
+    max_num_seqs: int = 16  # running sequences at most
+    max_num_batched_tokens: int = 256  # tokens of one step (decodes + prefill chunks)
+    kv_cache_memory: int | None = None  # bytes of the KV block pool; None: a fraction of available RAM
+    kv_cache_fraction: float = 0.2  # used when kv_cache_memory is None
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise GenerationError(f"EngineConfig.{name}: expected a positive integer, found {v!r}")
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
+            raise GenerationError(f"EngineConfig.kv_cache_memory: expected a positive number of bytes, "
+                                  f"found {self.kv_cache_memory!r}")
+        if not 0.0 < self.kv_cache_fraction <= 0.9:
+            raise GenerationError(f"EngineConfig.kv_cache_fraction: expected (0, 0.9], found {self.kv_cache_fraction}")
+
+
+@dataclass
+class StepOutput:
+    """What one step says about one request."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled this step (0 or 1)
+    logprobs: list[dict[int, Logprob]] | None  # one dict per new token when params.logprobs is set
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, with the first token, if asked
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" at the end
+    stop_reason: int | None  # the stop token id that ended it, if any
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens taken from the prefix cache (not recomputed)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_cached_free: int  # blocks holding only prefix-cache content (evictable)
+    prefix_cache_queried_tokens: int  # cumulative
+    prefix_cache_hit_tokens: int
+    prompt_tokens_total: int  # prompt tokens computed (cache hits excluded)
+    generation_tokens_total: int
+    num_preemptions: int
+
+
+class EngineCore:
+    """Continuous batching over a paged KV cache with prefix caching (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, eos_token_ids: Seq[int], context_length: int,
+                 config: EngineConfig | None = None, seed: int = 0):
+        self.model, self.config = model, config or EngineConfig()
+        self.eos = frozenset(eos_token_ids)
+        self.context_length = context_length
+        self.vocab = model.args.vocab_size
+        args = model.args
+        per_block = PagedKVCache.bytes_per_block(args.num_hidden_layers, self.config.block_size,
+                                                 args.num_key_value_heads, args.head_dim, model.dtype)
+        num_blocks = max(2, self._pool_bytes(per_block) // per_block)
+        self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, self.config.block_size,
+                                  args.num_key_value_heads, args.head_dim, model.dtype)
+        self.blocks = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.requests: dict[str, Sequence] = {}
+        self._arrivals = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _pool_bytes(self, per_block: int) -> int:
+        c = self.config
+        if c.kv_cache_memory is not None:
+            return c.kv_cache_memory
+        # a fraction of free RAM, but never more than every sequence at full context needs
+        needed = c.max_num_seqs * (-(-self.context_length // c.block_size) + 1) * per_block
+        return min(int(available_ram() * c.kv_cache_fraction), needed)
+
+    # ---- requests --------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    label: str | None = None) -> None:
+        """Queue a request (never blocks).  A GenerationError names what is wrong with it, calling the
+        request ``label`` (default: "request <id>")."""
+        label = label or f"request {request_id}"
+        if request_id in self.requests:
+            raise GenerationError(f"request id '{request_id}' is already in use")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise GenerationError(f"{label} is empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab]
+        if bad:
+            raise GenerationError(f"{label}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab})")
+        if len(ids) > self.context_length:
+            raise GenerationError(f"{label} has {len(ids)} tokens, longer than the context window of "
+                                  f"{self.context_length} tokens")
+        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+            raise GenerationError(f"{label} has {len(ids)} tokens, more than the KV cache holds "
+                                  f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
+        gen = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, gen, self._arrivals)
+        seq.timings.prompt_tokens = len(ids)
+        self._arrivals += 1
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request now and free its blocks; unknown or finished ids are ignored."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and seq.status is not Status.FINISHED:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        b, s = self.blocks, self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), b.num_used, b.num_blocks, b.num_cached_free,
+                           b.queried_tokens, b.hit_tokens, self.prompt_tokens_total, self.generation_tokens_total,
+                           s.num_preemptions)
+
+    # ---- one step -----------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Admit, run one packed forward (prefill chunks and decodes), sample, retire."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return self._unschedulable()
+        logits, rows = self._forward(batch)
+        outputs = []
+        for seq, n in batch:
+            prompt_chunk = seq.in_prefill
+            seq.num_computed += n
+            if prompt_chunk and not seq.output:
+                self.prompt_tokens_total += n
+            self.blocks.register_computed(seq)
+            if seq.wants_prompt_logprobs:
+                self._prompt_logprobs(seq, logits, rows[seq])
+            if seq.num_computed == seq.num_tokens:
+                outputs.append(self._sample(seq, logits[rows[seq][-1]]))
+        return outputs
+
+    def _forward(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, dict]:
+        tokens, positions, pieces, want, rows = [], [], [], [], {}
+        for seq, n in batch:
+            start = len(tokens)
+            tokens += seq.tokens[seq.num_computed:seq.num_computed + n]
+            positions += range(seq.num_computed, seq.num_computed + n)
+            pieces.append((seq.block_table, seq.num_computed, n))
+            picked = range(start, start + n) if seq.wants_prompt_logprobs else (
+                [start + n - 1] if seq.num_computed + n == seq.num_tokens else [])
+            rows[seq] = list(range(len(want), len(want) + len(picked)))
+            want += picked
+        layout = StepLayout.build(pieces, self.blocks.block_size)
+        ctx = ForwardContext(torch.tensor([positions]), None, self.cache.views(layout),
+                             logits_indices=torch.tensor(want, dtype=torch.int64))
+        logits = self.model(torch.tensor([tokens]), ctx)[0]  # [N, V] float32
+        return logits, rows
+
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, rows: list[int]) -> None:
+        """Accumulate prompt log-probs chunk by chunk; position i predicts token i + 1."""
+        if seq.prompt_acc is None:
+            seq.prompt_acc = [None]  # position 0 has no log-prob
+        acc = seq.prompt_acc
+        first = len(acc) - 1  # prompt position of this chunk's first row
+        lps = torch.log_softmax(logits[rows], -1)
+        for j in range(lps.shape[0]):
+            pos = first + j
+            if pos + 1 < len(seq.prompt):
+                acc.append(token_logprobs(lps[j], seq.prompt[pos + 1], seq.params.prompt_logprobs))
+        if seq.num_computed >= len(seq.prompt):
+            seq.prompt_logprobs = acc
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        p = seq.params
+        processed = process_logits(logits, p, seq.prompt, seq.output, self.eos)
+        token = sample_token(processed, p, torch.empty(0, dtype=torch.int64), seq.generator)
+        lp = [token_logprobs(torch.log_softmax(logits, -1), token, p.logprobs)] if p.logprobs is not None else None
+        seq.output.append(token)
+        self.generation_tokens_total += 1
+        now = time.perf_counter()
+        if seq.last_token_at is None:
+            seq.timings.prefill_s = now - seq.started
+        else:
+            seq.timings.decode_s += now - seq.last_token_at
+        seq.last_token_at = now
+        seq.timings.generated_tokens = len(seq.output)
+        self._check_finished(seq, token)
+        first = len(seq.output) == 1
+        out = StepOutput(seq.request_id, [token], lp, seq.prompt_logprobs if first else None, seq.finish_reason,
+                         seq.stop_reason, len(seq.prompt), seq.num_cached)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+        return out
+
+    def _check_finished(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if token in p.stop_token_ids and len(seq.output) >= p.min_tokens:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos and not p.ignore_eos and len(seq.output) >= p.min_tokens:
+            seq.finish_reason = "stop"
+        elif (p.max_tokens is not None and len(seq.output) >= p.max_tokens) or seq.num_tokens >= self.context_length:
+            seq.finish_reason = "length"
+
+    def _unschedulable(self) -> list[StepOutput]:
+        """Nothing ran although requests wait: the first one can never fit the KV pool; end it ("length")."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        seq = self.scheduler.waiting[0]
+        seq.finish_reason = "length"
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        return [StepOutput(seq.request_id, [], None, None, "length", None, len(seq.prompt), 0)]

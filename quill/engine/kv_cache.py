@@ -1,0 +1,112 @@
+"""The paged KV cache: one preallocated pool of blocks per layer, read and written through block tables.
+
+A step packs every scheduled sequence's new tokens into one row (no padding):
+prefill chunks and single decode tokens side by side.  ``StepLayout`` says where
+each sequence's tokens sit in that row, which pool slots they are written to, and
+which slots hold each sequence's whole context.  Attention then runs per kind:
+every decode token at once (the fused decode-attention kernel over the gathered
+context, masked to each sequence's length), and each prefill chunk over its cached
+prefix plus itself, causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quill.layers import attention
+
+
+@dataclass
+class StepLayout:
+    """Where one step's packed tokens go (shared by every layer of the step)."""
+
+    slots: torch.Tensor  # int64 [T]: pool slot written by each new token
+    decode_rows: torch.Tensor  # int64 [Bd]: positions in the packed row of the decode tokens
+    decode_slots: torch.Tensor  # int64 [Bd, Smax]: context slots of each decoding sequence (0-padded)
+    decode_mask: torch.Tensor | None  # bool [Bd, 1, 1, Smax]: True = a real context slot; None: no padding
+    prefills: list[tuple[int, int, torch.Tensor]]  # (start in the row, new tokens, context slots int64 [S])
+
+    @classmethod
+    def build(cls, pieces: list[tuple[list[int], int, int]], block_size: int) -> "StepLayout":
+        """``pieces``: per sequence (block table, tokens already computed, new tokens), in packed order."""
+        slots, dec_rows, dec_ctx, prefills, row = [], [], [], [], 0
+        for table, done, new in pieces:
+            pos = torch.arange(done + new)  # every context position after this step
+            ctx = torch.tensor(table, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+            slots.append(ctx[done:])
+            if new == 1:
+                dec_rows.append(row)
+                dec_ctx.append(ctx)
+            else:
+                prefills.append((row, new, ctx))
+            row += new
+        dec_slots, dec_mask = _pad(dec_ctx)
+        return cls(torch.cat(slots), torch.tensor(dec_rows, dtype=torch.int64), dec_slots, dec_mask, prefills)
+
+
+def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not rows:
+        return torch.empty(0, 0, dtype=torch.int64), None
+    width = max(r.numel() for r in rows)
+    out = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        out[i, :r.numel()] = r
+    if all(r.numel() == width for r in rows):
+        return out, None
+    lengths = torch.tensor([r.numel() for r in rows])
+    mask = torch.arange(width)[None, :] < lengths[:, None]  # [Bd, Smax]
+    return out, mask[:, None, None, :]
+
+
+class PagedKVCache:
+    """Per layer, keys and values for ``num_blocks * block_size`` token slots: [slots, Hkv, D]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def views(self, layout: StepLayout) -> list["PagedLayerCache"]:
+        return [PagedLayerCache(self.keys[i], self.values[i], layout) for i in range(len(self.keys))]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for buf in (self.keys, self.values) for t in buf)
+
+
+class PagedLayerCache:
+    """One layer's pool seen through one step's layout (``quill.models.base.LayerCache``)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, layout: StepLayout):
+        self.keys, self.values, self.layout = keys, values, layout
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+        """q [1, H, T, D], k and v [1, Hkv, T, D] (the packed new tokens) -> [1, H, T, D]."""
+        lay = self.layout
+        self.keys[lay.slots] = k[0].transpose(0, 1).to(self.keys.dtype)  # [T, Hkv, D]
+        self.values[lay.slots] = v[0].transpose(0, 1).to(self.values.dtype)
+        out = torch.empty_like(q)
+        if lay.decode_rows.numel():
+            qd = q[0, :, lay.decode_rows].transpose(0, 1)[:, :, None]  # [Bd, H, 1, D]
+            kd = self.keys[lay.decode_slots].permute(0, 2, 1, 3)  # [Bd, Hkv, Smax, D]
+            vd = self.values[lay.decode_slots].permute(0, 2, 1, 3)
+            od = attention(qd, kd.contiguous(), vd.contiguous(), lay.decode_mask, scale)  # [Bd, H, 1, D]
+            out[0, :, lay.decode_rows] = od[:, :, 0].transpose(0, 1)
+        for start, n, ctx in lay.prefills:
+            kc = self.keys[ctx].permute(1, 0, 2)[None]  # [1, Hkv, S, D]
+            vc = self.values[ctx].permute(1, 0, 2)[None]
+            s = ctx.numel()
+            causal = torch.arange(s)[None, :] <= torch.arange(s - n, s)[:, None]  # [n, S]
+            qc = q[:, :, start:start + n]
+            out[:, :, start:start + n] = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=causal[None, None], scale=scale, enable_gqa=qc.shape[1] != kc.shape[1])
+        return out

@@ -1,0 +1,97 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Every step (nano-vllm's scheduler, with chunked prefill):
+
+1. every running sequence that is decoding gets its one token, oldest first; when one
+   cannot grow (no free block), the newest running sequence is preempted (its blocks
+   freed, back to the front of the queue, recomputed from its tokens later);
+2. running sequences in the middle of a prefill get their next chunk;
+3. waiting sequences are admitted while there are sequence slots, KV blocks and token
+   budget, each with as much of its prompt as the budget allows.
+
+The step's token budget (``max_num_batched_tokens``) bounds a step's work, so a long
+prompt is split into chunks that share steps with the running decodes and never
+stalls them for long.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from quill.engine.block_manager import BlockManager
+from quill.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    """Waiting queue and running set of an engine; ``schedule()`` plans one step."""
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, number of its tokens to compute) for this step, in packed order."""
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):  # decodes: one token each, oldest first
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING or seq.in_prefill:
+                continue
+            if not self._make_room(seq):
+                continue
+            self.blocks.append_slot(seq)
+            batch.append((seq, 1))
+            budget -= 1
+        for seq in self.running:  # prefills under way: their next chunk
+            if budget and seq.in_prefill:
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break  # KV memory is full: waiting requests wait
+            self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Preempt the newest running sequences until ``seq`` can grow; False if ``seq`` itself was preempted."""
+        while not self.blocks.can_append(seq):
+            victim = max(self.running, key=lambda s: s.arrival)
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first: it recomputes its tokens when readmitted."""
+        self.blocks.free_blocks(seq)
+        self.running.remove(seq)
+        seq.status, seq.num_computed, seq.num_cached = Status.WAITING, 0, 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire ``seq`` (finished or aborted): its blocks go back to the pool at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free_blocks(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,77 @@
+"""One request inside the engine: its tokens, how far its KV is computed, its blocks, its sampler state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quill.engine.sampling import Logprob, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timings:
+    """Where the time of one request went (seconds, wall clock)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0  # from admission to the first token
+    decode_s: float = 0.0  # every later token
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s else 0.0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's state.  ``num_computed`` tokens of ``tokens`` have their KV in ``block_table``."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    arrival: int  # admission order (preemption takes the newest)
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    block_table: list[int] = field(default_factory=list)
+    num_hashed: int = 0  # leading full blocks registered in the prefix cache
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_acc: list[dict[int, Logprob] | None] | None = None  # prompt log-probs so far (chunked prefill)
+    timings: Timings = field(default_factory=Timings)
+    started: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token still to compute (a prompt, or a recompute after preemption)."""
+        return self.num_tokens - self.num_computed > 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None and not self.output
