@@ -1,0 +1,241 @@
+"""The engine core: block manager, scheduler (continuous batching, chunked prefill, preemption), prefix cache.
+
+Oracle for tokens: greedy decoding by the model's plain cache-less forward
+(``ForwardContext.causal`` over the whole sequence each step), which shares no code
+with the paged cache, the scheduler or the block tables.
+"""
+
+import pytest
+import torch
+
+import quill
+from quill.engine.block_manager import BlockManager
+from quill.engine.core import EngineConfig, EngineCore
+from quill.engine.sequence import Sequence
+from quill.errors import GenerationError
+from quill.models.base import ForwardContext
+from tests.model_util import hf_model, save_hf_dir
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 17, 99, 42, 8], list(range(20, 57)), [7] * 3, list(range(100, 119)), [250, 3, 9, 77, 31, 64, 12]]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    hf = hf_model("llama", seed=33)
+    d = save_hf_dir(hf, tmp_path_factory.mktemp("engine") / "llama")
+    return quill.LLM(str(d), kernel="reference", skip_tokenizer_init=True)
+
+
+def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]), ForwardContext.causal(1, len(ids)), all_logits=False)
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def oracle(llm):
+    return {i: plain_greedy(llm.model, p, 12) for i, p in enumerate(PROMPTS)}
+
+
+def engine(llm, **cfg) -> EngineCore:
+    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length, EngineConfig(**cfg))
+
+
+def run(core: EngineCore, arrivals: dict[int, list[tuple[str, list[int]]]], max_tokens: int = 12) -> dict:
+    """Step the core, adding requests at the given step numbers; request id -> (tokens, finish reason)."""
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    step = 0
+    while core.has_unfinished_requests() or arrivals:
+        for rid, prompt in arrivals.pop(step, []):
+            core.add_request(rid, prompt, quill.SamplingParams(max_tokens=max_tokens, **GREEDY))
+        for o in core.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                reasons[o.request_id] = o.finish_reason
+        step += 1
+        assert step < 10_000
+    return {rid: (toks, reasons.get(rid)) for rid, toks in out.items()}
+
+
+# ---- block manager -----------------------------------------------------------------------------
+
+def seq(prompt, rid="r"):
+    return Sequence(rid, list(prompt), quill.SamplingParams(), torch.Generator(), 0)
+
+
+def test_block_allocation_and_free():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(10))
+    assert bm.can_allocate(a)
+    bm.allocate(a)
+    assert len(a.block_table) == 3 and bm.num_used == 3 and a.num_cached == 0
+    a.num_computed = 10
+    assert bm.can_append(a)
+    a.output = [1, 2]  # tokens 10, 11 fill block 2
+    bm.append_slot(a)
+    assert len(a.block_table) == 3
+    a.output.append(3)  # token 12 needs a fourth block
+    bm.append_slot(a)
+    assert len(a.block_table) == 4 and bm.num_used == 4
+    bm.free_blocks(a)
+    assert bm.num_used == 0 and a.block_table == []
+
+
+def test_prefix_hits_misses_and_lru_eviction():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = seq(range(12), "a")
+    bm.allocate(a)
+    a.num_computed = 12
+    bm.register_computed(a)  # three full computed blocks keyed
+    a_blocks = list(a.block_table)
+    bm.free_blocks(a)
+    assert bm.num_used == 0 and bm.num_cached_free == 3
+    b = seq(list(range(8)) + [99, 98, 97], "b")  # shares the first two blocks only
+    bm.allocate(b)
+    assert b.num_cached == 8 and b.block_table[:2] == a_blocks[:2]
+    assert bm.hit_tokens == 8
+    c = seq([50] * 12, "c")  # a miss: no shared prefix
+    bm.allocate(c)
+    assert c.num_cached == 0
+    # the pool is now 3 (b) + 3 (c) = 6 blocks: a's third block was the least recently used and is gone
+    assert bm.num_free == 0
+    d = seq(range(12), "d")
+    assert not bm.can_allocate(d)
+    bm.free_blocks(c)
+    bm.allocate(d)
+    assert d.num_cached == 8  # a's first two blocks (shared with b) still hit; the third was evicted
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(range(8), "a")
+    bm.allocate(a)
+    a.num_computed = 8
+    bm.register_computed(a)
+    bm.free_blocks(a)
+    b = seq(range(8), "b")
+    bm.allocate(b)
+    assert b.num_cached == 4  # block 2 would leave nothing to compute: it is recomputed
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(range(8), "a")
+    bm.allocate(a)
+    a.num_computed = 8
+    bm.register_computed(a)
+    bm.free_blocks(a)
+    b = Sequence("b", list(range(8)), quill.SamplingParams(prompt_logprobs=1), torch.Generator(), 1)
+    bm.allocate(b)
+    assert b.num_cached == 0
+
+
+# ---- the engine ------------------------------------------------------------------------------
+
+def test_continuous_batching_matches_the_plain_forward(llm, oracle):
+    core = engine(llm, max_num_seqs=3, max_num_batched_tokens=64)
+    arrivals = {0: [("0", PROMPTS[0]), ("1", PROMPTS[1])], 3: [("2", PROMPTS[2])], 5: [("3", PROMPTS[3])],
+                9: [("4", PROMPTS[4])]}
+    got = run(core, arrivals)
+    for i in range(len(PROMPTS)):
+        assert got[str(i)] == (oracle[i], "length"), i
+    s = core.stats()
+    assert s.num_running == s.num_waiting == 0 and s.kv_blocks_used == 0
+
+
+def test_a_late_request_starts_before_earlier_ones_end(llm):
+    core = engine(llm)
+    core.add_request("early", PROMPTS[0], quill.SamplingParams(max_tokens=30, **GREEDY))
+    for _ in range(3):
+        core.step()
+    core.add_request("late", PROMPTS[2], quill.SamplingParams(max_tokens=5, **GREEDY))
+    seen_late = False
+    while core.has_unfinished_requests():
+        ids = {o.request_id: o for o in core.step()}
+        if "late" in ids:
+            seen_late = True
+        if "early" in ids and ids["early"].finish_reason:
+            break
+    assert seen_late  # the late request produced tokens while the early one was still decoding
+
+
+def test_chunked_prefill_gives_the_same_tokens(llm, oracle):
+    core = engine(llm, max_num_batched_tokens=8)  # the 37-token prompt takes five steps
+    got = run(core, {0: [("1", PROMPTS[1]), ("0", PROMPTS[0])]})
+    assert got["1"][0] == oracle[1] and got["0"][0] == oracle[0]
+
+
+def test_preemption_recomputes_the_same_tokens(llm, oracle):
+    args = llm.model.args
+    per_block = 2 * args.num_hidden_layers * 4 * args.num_key_value_heads * args.head_dim * 4
+    core = engine(llm, block_size=4, kv_cache_memory=14 * per_block, enable_prefix_caching=False)
+    got = run(core, {0: [(str(i), p) for i, p in enumerate(PROMPTS) if i != 1]})
+    assert core.stats().num_preemptions > 0
+    for i in (0, 2, 3, 4):
+        assert got[str(i)] == (oracle[i], "length"), i
+    assert core.stats().kv_blocks_used == 0
+
+
+def test_prefix_cache_hits_and_same_tokens(llm, oracle):
+    core = engine(llm, block_size=4)
+    run(core, {0: [("a", PROMPTS[1])]})
+    core.add_request("b", PROMPTS[1], quill.SamplingParams(max_tokens=12, **GREEDY))
+    outs = []
+    while core.has_unfinished_requests():
+        outs += core.step()
+    assert outs[0].num_cached_tokens == 36 and outs[0].num_prompt_tokens == 37
+    assert [o.new_token_ids[0] for o in outs] == oracle[1]
+    s = core.stats()
+    assert s.prefix_cache_hit_tokens == 36 and s.kv_blocks_used == 0 and s.kv_blocks_cached_free > 0
+
+
+def test_abort_frees_blocks_at_once(llm):
+    core = engine(llm, block_size=4, enable_prefix_caching=False)
+    core.add_request("x", PROMPTS[1], quill.SamplingParams(max_tokens=50, **GREEDY))
+    core.add_request("y", PROMPTS[0], quill.SamplingParams(max_tokens=50, **GREEDY))
+    core.step()
+    core.step()
+    assert core.stats().kv_blocks_used > 0
+    core.abort_request("x")
+    core.abort_request("nosuch")  # ignored
+    assert all(o.request_id != "x" for o in core.step())
+    core.abort_request("y")
+    s = core.stats()
+    assert s.kv_blocks_used == 0 and s.num_running == 0 and not core.has_unfinished_requests()
+
+
+def test_min_tokens_masks_eos(llm):
+    core = engine(llm)
+    first = plain_greedy(llm.model, PROMPTS[0], 1)[0]
+    core.eos = frozenset({first})  # the greedy first token is EOS now
+    core.add_request("plain", PROMPTS[0], quill.SamplingParams(max_tokens=8, temperature=0))
+    core.add_request("min", PROMPTS[0], quill.SamplingParams(max_tokens=8, min_tokens=4, temperature=0))
+    got = run(core, {}, 8)
+    assert got["plain"] == ([first], "stop")
+    assert len(got["min"][0]) >= 4 and first not in got["min"][0][:4]
+
+
+def test_bad_requests_are_named(llm):
+    core = engine(llm)
+    with pytest.raises(GenerationError, match="request a is empty"):
+        core.add_request("a", [], quill.SamplingParams())
+    with pytest.raises(GenerationError, match="token id 5000 is outside the vocabulary"):
+        core.add_request("a", [1, 5000], quill.SamplingParams())
+    with pytest.raises(GenerationError, match="longer than the context window"):
+        core.add_request("a", [1] * (llm.context_length + 1), quill.SamplingParams())
+    core.add_request("a", [1, 2], quill.SamplingParams())
+    with pytest.raises(GenerationError, match="'a' is already in use"):
+        core.add_request("a", [1, 2], quill.SamplingParams())
+    with pytest.raises(GenerationError, match="EngineConfig.max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+
+
+def test_llm_generate_is_the_engine(llm, oracle):
+    outs = llm.generate(PROMPTS, quill.SamplingParams(max_tokens=12, **GREEDY))
+    assert [o.token_ids for o in outs] == [oracle[i] for i in range(len(PROMPTS))]
+    assert llm.engine.stats().kv_blocks_used == 0
