@@ -114,3 +114,48 @@ def test_inspect_default_model_names_a_kernel_for_every_layer(capsys):
     assert all(r[5] in KERNELS for r in quantized)
     assert rows["model.embed_tokens"][1:6] == ["embedding", "8", "32", "yes", "lookup"]  # Q8_0, tied
     assert rows["lm_head"][1] == "tied" and rows["lm_head"][5] in KERNELS  # the Q8_0 weight through a kernel
+
+
+def test_min_tokens_and_ignore_eos_flags(model_dir, llm, capsys):
+    argv = ["generate", "-m", model_dir, "--no-chat-template", "--max-tokens", "9", "--ignore-eos",
+            "--min-tokens", "3", "the capital"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    want = llm.generate("the capital", quill.SamplingParams(max_tokens=9, temperature=0, ignore_eos=True,
+                                                            min_tokens=3))[0]
+    assert out == want.text + "\n" and len(want.token_ids) == 9
+    assert "generation: 9 tokens" in err and "finish: length" in err
+
+
+def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation():
+    """SIGINT while the default model writes a long answer: back to the prompt, no traceback, next turn works."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "quill", "chat", "--max-tokens", "4000", "--ignore-eos"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    got = bytearray()
+
+    def read():
+        for chunk in iter(lambda: proc.stdout.read1(256), b""):
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    proc.stdin.write(b"Tell me a very long story.\n")
+    proc.stdin.flush()
+    deadline = time.monotonic() + 120
+    while len(got) < 40 and time.monotonic() < deadline:  # the answer is being written
+        time.sleep(0.05)
+    assert len(got) >= 40
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.stdin.write(b"/exit\n")
+    proc.stdin.flush()
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == 0, err
+    assert "[interrupted]" in err and "Traceback" not in err

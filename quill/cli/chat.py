@@ -1,4 +1,10 @@
-"""``quill chat``: an interactive conversation, streamed; ``/reset`` forgets it, ``/exit`` leaves."""
+"""``quill chat``: an interactive conversation, streamed; ``/reset`` forgets it, ``/exit`` leaves.
+
+Ctrl-C while an answer is being written stops that answer (the request is aborted and its
+KV blocks freed) and returns to the prompt with the conversation kept; the partial answer
+stays in it.  Each turn's prompt starts with the previous turns, which the engine's prefix
+cache still holds, so only the new tokens are computed.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +37,11 @@ def run(args) -> int:
     while True:
         if interactive:
             print(">>> ", end="", flush=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does (end of input quits)
+            print(file=sys.stderr)
+            continue
         if not line:
             break
         text = line.strip()
@@ -56,12 +66,18 @@ def _answer(llm, history: list[dict], params) -> str | None:
     """Stream the reply; drop the oldest exchanges while the conversation is longer than the context."""
     start = 1 if history and history[0]["role"] == "system" else 0
     while True:
+        pieces: list[str] = []
         try:
-            pieces = []
             chunks = llm.stream_chat(history, params)
-            last = stream_to(sys.stdout, (pieces.append(c.text) or c for c in chunks))
+            try:
+                last = stream_to(sys.stdout, (pieces.append(c.text) or c for c in chunks))
+            finally:
+                chunks.close()  # on Ctrl-C too: the engine aborts the request and frees its blocks
             print(flush=True)
             return "".join(pieces) if last is not None else ""
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr, flush=True)
+            return "".join(pieces)
         except GenerationError as e:
             if "context window" not in str(e) or len(history) - start <= 1:
                 print(f"quill: {e}", file=sys.stderr)

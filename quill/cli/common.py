@@ -32,6 +32,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--min-tokens", type=int, default=0, help="EOS and stop tokens are masked until this many tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (until --max-tokens)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
@@ -48,7 +50,7 @@ def sampling_params(args):
     from quill.engine.sampling import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=args.stop)
+                          seed=args.seed, stop=args.stop, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
 
 
 def stream_to(out, chunks) -> object:
