@@ -79,6 +79,10 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise GenerationError(f"the model's chat template failed on these messages: {e}") from None
 
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (which writes its own special tokens)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
     def detokenizer(self, context: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, context, skip_special_tokens)
 

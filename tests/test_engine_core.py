@@ -7,6 +7,8 @@ with the paged cache, the scheduler or the block tables.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import quill
 from quill.engine.block_manager import BlockManager
@@ -109,6 +111,33 @@ def test_prefix_hits_misses_and_lru_eviction():
     bm.free_blocks(c)
     bm.allocate(d)
     assert d.num_cached == 8  # a's first two blocks (shared with b) still hit; the third was evicted
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 5), st.integers(1, 40)),
+                max_size=40))
+def test_cached_free_counter_tracks_the_free_list(ops):
+    """The O(1) count of free blocks holding prefix content equals a walk of the free list, whatever happens."""
+    bm = BlockManager(num_blocks=12, block_size=4)
+    live: dict[int, Sequence] = {}
+    for op, key, n in ops:
+        if op == "add" and key not in live:
+            s = seq([key % 3] * n, rid=str(key))  # shared leading tokens: prefix hits
+            if bm.can_allocate(s):
+                bm.allocate(s)
+                s.num_computed = s.num_tokens
+                bm.register_computed(s)
+                live[key] = s
+        elif op == "grow" and key in live:
+            s = live[key]
+            if bm.can_append(s):
+                s.output.append(n)
+                bm.append_slot(s)
+                s.num_computed = s.num_tokens
+                bm.register_computed(s)
+        elif op == "free" and key in live:
+            bm.free_blocks(live.pop(key))
+        assert bm.num_cached_free == sum(1 for b in bm.free if bm.key[b] is not None)
 
 
 def test_a_whole_cached_prompt_still_computes_its_last_token():

@@ -13,7 +13,8 @@ import sys
 
 from quill.errors import QuillError
 
-COMMANDS = ("quill.cli.info", "quill.cli.generate", "quill.cli.chat", "quill.cli.inspect", "quill.cli.bench")
+COMMANDS = ("quill.cli.info", "quill.cli.generate", "quill.cli.chat", "quill.cli.inspect", "quill.cli.bench",
+            "quill.cli.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

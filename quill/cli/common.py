@@ -38,12 +38,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def build_llm(args, skip_tokenizer_init: bool = False):
+def build_llm(args, skip_tokenizer_init: bool = False, engine_config=None):
     from quill.engine.llm import LLM
     return LLM(args.model, dtype=args.dtype, activation_quant=args.act_quant,
                threads=args.threads, kernel=args.kernel, moe_backend=args.moe_backend,
                max_model_len=args.max_model_len,
-               offline=args.offline, skip_tokenizer_init=skip_tokenizer_init)
+               offline=args.offline, skip_tokenizer_init=skip_tokenizer_init, engine_config=engine_config)
 
 
 def sampling_params(args):

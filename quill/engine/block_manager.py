@@ -38,6 +38,7 @@ class BlockManager:
         self.key: list[bytes | None] = [None] * num_blocks  # hash of a registered (computed, full) block
         self.by_key: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU at the front
+        self._cached_free = 0  # free blocks whose key is still registered (kept in step with free / key)
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -56,7 +57,7 @@ class BlockManager:
     @property
     def num_cached_free(self) -> int:
         """Free blocks still holding reusable prefix content."""
-        return sum(1 for b in self.free if self.key[b] is not None)
+        return self._cached_free
 
     # ---- allocation ------------------------------------------------------------
     def _prefix_keys(self, tokens: Seq[int], limit: int) -> list[bytes]:
@@ -71,11 +72,13 @@ class BlockManager:
         if self.key[block] is not None:  # evict its cached content
             del self.by_key[self.key[block]]
             self.key[block] = None
+            self._cached_free -= 1
         return block
 
     def _use(self, block: int) -> None:
         if self.ref[block] == 0:
             del self.free[block]
+            self._cached_free -= self.key[block] is not None
         self.ref[block] += 1
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
@@ -144,5 +147,6 @@ class BlockManager:
             self.ref[block] -= 1
             if self.ref[block] == 0:
                 self.free[block] = None
+                self._cached_free += self.key[block] is not None
         seq.block_table = []
         seq.num_hashed = 0

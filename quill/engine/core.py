@@ -120,6 +120,18 @@ class EngineCore:
         label = label or f"request {request_id}"
         if request_id in self.requests:
             raise GenerationError(f"request id '{request_id}' is already in use")
+        ids = self.check_request(prompt_token_ids, label)
+        gen = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, gen, self._arrivals)
+        seq.timings.prompt_tokens = len(ids)
+        self._arrivals += 1
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def check_request(self, prompt_token_ids: Seq[int], label: str = "prompt") -> list[int]:
+        """The prompt as a list, or a GenerationError naming what is wrong with it.
+
+        Reads only what never changes after construction, so any thread may call it."""
         ids = list(prompt_token_ids)
         if not ids:
             raise GenerationError(f"{label} is empty")
@@ -132,12 +144,7 @@ class EngineCore:
         if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
             raise GenerationError(f"{label} has {len(ids)} tokens, more than the KV cache holds "
                                   f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
-        gen = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        seq = Sequence(request_id, ids, params, gen, self._arrivals)
-        seq.timings.prompt_tokens = len(ids)
-        self._arrivals += 1
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        return ids
 
     def abort_request(self, request_id: str) -> None:
         """End a request now and free its blocks; unknown or finished ids are ignored."""

@@ -13,7 +13,7 @@ import itertools
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,10 +21,9 @@ import torch
 from quill.engine.core import EngineConfig, EngineCore
 from quill.engine.hub import resolve_model
 from quill.engine.loader import LoadedModel, build_model
+from quill.engine.output import OutputProcessor, RequestState, StreamChunk, check_prompt_ids
 from quill.engine.sampling import Logprob, SamplingParams
-from quill.engine.sequence import Sequence as EngineSequence
 from quill.engine.sequence import Timings
-from quill.engine.text import SequenceText
 from quill.errors import GenerationError
 from quill.formats.checkpoint import open_checkpoint
 from quill.layers import LoadContext
@@ -75,17 +74,6 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
-@dataclass
-class StreamChunk:
-    """One step of a streamed generation: the new text (may be empty) and the token behind it."""
-
-    text: str
-    token_id: int
-    logprobs: dict[int, Logprob] | None
-    finish_reason: str | None
-    timings: Timings
-
-
 class LLM:
     """A loaded model with its tokenizer, ready to generate.
 
@@ -133,6 +121,7 @@ class LLM:
         if max_model_len is not None:
             self.context_length = min(self.context_length, max_model_len)
         self.engine = EngineCore(self.model, self.eos_token_ids, self.context_length, engine_config, seed)
+        self.processor = OutputProcessor(self.engine, self.tokenizer)
         self._ids = itertools.count()
 
     @property
@@ -151,11 +140,7 @@ class LLM:
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or \
-                        not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise GenerationError(f"prompt_token_ids should be a list of token ids, found {ids!r:.80}")
-                return prompt.get("prompt"), list(ids)
+                return prompt.get("prompt"), check_prompt_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self._encode(prompt["prompt"])
             raise GenerationError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', found keys {list(prompt)}")
@@ -182,83 +167,48 @@ class LLM:
         plist = [params] * n if isinstance(params, SamplingParams) else list(params)
         if len(plist) != n:
             raise GenerationError(f"{n} prompts but {len(plist)} SamplingParams")
-        for p in plist:
-            if p.stop_strings and self.tokenizer is None:
-                raise GenerationError("stop strings need a tokenizer (this LLM has skip_tokenizer_init=True)")
         return plist
 
     # ---- generation (on the engine core) ----------------------------------------
-    def _submit(self, prompts: Prompt | Sequence[Prompt], params) -> list["_Request"]:
+    def _submit(self, prompts: Prompt | Sequence[Prompt], params) -> list[RequestState]:
         encoded = self._prompts(prompts)
         plist = self._params(params, len(encoded))
+        if any(p.stop_strings for p in plist) and self.tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer (this LLM has skip_tokenizer_init=True)")
         reqs = []
         try:
             for i, ((prompt, ids), p) in enumerate(zip(encoded, plist)):
-                rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p, label=f"prompt {i}")
-                detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids, p.skip_special_tokens)
-                text = SequenceText(detok, p.stop_strings)
-                reqs.append(_Request(rid, prompt, ids, p, self.engine.requests[rid], text))
+                reqs.append(self.processor.add(f"llm-{next(self._ids)}", prompt, ids, p, label=f"prompt {i}"))
         except BaseException:
             for r in reqs:
-                self.engine.abort_request(r.rid)
+                self.processor.abort(r.rid)
             raise
         return reqs
 
-    def _events(self, reqs: list["_Request"]) -> Iterator[tuple[int, StreamChunk]]:
+    def _events(self, reqs: list[RequestState]) -> Iterator[tuple[int, StreamChunk]]:
         """Step the engine until every request of ``reqs`` is done; abort the rest if the caller stops early."""
         index = {r.rid: i for i, r in enumerate(reqs)}
         try:
             while any(r.finish_reason is None for r in reqs):
-                outs = self.engine.step()
-                if not outs and not self.engine.has_unfinished_requests():
+                if not self.processor.has_work():
                     raise GenerationError("the engine stopped with requests unfinished")
-                for out in outs:
-                    i = index.get(out.request_id)
-                    if i is not None:
-                        yield from self._apply(i, reqs[i], out)
+                for state, chunk in self.processor.step():
+                    i = index.get(state.rid)
+                    if i is not None and chunk.token_id is not None:
+                        yield i, chunk
         finally:
             for r in reqs:
                 if r.finish_reason is None:
-                    self.engine.abort_request(r.rid)
+                    self.processor.abort(r.rid)
 
-    def _apply(self, i: int, r: "_Request", out) -> Iterator[tuple[int, StreamChunk]]:
-        if out.prompt_logprobs is not None:
-            r.prompt_logprobs = [self._decorate(d) for d in out.prompt_logprobs]
-        finish = out.finish_reason
-        if not out.new_token_ids:  # ended without a token (the KV pool could never hold it)
-            r.finish_reason = finish
-            return
-        token = out.new_token_ids[0]
-        r.token_ids.append(token)
-        as_token = finish == "stop"  # EOS or a stop token id: never part of the text
-        piece = r.text.add(token, emit=not as_token, last=finish is not None)
-        if r.text.stopped_by is not None and finish is None:
-            self.engine.abort_request(r.rid)
-            finish = "stop"
-        r.finish_reason = finish
-        if finish == "stop":
-            r.stop_reason = r.text.stopped_by if r.text.stopped_by is not None else out.stop_reason
-        lp = self._decorate(out.logprobs[0]) if out.logprobs else None
-        if lp is not None:
-            r.logprobs.append(lp)
-        yield i, StreamChunk(piece, token, lp, finish, r.seq.timings)
-
-    def _outputs(self, reqs: list["_Request"]) -> list[RequestOutput]:
+    def _outputs(self, reqs: list[RequestState]) -> list[RequestOutput]:
         outs = []
         for r in reqs:
             comp = CompletionOutput(0, r.text.text, list(r.token_ids),
                                     r.logprobs if r.params.logprobs is not None else None, r.finish_reason,
                                     r.stop_reason)
-            outs.append(RequestOutput(r.prompt, r.prompt_ids, r.prompt_logprobs, [comp], r.seq.timings))
+            outs.append(RequestOutput(r.prompt, r.prompt_ids, r.prompt_logprobs, [comp], r.timings))
         return outs
-
-    def _decorate(self, lps: dict[int, Logprob] | None) -> dict[int, Logprob] | None:
-        """Add each token's text to its Logprob (when a tokenizer is loaded)."""
-        if lps is None or self.tokenizer is None:
-            return lps
-        return {t: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([t], skip_special_tokens=False))
-                for t, lp in lps.items()}
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -278,8 +228,7 @@ class LLM:
         """Token ids of a conversation rendered with the model's chat template."""
         if self.tokenizer is None:
             raise GenerationError("chat needs a tokenizer, but this LLM was loaded with skip_tokenizer_init=True")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -290,23 +239,6 @@ class LLM:
     def stream_chat(self, messages: Messages, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Stream the answer to one conversation."""
         return self.stream({"prompt_token_ids": self.chat_prompt(messages)}, sampling_params)
-
-
-@dataclass(eq=False)
-class _Request:
-    """One request of an ``LLM`` call: the engine's sequence plus what the text layer adds."""
-
-    rid: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    seq: EngineSequence
-    text: SequenceText
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 def _stderr_is_tty() -> bool:

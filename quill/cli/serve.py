@@ -1,0 +1,124 @@
+"""``quill serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on one engine.
+
+    quill serve --model path/to/model --port 8000 --api-key sk-local
+    curl localhost:8000/v1/chat/completions -H 'Authorization: Bearer sk-local' \\
+         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+
+SIGTERM or Ctrl-C stops accepting connections, lets running requests finish for at most
+``--shutdown-timeout`` seconds (then aborts them), and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+
+from quill.cli.common import add_model_args, build_llm
+from quill.errors import ConfigError
+
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512M', '1e9', '1000000' -> bytes (a ConfigError names what was found)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not m:
+        raise ConfigError(f"--kv-cache-memory: expected bytes such as 2GiB, 512MB or 1000000, found '{text}'")
+    value = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if value < 1:
+        raise ConfigError(f"--kv-cache-memory: expected a positive size, found '{text}'")
+    return value
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=os.environ.get("QUILL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $QUILL_API_KEY, or none)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: its file name)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="tokens computed per step: decodes plus prefill chunks (default 256)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="bytes of the KV block pool, e.g. 2GiB (default: 20%% of free RAM, capped at what "
+                        "max-num-seqs full contexts need)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks across requests")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued beyond the running batch; more get 503 (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM (default 30)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from quill.engine.core import EngineConfig
+    from quill.serving.app import ServeConfig, create_app, default_model_name
+
+    kv = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
+    engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 kv_cache_memory=kv, enable_prefix_caching=not args.no_prefix_caching)
+    sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
+    llm = build_llm(args, engine_config=engine_config)
+    config = ServeConfig(args.served_model_name, args.api_key, args.max_waiting)
+    app = create_app(llm, config)
+    stats = llm.engine.stats()
+    host, port = sock.getsockname()[:2]
+    print(f"quill serve: '{config.model_name or default_model_name(llm.path)}' at http://{_url_host(host)}:{port}/v1 "
+          f"({stats.kv_blocks_total} KV blocks of {engine_config.block_size} tokens, up to {args.max_num_seqs} "
+          f"sequences at once)", file=sys.stderr, flush=True)
+    server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                    timeout_graceful_shutdown=args.shutdown_timeout))
+    server.run(sockets=[sock])
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _server_class():
+    """Built on first use: uvicorn is imported only by `quill serve`."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server, except that a signal-initiated graceful stop ends the process normally (exit 0)
+        instead of re-raising the signal once the server has shut down."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in old.items():
+                    signal.signal(s, handler)
+
+    return _Server
+

@@ -1,0 +1,74 @@
+"""Prometheus metrics of a server, in a registry of its own (no process-wide state).
+
+Engine state (running / waiting requests, KV blocks, prefix-cache and token counters) is
+read at scrape time from the engine's last step snapshot; latencies are observed by the
+engine thread as tokens come out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from quill.engine.core import EngineStats
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    """Gauges and counters read from ``stats()`` on every scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model: str):
+        self.stats, self.model = stats, model
+
+    def collect(self):
+        s = self.stats()
+        gauges = [("quill_num_requests_running", "Requests in the running batch", s.num_running),
+                  ("quill_num_requests_waiting", "Requests waiting to be admitted", s.num_waiting),
+                  ("quill_kv_cache_blocks_used", "KV blocks held by running requests", s.kv_blocks_used),
+                  ("quill_kv_cache_blocks_total", "KV blocks in the pool", s.kv_blocks_total),
+                  ("quill_kv_cache_blocks_cached", "Free KV blocks still holding prefix-cache content",
+                   s.kv_blocks_cached_free)]
+        counters = [("quill_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                     s.prefix_cache_queried_tokens),
+                    ("quill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                     s.prefix_cache_hit_tokens),
+                    ("quill_prompt_tokens", "Prompt tokens computed (cache hits excluded)", s.prompt_tokens_total),
+                    ("quill_generation_tokens", "Tokens generated", s.generation_tokens_total),
+                    ("quill_num_preemptions", "Requests preempted (blocks freed, recomputed later)",
+                     s.num_preemptions)]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model], value)
+            yield g
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model], value)
+            yield c
+
+
+class ServerMetrics:
+    """Everything ``GET /metrics`` reports."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model: str):
+        self.registry = CollectorRegistry()
+        self.model = model
+        self.registry.register(_EngineCollector(stats, model))
+        self.ttft = Histogram("quill_time_to_first_token_seconds", "From request arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("quill_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("quill_e2e_request_latency_seconds", "From request arrival to its last token",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("quill_requests_finished", "Requests finished, by finish reason",
+                                ["finish_reason"], registry=self.registry)
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self.requests.labels(reason).inc()
+        self.e2e.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

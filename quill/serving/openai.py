@@ -1,0 +1,255 @@
+"""The OpenAI API on an engine, independent of the HTTP host (FastAPI here, a Ray Serve ingress too).
+
+``OpenAIServing`` validates a parsed request against the model (name, context window,
+prompt tokens), submits it to the engine (``AsyncEngine.submit`` or anything with its
+shape) and returns either a response body or an async iterator of Server-Sent Events.
+Everything that can be refused is refused before the engine sees the request, so a
+stream never starts with an error.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Callable
+
+from quill.errors import GenerationError
+from quill.serving import responses as R
+from quill.serving.engine import EngineStopped, ServerBusy
+from quill.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+
+
+class EventStream:
+    """The SSE text of one streamed response; ``aclose()`` ends it and aborts what is unfinished,
+    whether the stream ran to its end, was cut short, or never started."""
+
+    def __init__(self, events: AsyncIterator[str], handle):
+        self.events, self.handle = events, handle
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self.events
+
+    async def aclose(self) -> None:
+        try:
+            await self.events.aclose()
+        finally:
+            self.handle.close()
+
+
+class OpenAIServing:
+    """Completions and chat completions for one served model.
+
+    ``engine``: ``check(ids, label) -> ids`` and ``submit([(id, ids, params)]) -> handle`` (async iterable of
+    ``(index, StreamChunk)`` with ``close()``).  ``tokenizer``: ``quill.tokenizer.Tokenizer``.
+    """
+
+    def __init__(self, engine, tokenizer, model_name: str, context_length: int, created: int | None = None):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.model_name, self.context_length = model_name, context_length
+        self.created = created or R.now()
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "quill", "max_model_len": self.context_length}]}
+
+    # ---- shared checks -----------------------------------------------------------------------
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           "model", "model_not_found")
+
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> list[int]:
+        try:
+            ids = self.engine.check(ids, param)
+        except GenerationError as e:
+            raise bad_request(str(e), param) from None
+        if max_tokens is not None and len(ids) + max_tokens > self.context_length:
+            raise bad_request(f"This model's maximum context length is {self.context_length} tokens, but "
+                              f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, {max_tokens} "
+                              f"to generate); shorten the prompt or lower max_tokens", "max_tokens",
+                              "context_length_exceeded")
+        return ids
+
+    def _submit(self, requests: list[tuple[str, list[int], object]]):
+        try:
+            return self.engine.submit(requests)
+        except ServerBusy as e:
+            raise APIError(503, str(e), None, "server_busy", "server_error", {"Retry-After": "1"}) from None
+        except EngineStopped as e:
+            raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
+
+    def _tokenize(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """A completion's ``prompt`` field as (text, ids) per prompt."""
+        if isinstance(prompt, str):
+            return [(prompt, self._encode(prompt))]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        if isinstance(prompt[0], str):
+            return [(p, self._encode(p)) for p in prompt]
+        return [(None, list(p)) for p in prompt]
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this server has no tokenizer; send token ids", "prompt")
+        return self.tokenizer.encode(text)
+
+    # ---- completions --------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest) -> dict | EventStream:
+        """``POST /v1/completions``: a body, or SSE text when ``stream``."""
+        self._check_model(req.model)
+        req.refuse_unsupported()
+        prompts = self._tokenize(req.prompt)
+        many = len(prompts) > 1
+        ids = [self._check_prompt(p, req.max_tokens, f"prompt[{i}]" if many else "prompt")
+               for i, (_, p) in enumerate(prompts)]
+        k = req.logprobs
+        echo_lp = k if (req.echo and k is not None) else None
+        rid = R.new_id("cmpl")
+        subs = []
+        for i, p in enumerate(ids):
+            for j in range(req.n):
+                params = _sampling(lambda: req.sampling_params(req.max_tokens, k, echo_lp, j))
+                subs.append((f"{rid}-{i}-{j}", p, params))
+        handle = self._submit(subs)
+        echo = [self._echo_text(text, p) if req.echo else "" for (text, _), p in zip(prompts, ids)]
+        if req.stream:
+            return EventStream(self._completion_stream(req, rid, handle, echo, k), handle)
+        return await self._completion_full(req, rid, handle, echo, k)
+
+    def _echo_text(self, text: str | None, ids: list[int]) -> str:
+        if text is not None or self.tokenizer is None:
+            return text or ""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def _completion_full(self, req, rid, handle, echo, k) -> dict:
+        choices = [R.Choice() for _ in range(len(echo) * req.n)]
+        usage, prompt_lps = R.Usage(), {}
+        try:
+            async for index, chunk in handle:
+                choices[index].add(chunk)
+                usage.add(index // req.n, chunk)
+                if chunk.prompt_logprobs is not None:
+                    prompt_lps[index] = chunk.prompt_logprobs
+        finally:
+            handle.close()
+        out = []
+        for index, c in enumerate(choices):
+            pre = echo[index // req.n]
+            lp = None
+            if k is not None:
+                entries = _prompt_entries(handle, index, prompt_lps.get(index)) if req.echo else []
+                lp = R.completion_logprobs(entries + c.logprobs, 0 if req.echo else len(pre), k)
+            out.append(R.completion_choice(index, pre + "".join(c.text), lp, c.finish_reason, c.stop_reason))
+        return R.completion_body(rid, R.now(), self.model_name, out, usage)
+
+    async def _completion_stream(self, req, rid, handle, echo, k) -> AsyncIterator[str]:
+        created, usage = R.now(), R.Usage()
+        offsets = [0] * (len(echo) * req.n)  # text offset of each choice's next token (logprobs)
+        started = [False] * len(offsets)
+        try:
+            async for index, chunk in handle:
+                usage.add(index // req.n, chunk)
+                text, entries = chunk.text, []
+                if not started[index]:  # a choice's first chunk carries the echoed prompt
+                    started[index] = True
+                    pre = echo[index // req.n]
+                    text = pre + text
+                    if req.echo and k is not None:
+                        entries = _prompt_entries(handle, index, chunk.prompt_logprobs)
+                    else:
+                        offsets[index] = len(pre)
+                lp = None
+                if k is not None:
+                    if chunk.token_id is not None and chunk.logprobs is not None:
+                        entries.append((chunk.token_id, chunk.logprobs))
+                    lp = R.completion_logprobs(entries, offsets[index], k)
+                    offsets[index] += sum(len(t) for t in lp["tokens"])
+                finish = R.finish_reason(chunk.finish_reason)
+                choice = R.completion_choice(index, text, lp, finish, chunk.stop_reason if finish else None)
+                body = R.completion_body(rid, created, self.model_name, [choice], None)
+                if req.include_usage:
+                    body["usage"] = None
+                yield R.sse(body)
+            if req.include_usage:
+                yield R.sse(R.completion_body(rid, created, self.model_name, [], usage))
+            yield R.SSE_DONE
+        finally:
+            handle.close()
+
+    # ---- chat ---------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest) -> dict | EventStream:
+        """``POST /v1/chat/completions``: a body, or SSE text when ``stream``."""
+        self._check_model(req.model)
+        req.refuse_unsupported()
+        if self.tokenizer is None:
+            raise bad_request("this server has no tokenizer, so it cannot render chat messages", "messages")
+        try:
+            ids = self.tokenizer.encode_chat(req.conversation(), req.add_generation_prompt)
+        except GenerationError as e:
+            raise bad_request(str(e), "messages") from None
+        limit = req.completion_limit
+        ids = self._check_prompt(ids, limit, "messages")
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        rid = R.new_id("chatcmpl")
+        subs = [(f"{rid}-{j}", ids, _sampling(lambda j=j: req.sampling_params(limit, k, None, j)))
+                for j in range(req.n)]
+        handle = self._submit(subs)
+        if req.stream:
+            return EventStream(self._chat_stream(req, rid, handle, k), handle)
+        choices, usage = [R.Choice() for _ in range(req.n)], R.Usage()
+        try:
+            async for index, chunk in handle:
+                choices[index].add(chunk)
+                usage.add(0, chunk)
+        finally:
+            handle.close()
+        return R.chat_body(rid, R.now(), self.model_name, [R.chat_choice(i, c, k) for i, c in enumerate(choices)],
+                           usage)
+
+    async def _chat_stream(self, req, rid, handle, k) -> AsyncIterator[str]:
+        created, usage, inc = R.now(), R.Usage(), req.include_usage
+        try:
+            for j in range(req.n):  # the role first, as OpenAI streams it
+                role = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+                yield R.sse(R.chat_chunk(rid, created, self.model_name, [role], None, inc))
+            async for index, chunk in handle:
+                usage.add(0, chunk)
+                lp = None
+                if k is not None and chunk.token_id is not None and chunk.logprobs is not None:
+                    lp = R.chat_logprobs([(chunk.token_id, chunk.logprobs)], k)
+                finish = R.finish_reason(chunk.finish_reason)
+                if chunk.text or lp is not None or finish:
+                    delta = {"content": chunk.text} if chunk.text else {}
+                    choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                    if finish:
+                        choice["stop_reason"] = chunk.stop_reason
+                    yield R.sse(R.chat_chunk(rid, created, self.model_name, [choice], None, inc))
+            if inc:
+                yield R.sse(R.chat_chunk(rid, created, self.model_name, [], usage.body(), True))
+            yield R.SSE_DONE
+        finally:
+            handle.close()
+
+
+def _prompt_entries(handle, index: int, lps: list | None) -> list:
+    """(token, log-prob dict or None) per prompt position, for ``echo`` with ``logprobs``."""
+    ids = handle.sub.requests[index][1]
+    return [(t, None) for t in ids] if lps is None else list(zip(ids, lps))
+
+
+_PARAM = re.compile(r"^SamplingParams\.(\w+):")
+
+
+def _param_error(e: GenerationError) -> APIError:
+    m = _PARAM.match(str(e))
+    return bad_request(str(e), m.group(1) if m else None)
+
+
+def _sampling(make: Callable[[], object]):
+    """Build SamplingParams; their own checks (e.g. min_tokens > max_tokens) become 400s naming the field."""
+    try:
+        return make()
+    except GenerationError as e:
+        raise _param_error(e) from None

@@ -1,0 +1,168 @@
+"""OpenAI request models (pydantic) and the error schema, shared by every host of the API.
+
+Field names, defaults and bounds are OpenAI's; vLLM's extra sampling fields (``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are
+accepted too.  Unknown fields are ignored, as vLLM does; fields quill cannot honour
+(``logit_bias``, tools, ``suffix``, JSON response formats) are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from quill.engine.sampling import SamplingParams
+from quill.errors import QuillError
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class APIError(QuillError):
+    """An error answered in OpenAI's schema: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+Float = Annotated[float, Field(strict=False)]  # JSON numbers; ints are accepted for floats (OpenAI does)
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: StrictStr | None = None
+    n: StrictInt = Field(1, ge=1, le=64)
+    temperature: Float | None = Field(None, ge=0.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Float] | None = None
+    user: StrictStr | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by quill", "logit_bias", "unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        index: int = 0) -> SamplingParams:
+        """The engine's parameters for choice ``index`` (n > 1: seed + index, so choices differ reproducibly)."""
+        seed = None if self.seed is None else self.seed + index
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.suffix:
+            raise bad_request("suffix is not supported by quill", "suffix", "unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of other than n is not supported by quill (found best_of={self.best_of}, "
+                              f"n={self.n})", "best_of", "unsupported_parameter")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if not self.messages:
+            raise bad_request("messages must contain at least one message", "messages")
+        for i, m in enumerate(self.messages):
+            if m.role not in ROLES:
+                raise bad_request(f"messages[{i}].role '{m.role}' is not supported; supported: "
+                                  f"{', '.join(ROLES)}", f"messages[{i}].role")
+        if self.tools:
+            raise bad_request("tools are not supported by quill", "tools", "unsupported_parameter")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request(f"response_format type '{self.response_format.get('type')}' is not supported; "
+                              f"supported: text", "response_format", "unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as chat templates expect them (``developer`` is the newer name of ``system``)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
