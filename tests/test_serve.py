@@ -336,3 +336,18 @@ def test_api_key_full_queue_and_graceful_sigterm():
         assert s.proc.wait(120) == 0
         assert [results[i].status_code for i in range(2)] == [200, 200]
         assert all(results[i].json()["usage"]["completion_tokens"] == 60 for i in range(2))
+
+
+# ---- the load generator of `quill bench serve` ---------------------------------------------------
+
+def test_load_generator_against_the_server(server):
+    from quill.bench.load import Workload, run_load
+    work = Workload.random(5, seed=3, prompt_words=(8, 16), output_tokens=(3, 9))
+    assert work == Workload.random(5, seed=3, prompt_words=(8, 16), output_tokens=(3, 9))  # seeded
+    result = asyncio.run(run_load(server.url, server.name, work, clients=2))
+    assert [r.error for r in result.records] == [None] * 5
+    assert sorted(r.tokens for r in result.records) == sorted(n for _, n in work.requests)
+    assert all(len(r.chunks) == r.tokens for r in result.records)  # one timed chunk per token
+    s = result.summary()
+    assert s["requests"] == 5 and s["output_tokens"] == sum(n for _, n in work.requests)
+    assert 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"] and 0 < s["itl_p50_ms"] <= s["itl_p99_ms"]

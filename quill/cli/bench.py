@@ -67,6 +67,9 @@ def register(sub) -> None:
     from quill.bench import moe
 
     moe.register(bsub)  # moe-layer, moe-model
+    from quill.bench import serve
+
+    serve.register(bsub)  # serve: quill serve against llama-server
 
 
 def _ints(text: str, what: str) -> list[int]:

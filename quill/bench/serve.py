@@ -1,0 +1,193 @@
+"""``quill bench serve``: one load against ``quill serve`` and llama.cpp's ``llama-server``, in the same run.
+
+    quill bench serve --llama-server /path/to/llama-server            # the default model, 1 4 16 64 clients
+    quill bench serve --model model.gguf --llama-server BIN --json out.json
+    quill bench serve --url http://host:8000 --served-model NAME        # any running OpenAI endpoint
+
+Both servers run side by side (each idle while the other is measured); for every client
+count the two take turns, round after round, and medians of the rounds are reported.  The
+in-process ``LLM.generate`` decode rate of the same single-client requests is measured too,
+so the server's own overhead shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from quill.bench.load import LoadResult, Workload, run_load
+from quill.bench.stats import median
+from quill.errors import ConfigError
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser("serve", help="quill serve against llama.cpp's llama-server under the same load")
+    p.add_argument("--model", default=None, help="model for quill serve (default: the default model)")
+    p.add_argument("--gguf", default=None, help="GGUF file for llama-server (default: --model when it is one)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (without it: quill only)")
+    p.add_argument("--url", default=None, help="bench this running OpenAI endpoint instead of starting quill serve")
+    p.add_argument("--served-model", default=None, help="model name at --url (default: its first model)")
+    p.add_argument("--clients", default="1,4,16,64", help="concurrent clients, comma-separated")
+    p.add_argument("--requests", type=int, default=None, help="requests per client count (default: 2 x clients, >= 6)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per client count; medians reported")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="threads of each server (default: physical cores)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="quill's --max-num-seqs (default: most clients)")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra argument for quill serve (repeatable)")
+    p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Endpoint:
+    name: str
+    url: str  # base, without /v1
+    model: str
+    proc: subprocess.Popen | None = None
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(ep: Endpoint, timeout: float = 600.0) -> Endpoint:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ep.proc is not None and ep.proc.poll() is not None:
+            raise ConfigError(f"{ep.name} exited with code {ep.proc.returncode} before it was ready")
+        try:
+            if httpx.get(ep.url + "/health", timeout=5).status_code == 200:
+                models = httpx.get(ep.url + "/v1/models", timeout=5).json()["data"]
+                ep.model = ep.model or models[0]["id"]
+                return ep
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    ep.close()
+    raise ConfigError(f"{ep.name} at {ep.url} was not ready after {timeout:.0f} s")
+
+
+def launch_quill(model: str, threads: int, max_num_seqs: int, extra: list[str]) -> Endpoint:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "quill", "serve", "--port", str(port), "--threads", str(threads),
+           "--max-num-seqs", str(max_num_seqs), *(["--model", model] if model else []), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _wait_ready(Endpoint("quill serve", f"http://127.0.0.1:{port}", "", proc))
+
+
+def launch_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int) -> Endpoint:
+    """llama-server with continuous batching (on by default; -cb says so) and one slot per client."""
+    if not Path(binary).is_file():
+        raise ConfigError(f"--llama-server: no such file '{binary}'")
+    port = _free_port()
+    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads),
+           "-np", str(slots), "-cb", "-c", str(slots * ctx_per_slot), "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _wait_ready(Endpoint("llama-server", f"http://127.0.0.1:{port}", "", proc))
+
+
+def _median_summary(results: list[LoadResult]) -> dict:
+    sums = [r.summary() for r in results]
+    out = {k: median(s[k] for s in sums) for k in sums[0] if k not in ("clients",)}
+    out["clients"] = sums[0]["clients"]
+    out["rounds"] = [{k: s[k] for k in ("output_tok_s", "itl_p99_ms", "ttft_p50_ms")} for s in sums]
+    return out
+
+
+def _llm_generate_decode(model: str | None, workload: Workload, threads: int) -> float:
+    """Decode tok/s of ``LLM.generate`` on the workload's requests, one at a time (the in-process baseline)."""
+    import quill
+    llm = quill.LLM(model, threads=threads)
+    rates = []
+    for prompt, n in workload.requests[:4]:
+        out = llm.generate(prompt, quill.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+        rates.append(out.timings.decode_tps)
+    return median(rates)
+
+
+def _server_decode(result: LoadResult) -> float:
+    """Single-client decode tok/s through the server: (tokens - 1) / (last chunk - first chunk), median."""
+    rates = [(len(r.chunks) - 1) / (r.chunks[-1] - r.chunks[0]) for r in result.records
+             if r.error is None and len(r.chunks) > 2]
+    return median(rates) if rates else float("nan")
+
+
+def run(args) -> int:
+    from quill.default_model import default_model_path
+    from quill.platform import detect
+
+    platform = detect()
+    threads = args.threads or platform.physical_cores
+    levels = [int(c) for c in args.clients.split(",") if c.strip()]
+    gguf = args.gguf or (args.model if args.model and str(args.model).endswith(".gguf") else None)
+    if args.llama_server and gguf is None:
+        gguf = None if args.model else str(default_model_path())
+        if gguf is None:
+            raise ConfigError("--llama-server needs a GGUF file: pass --gguf (or a .gguf --model)")
+    report = {"cpu": platform.summary(), "threads": threads, "levels": {}}
+    print(f"cpu: {platform.summary()}, {threads} threads per server")
+    with ExitStack() as stack:
+        eps = []
+        if args.url:
+            eps.append(_wait_ready(Endpoint("endpoint", args.url.rstrip("/"), args.served_model or "")))
+        else:
+            eps.append(launch_quill(args.model, threads, args.max_num_seqs or max(levels), args.serve_arg))
+        stack.callback(eps[0].close)
+        if args.llama_server:
+            eps.append(launch_llama_server(args.llama_server, gguf, threads, max(levels), 1024))
+            stack.callback(eps[1].close)
+        for clients in levels:
+            count = args.requests or max(6, 2 * clients)
+            work = Workload.random(count, seed=args.seed + clients)
+            runs: dict[str, list[LoadResult]] = {ep.name: [] for ep in eps}
+            for r in range(args.rounds):
+                for ep in (eps if r % 2 == 0 else eps[::-1]):
+                    runs[ep.name].append(asyncio.run(run_load(ep.url, ep.model, work, clients)))
+            level = {name: _median_summary(res) for name, res in runs.items()}
+            level["workload"] = work.description
+            if clients == 1:
+                level["server_decode_tok_s"] = median(_server_decode(r) for r in runs[eps[0].name])
+                if not args.url:
+                    level["llm_generate_decode_tok_s"] = _llm_generate_decode(args.model, work, threads)
+            report["levels"][clients] = level
+            _print_level(clients, count, level, [ep.name for ep in eps])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _print_level(clients: int, count: int, level: dict, names: list[str]) -> None:
+    print(f"\n{clients} client(s), {count} requests (medians of rounds)")
+    print(f"  {'server':<14} {'out tok/s':>10} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+          f"{'ITL p99':>8} {'errors':>6}")
+    for name in names:
+        s = level[name]
+        print(f"  {name:<14} {s['output_tok_s']:>10.1f} {s['requests_s']:>7.2f} {s['ttft_p50_ms']:>7.0f}ms "
+              f"{s['ttft_p99_ms']:>7.0f}ms {s['itl_p50_ms']:>6.1f}ms {s['itl_p99_ms']:>6.1f}ms {s['errors']:>6.0f}")
+    if len(names) == 2:
+        a, b = level[names[0]], level[names[1]]
+        print(f"  ratio {names[0]} / {names[1]}: output tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x, "
+              f"ITL p99 {a['itl_p99_ms'] / b['itl_p99_ms']:.2f}x")
+    if "llm_generate_decode_tok_s" in level:
+        print(f"  single client decode: through the server {level['server_decode_tok_s']:.1f} tok/s, "
+              f"LLM.generate {level['llm_generate_decode_tok_s']:.1f} tok/s "
+              f"({level['server_decode_tok_s'] / level['llm_generate_decode_tok_s']:.2f}x)")
