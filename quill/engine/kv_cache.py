@@ -4,9 +4,9 @@ A step packs every scheduled sequence's new tokens into one row (no padding):
 prefill chunks and single decode tokens side by side.  ``StepLayout`` says where
 each sequence's tokens sit in that row, which pool slots they are written to, and
 which slots hold each sequence's whole context.  Attention then runs per kind:
-every decode token at once (the fused decode-attention kernel over the gathered
-context, masked to each sequence's length), and each prefill chunk over its cached
-prefix plus itself, causally.
+every decode token at once (the paged decode-attention kernel, reading each
+sequence's keys and values in the pool through its slot table), and each prefill
+chunk over its cached prefix plus itself, causally.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quill.layers import attention
+from quill.layers import paged_decode_attention
 
 
 @dataclass
@@ -26,7 +26,7 @@ class StepLayout:
     slots: torch.Tensor  # int64 [T]: pool slot written by each new token
     decode_rows: torch.Tensor  # int64 [Bd]: positions in the packed row of the decode tokens
     decode_slots: torch.Tensor  # int64 [Bd, Smax]: context slots of each decoding sequence (0-padded)
-    decode_mask: torch.Tensor | None  # bool [Bd, 1, 1, Smax]: True = a real context slot; None: no padding
+    decode_lens: torch.Tensor  # int64 [Bd]: context length of each decoding sequence
     prefills: list[tuple[int, int, torch.Tensor]]  # (start in the row, new tokens, context slots int64 [S])
 
     @classmethod
@@ -43,22 +43,18 @@ class StepLayout:
             else:
                 prefills.append((row, new, ctx))
             row += new
-        dec_slots, dec_mask = _pad(dec_ctx)
-        return cls(torch.cat(slots), torch.tensor(dec_rows, dtype=torch.int64), dec_slots, dec_mask, prefills)
+        lens = torch.tensor([c.numel() for c in dec_ctx], dtype=torch.int64)
+        return cls(torch.cat(slots), torch.tensor(dec_rows, dtype=torch.int64), _pad(dec_ctx), lens, prefills)
 
 
-def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of different lengths -> int64 [len(rows), longest], 0-padded."""
     if not rows:
-        return torch.empty(0, 0, dtype=torch.int64), None
-    width = max(r.numel() for r in rows)
-    out = torch.zeros(len(rows), width, dtype=torch.int64)
+        return torch.empty(0, 0, dtype=torch.int64)
+    out = torch.zeros(len(rows), max(r.numel() for r in rows), dtype=torch.int64)
     for i, r in enumerate(rows):
         out[i, :r.numel()] = r
-    if all(r.numel() == width for r in rows):
-        return out, None
-    lengths = torch.tensor([r.numel() for r in rows])
-    mask = torch.arange(width)[None, :] < lengths[:, None]  # [Bd, Smax]
-    return out, mask[:, None, None, :]
+    return out
 
 
 class PagedKVCache:
@@ -97,9 +93,8 @@ class PagedLayerCache:
         out = torch.empty_like(q)
         if lay.decode_rows.numel():
             qd = q[0, :, lay.decode_rows].transpose(0, 1)[:, :, None]  # [Bd, H, 1, D]
-            kd = self.keys[lay.decode_slots].permute(0, 2, 1, 3)  # [Bd, Hkv, Smax, D]
-            vd = self.values[lay.decode_slots].permute(0, 2, 1, 3)
-            od = attention(qd, kd.contiguous(), vd.contiguous(), lay.decode_mask, scale)  # [Bd, H, 1, D]
+            od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens,
+                                        scale)  # [Bd, H, 1, D]
             out[0, :, lay.decode_rows] = od[:, :, 0].transpose(0, 1)
         for start, n, ctx in lay.prefills:
             kc = self.keys[ctx].permute(1, 0, 2)[None]  # [1, Hkv, S, D]

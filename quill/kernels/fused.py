@@ -102,6 +102,25 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return decode_attention_torch(q, k, v, mask, scale)
 
 
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                           lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention read through a paged pool's slot tables, without gathering the context.
+
+    q [B, H, 1, D]; k_pool and v_pool [N, Hkv, D]; slots int64 [B, Smax] (the pool rows of each
+    sequence's context, in order, padded past its length); lens int64 [B] -> [B, H, 1, D].  The
+    native kernel returns the bits :func:`decode_attention` gives on the gathered, masked rows.
+    """
+    ext = _ext()
+    if ext is not None and q.dtype == torch.float32 and k_pool.dtype == torch.float32 and not q.requires_grad:
+        return ext.paged_decode_attention(q, k_pool, v_pool, slots, lens, scale)
+    kd = k_pool[slots].permute(0, 2, 1, 3)  # [B, Hkv, Smax, D]
+    vd = v_pool[slots].permute(0, 2, 1, 3)
+    mask = None
+    if bool((lens != slots.shape[1]).any()):
+        mask = (torch.arange(slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, Smax]
+    return decode_attention(q, kd.to(q.dtype), vd.to(q.dtype), mask, scale)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, element-wise (the gated MLP's activation)."""
     ext = _ext()

@@ -15,13 +15,13 @@ from quill.layers.moe import (
     expert_count,
     is_sparse_layer,
 )
-from quill.layers.ops import ACTIVATIONS, attend, attention
+from quill.layers.ops import ACTIVATIONS, attend, attention, paged_decode_attention
 from quill.layers.rope import RopeConfig, RotaryEmbedding, apply_rope_qk, rope_inv_freq
 from quill.layers.slots import Embedding, Linear, PostLoad, RMSNorm, Slot, linear, take_rows
 
 __all__ = [
     "ACTIVATIONS", "Embedding", "ExpertSlot", "LayerInfo", "Linear", "LoadContext", "PostLoad", "RMSNorm",
     "RopeConfig", "RotaryEmbedding", "SharedExpertMoeBlock", "Slot", "SparseMoeBlock", "apply_rope_qk", "attend",
-    "attention",
+    "attention", "paged_decode_attention",
     "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "take_rows",
 ]

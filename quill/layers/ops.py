@@ -10,6 +10,9 @@ from quill.kernels import fused
 # hidden_act -> fused activation-and-multiply of a gated MLP
 ACTIVATIONS = {"silu": fused.silu_mul}
 
+# decode attention through a paged KV pool's slot tables (the engine's cache calls it)
+paged_decode_attention = fused.paged_decode_attention
+
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               scale: float) -> torch.Tensor:

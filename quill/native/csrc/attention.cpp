@@ -1,5 +1,6 @@
-// Python binding of decode attention (attention.h): checks shapes and strides, picks the
-// ISA variant, splits the (sequence, KV head) pairs across torch's pool.
+// Python bindings of decode attention (attention.h), over dense [B, Hkv, S, D] rows or through
+// a paged pool's slot tables: check shapes, strides and tables, pick the ISA variant, split the
+// (sequence, KV head) pairs across torch's pool.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -8,6 +9,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -49,6 +51,20 @@ at::Tensor rows_view(const at::Tensor& t, const char* name, int64_t b, int64_t d
   return t.stride(3) == 1 ? t : t.contiguous();
 }
 
+// Splits the (sequence, KV head) pairs of a.b x a.hkv across torch's pool.
+void launch(const AttnArgs& a, AttnHead head) {
+  const int64_t hkv = a.hkv, pairs = a.b * hkv, scratch = (a.h / hkv) * (a.s + a.d);
+  auto run = [&](int64_t p0, int64_t p1) {  // (sequence, KV head) pairs [p0, p1)
+    std::vector<float> buf(scratch);
+    for (int64_t p = p0; p < p1; ++p) head(a, p / hkv, p % hkv, buf.data());
+  };
+  // Another thread pays off once the pairs read more than ~256 KiB of K and V together.
+  if (pairs < 2 || pairs * a.s * a.d * 8 < (256 << 10) || at::in_parallel_region())
+    run(0, pairs);
+  else
+    at::parallel_for(0, pairs, 1, run);
+}
+
 }  // namespace
 
 // q [B, H, 1, D], k and v [B, Hkv, S, D] float32, mask bool [B or 1, 1, 1, S] or None -> [B, H, 1, D]
@@ -83,16 +99,51 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   a.vb = v.stride(0), a.vh = v.stride(1), a.vs = v.stride(2);
   a.b = B, a.h = H, a.hkv = hkv, a.s = S, a.d = D;
   a.scale = float(scale);
-  const int64_t pairs = B * hkv, scratch = (H / hkv) * (S + D);
-  auto run = [&](int64_t p0, int64_t p1) {  // (sequence, KV head) pairs [p0, p1)
-    std::vector<float> buf(scratch);
-    for (int64_t p = p0; p < p1; ++p) head(a, p / hkv, p % hkv, buf.data());
-  };
-  // Another thread pays off once the pairs read more than ~256 KiB of K and V together.
-  if (pairs < 2 || pairs * S * D * 8 < (256 << 10) || at::in_parallel_region())
-    run(0, pairs);
-  else
-    at::parallel_for(0, pairs, 1, run);
+  launch(a, head);
+  return out;
+}
+
+// q [B, H, 1, D]; k and v pools [N, Hkv, D] float32; slots int64 [B, Smax] (pool rows of each
+// sequence's context, in order); lens int64 [B] (1 <= lens[b] <= Smax) -> [B, H, 1, D]
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& slots_in, const at::Tensor& lens_in, double scale,
+                                  const std::string& isa) {
+  const AttnHead head = head_for(isa);
+  if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
+    fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
+  const int64_t B = q_in.size(0), H = q_in.size(1), D = q_in.size(3);
+  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}})
+    if (t->scalar_type() != at::kFloat || t->dim() != 3 || t->size(2) != D || !t->is_contiguous())
+      fail("'", name, "' pool should be contiguous float32 [N, Hkv, ", D, "], found ", t->dtype(), " ",
+           t->sizes());
+  if (v.sizes() != k.sizes()) fail("'v' pool ", v.sizes(), " does not match 'k' pool ", k.sizes());
+  const int64_t N = k.size(0), hkv = k.size(1);
+  if (hkv == 0 || H % hkv) fail(H, " query heads are not a multiple of ", hkv, " KV heads");
+  if (slots_in.scalar_type() != at::kLong || slots_in.dim() != 2 || slots_in.size(0) != B)
+    fail("'slots' should be int64 [", B, ", S], found ", slots_in.dtype(), " ", slots_in.sizes());
+  if (lens_in.scalar_type() != at::kLong || lens_in.dim() != 1 || lens_in.size(0) != B)
+    fail("'lens' should be int64 [", B, "], found ", lens_in.dtype(), " ", lens_in.sizes());
+  const at::Tensor slots = slots_in.contiguous(), lens = lens_in.contiguous(), q = q_in.contiguous();
+  const int64_t S = slots.size(1);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // a bad table would read outside the pool: refuse it here
+    if (ln[b] < 1 || ln[b] > S) fail("sequence ", b, " has length ", ln[b], "; expected 1..", S);
+    for (int64_t s = 0; s < ln[b]; ++s)
+      if (sl[b * S + s] < 0 || sl[b * S + s] >= N)
+        fail("sequence ", b, " position ", s, " names pool row ", sl[b * S + s], "; the pool has ", N);
+  }
+  at::Tensor out = at::empty({B, H, 1, D}, q.options());
+  AttnArgs a;
+  a.q = q.data_ptr<float>();
+  a.k = k.data_ptr<float>();
+  a.v = v.data_ptr<float>();
+  a.out = out.data_ptr<float>();
+  a.kh = a.vh = D, a.ks = a.vs = hkv * D;
+  a.slots = sl, a.lens = ln, a.slot_b = S;
+  a.b = B, a.h = H, a.hkv = hkv, a.s = S, a.d = D;
+  a.scale = float(scale);
+  launch(a, head);
   return out;
 }
 
@@ -100,6 +151,9 @@ void register_attention(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
         py::arg("scale"), py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
+        py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("isa") = "auto",
+        py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill

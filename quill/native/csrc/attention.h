@@ -20,6 +20,11 @@ struct AttnArgs {
   const float* k = nullptr;      // [B, Hkv, S, D] with strides (kb, kh, ks), last dim contiguous
   const float* v = nullptr;      // as k, strides (vb, vh, vs)
   const uint8_t* mask = nullptr; // [B or 1, S] (1 = may attend) or null (every position)
+  // Paged: row s of sequence b is pool row slots[b * slot_b + s] (k + row * ks + kv_head * kh;
+  // kb and vb unused) for s < lens[b]; positions past lens[b] do not exist.  Null: dense rows.
+  const int64_t* slots = nullptr; // [B, S] pool rows, or null
+  const int64_t* lens = nullptr;  // [B] context lengths (<= S), with slots
+  int64_t slot_b = 0;
   float* out = nullptr;          // [B, H, D] contiguous
   int64_t kb = 0, kh = 0, ks = 0, vb = 0, vh = 0, vs = 0;
   int64_t mask_b = 0;            // mask row stride: S, or 0 when one row serves every sequence
@@ -27,7 +32,8 @@ struct AttnArgs {
   float scale = 1.0f;
 };
 
-// One (sequence, KV head); scratch holds G * (S + D) floats.
+// One (sequence, KV head); scratch holds G * (S + D) floats.  A paged call gives the same bits
+// as the dense call on the gathered rows with the positions past each length masked.
 using AttnHead = void (*)(const AttnArgs&, int64_t b, int64_t kv_head, float* scratch);
 
 AttnHead attn_head_scalar();

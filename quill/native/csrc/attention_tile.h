@@ -79,15 +79,18 @@ inline float max(const float* x, int64_t n) {
 // DC: the head dimension when known at compile time (64, 128), else 0 (a.d at run time).
 template <int DC>
 void head(const AttnArgs& a, int64_t b, int64_t kvh, float* __restrict scratch) {
-  const int64_t G = a.h / a.hkv, S = a.s, D = DC ? DC : a.d;
+  // Paged: S is this sequence's length, rows come through its slot table (masked padding
+  // past the length would add exact zeros to the same lanes: the bits do not change).
+  const int64_t G = a.h / a.hkv, S = a.slots ? a.lens[b] : a.s, D = DC ? DC : a.d;
   const float* __restrict q = a.q + (b * a.h + kvh * G) * D;  // [G, D]
-  const float* kbase = a.k + b * a.kb + kvh * a.kh;           // [S, D], rows ks apart
-  const float* vbase = a.v + b * a.vb + kvh * a.vh;           // [S, D], rows vs apart
+  const int64_t* rows = a.slots ? a.slots + b * a.slot_b : nullptr;  // [S] pool rows
+  const float* kbase = a.k + (rows ? 0 : b * a.kb) + kvh * a.kh;     // [S, D], rows ks apart
+  const float* vbase = a.v + (rows ? 0 : b * a.vb) + kvh * a.vh;     // [S, D], rows vs apart
   const uint8_t* mask = a.mask ? a.mask + b * a.mask_b : nullptr;  // [S]
   float* __restrict scores = scratch;       // [G, S]
   float* __restrict acc = scratch + G * S;  // [G, D]
   for (int64_t s = 0; s < S; ++s) {  // each K row once, for all G query heads
-    const float* __restrict krow = kbase + s * a.ks;
+    const float* __restrict krow = kbase + (rows ? rows[s] : s) * a.ks;
     const bool on = !mask || mask[s];
     for (int64_t g = 0; g < G; ++g) scores[g * S + s] = on ? dot(q + g * D, krow, D) * a.scale : kMasked;
   }
@@ -101,7 +104,7 @@ void head(const AttnArgs& a, int64_t b, int64_t kvh, float* __restrict scratch) 
   }
   for (int64_t s = 0; s < S; ++s) {  // each V row once
     if (mask && !mask[s]) continue;
-    const float* __restrict vrow = vbase + s * a.vs;
+    const float* __restrict vrow = vbase + (rows ? rows[s] : s) * a.vs;
     for (int64_t g = 0; g < G; ++g) {
       const float w = scores[g * S + s];
       float* __restrict o = acc + g * D;
