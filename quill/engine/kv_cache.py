@@ -88,8 +88,12 @@ class PagedLayerCache:
                scale: float) -> torch.Tensor:
         """q [1, H, T, D], k and v [1, Hkv, T, D] (the packed new tokens) -> [1, H, T, D]."""
         lay = self.layout
-        self.keys[lay.slots] = k[0].transpose(0, 1).to(self.keys.dtype)  # [T, Hkv, D]
-        self.values[lay.slots] = v[0].transpose(0, 1).to(self.values.dtype)
+        self.keys.index_copy_(0, lay.slots, k[0].transpose(0, 1).to(self.keys.dtype))  # [T, Hkv, D]
+        self.values.index_copy_(0, lay.slots, v[0].transpose(0, 1).to(self.values.dtype))
+        if not lay.prefills:  # every token a decode (most steps): no gather, no scatter
+            qd = q[0].transpose(0, 1)[:, :, None]  # [T, H, 1, D]
+            od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens, scale)
+            return od[:, :, 0].transpose(0, 1)[None]  # [1, H, T, D]
         out = torch.empty_like(q)
         if lay.decode_rows.numel():
             qd = q[0, :, lay.decode_rows].transpose(0, 1)[:, :, None]  # [Bd, H, 1, D]

@@ -7,6 +7,7 @@ load (through :class:`LoadContext`) and never seen by a model.
 """
 
 from quill.layers.context import LayerInfo, LoadContext
+from quill.layers.merged import MergedLinear, merged
 from quill.layers.moe import (
     ExpertSlot,
     SharedExpertMoeBlock,
@@ -20,7 +21,8 @@ from quill.layers.rope import RopeConfig, RotaryEmbedding, apply_rope_qk, rope_i
 from quill.layers.slots import Embedding, Linear, PostLoad, RMSNorm, Slot, linear, take_rows
 
 __all__ = [
-    "ACTIVATIONS", "Embedding", "ExpertSlot", "LayerInfo", "Linear", "LoadContext", "PostLoad", "RMSNorm",
+    "ACTIVATIONS", "Embedding", "ExpertSlot", "LayerInfo", "Linear", "LoadContext", "MergedLinear", "PostLoad",
+    "RMSNorm", "merged",
     "RopeConfig", "RotaryEmbedding", "SharedExpertMoeBlock", "Slot", "SparseMoeBlock", "apply_rope_qk", "attend",
     "attention", "paged_decode_attention",
     "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "take_rows",

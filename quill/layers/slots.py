@@ -95,10 +95,13 @@ class Linear(nn.Module, Slot):
         self.impl: Any = None
         self._pending: dict[str, torch.Tensor] = {}  # dense weight / bias until finish
         self._info: LayerInfo | None = None
+        self.group = None  # a quill.layers.merged.MergedLinear that builds this part with its siblings
+        self.group_index = 0
+        self._offered = False  # handed its weight to the group (built when the last part arrives)
 
     @property
     def filled(self) -> bool:
-        return self.impl is not None
+        return self.impl is not None or self._offered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return self.impl(x)
@@ -118,10 +121,26 @@ class Linear(nn.Module, Slot):
         bias = weight.bias if weight.bias is not None else self._pending.get("bias")
         bias = checked_bias(ctx, name, self.has_bias, self.out_features, bias)
         self._pending = {}
-        self.impl = build_quant_linear(weight.with_(bias=bias, name=name), ctx.selector, ctx.activation,
-                                       bias_dtype=ctx.dtype)
-        self._info = _quant_info(name, self.impl, "quantized")
+        weight = weight.with_(bias=bias, name=name)
+        if self.group is not None:
+            self._offered = True
+            self.group.offer(self, name, weight, ctx)
+        else:
+            self.build_alone(name, weight, ctx)
         return True
+
+    def build_alone(self, name: str, weight, ctx: LoadContext) -> None:
+        """Build this layer's own kernel from a QuantizedWeight or a dense (weight, bias)."""
+        if isinstance(weight, QuantizedWeight):
+            self.impl = build_quant_linear(weight, ctx.selector, ctx.activation, bias_dtype=ctx.dtype)
+            self._info = _quant_info(name, self.impl, "quantized")
+        else:
+            self.impl = build_dense_linear(name, weight[0], weight[1], ctx.dtype, ctx.selector)
+            self._info = _dense_info(name, self.impl)
+
+    def set_built(self, impl, info: LayerInfo) -> None:
+        """Called by this part's group once it has built the shared kernel."""
+        self.impl, self._info = impl, info
 
     def finish(self, name: str, ctx: LoadContext) -> bool:
         parts, self._pending = self._pending, {}
@@ -129,8 +148,11 @@ class Linear(nn.Module, Slot):
             return False  # loaded quantized, or reported as missing by check_filled
         w = checked(ctx, f"{name}.weight", parts["weight"], (self.out_features, self.in_features))
         bias = checked_bias(ctx, name, self.has_bias, self.out_features, parts.get("bias"))
-        self.impl = build_dense_linear(name, w, bias, ctx.dtype, ctx.selector)
-        self._info = _dense_info(name, self.impl)
+        if self.group is not None:
+            self._offered = True
+            self.group.offer(self, name, (w, bias), ctx)
+        else:
+            self.build_alone(name, (w, bias), ctx)
         return True
 
     def tie(self, embedding: "Embedding", ctx: LoadContext) -> None:

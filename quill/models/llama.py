@@ -12,7 +12,17 @@ import torch
 from torch import nn
 
 from quill.errors import ModelError
-from quill.layers import ACTIVATIONS, Embedding, RMSNorm, RopeConfig, RotaryEmbedding, apply_rope_qk, attend, linear
+from quill.layers import (
+    ACTIVATIONS,
+    Embedding,
+    RMSNorm,
+    RopeConfig,
+    RotaryEmbedding,
+    apply_rope_qk,
+    attend,
+    linear,
+    merged,
+)
 from quill.models.base import BaseModelArgs, ForwardContext, LayerCache, sliding_window_limit
 
 
@@ -70,14 +80,14 @@ class Attention(nn.Module):
         self.k_proj = linear(args.hidden_size, self.n_kv_heads * self.head_dim, qkv_bias)
         self.v_proj = linear(args.hidden_size, self.n_kv_heads * self.head_dim, qkv_bias)
         self.o_proj = linear(self.n_heads * self.head_dim, args.hidden_size, o_bias)
+        self.qkv = merged(self.q_proj, self.k_proj, self.v_proj)  # one kernel call for the three
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D]."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        return q, k, v
+        q, k, v = self.qkv(x)
+        return (q.reshape(B, T, self.n_heads, self.head_dim), k.reshape(B, T, self.n_kv_heads, self.head_dim),
+                v.reshape(B, T, self.n_kv_heads, self.head_dim))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: LayerCache | None) -> torch.Tensor:
@@ -96,9 +106,10 @@ class MLP(nn.Module):
         self.up_proj = linear(args.hidden_size, args.intermediate_size, args.mlp_bias)
         self.down_proj = linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
         self.act = ACTIVATIONS[args.hidden_act]
+        self.gate_up = merged(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(*self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
