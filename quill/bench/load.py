@@ -78,7 +78,8 @@ class LoadResult:
                 "requests_s": len(ok) / self.wall if self.wall else 0.0,
                 "ttft_p50_ms": 1e3 * _pct(ttfts, 50), "ttft_p99_ms": 1e3 * _pct(ttfts, 99),
                 "itl_p50_ms": 1e3 * _pct(itls, 50), "itl_p99_ms": 1e3 * _pct(itls, 99),
-                "output_tokens": out_tokens}
+                "output_tokens": out_tokens,
+                "first_error": next((r.error for r in self.records if r.error is not None), None)}
 
 
 def _pct(sorted_values: list[float], p: float) -> float:
@@ -90,8 +91,20 @@ def _pct(sorted_values: list[float], p: float) -> float:
 
 
 async def _one(http, model: str, prompt: str, max_tokens: int, extra: dict) -> Record:
+    import httpx
+
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}
+    for _ in range(2):
+        rec = await _attempt(http, body)
+        # A kept-alive connection the server had closed (cpp-httplib, llama-server's HTTP layer,
+        # closes one after 5 requests) fails before any response: send again, as browsers do.
+        if not (rec.chunks == [] and rec.error and rec.error.startswith(httpx.RemoteProtocolError.__name__)):
+            break
+    return rec
+
+
+async def _attempt(http, body: dict) -> Record:
     rec = Record(time.monotonic())
     try:
         async with http.stream("POST", "/v1/completions", json=body) as resp:

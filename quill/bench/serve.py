@@ -106,7 +106,8 @@ def launch_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_pe
 
 def _median_summary(results: list[LoadResult]) -> dict:
     sums = [r.summary() for r in results]
-    out = {k: median(s[k] for s in sums) for k in sums[0] if k not in ("clients",)}
+    out = {k: median(s[k] for s in sums) for k in sums[0] if k not in ("clients", "first_error")}
+    out["errors_seen"] = [s["first_error"] for s in sums if s["first_error"]]
     out["clients"] = sums[0]["clients"]
     out["rounds"] = [{k: s[k] for k in ("output_tok_s", "itl_p99_ms", "ttft_p50_ms")} for s in sums]
     return out
@@ -156,13 +157,16 @@ def run(args) -> int:
             stack.callback(eps[1].close)
         for clients in levels:
             count = args.requests or max(6, 2 * clients)
-            work = Workload.random(count, seed=args.seed + clients)
             runs: dict[str, list[LoadResult]] = {ep.name: [] for ep in eps}
             for r in range(args.rounds):
+                # New prompts every round: a round must not hit prefix-cache entries an earlier
+                # round left (quill keeps every block it can; llama-server one prompt per slot).
+                work = Workload.random(count, seed=args.seed + 1000 * r + clients)
                 for ep in (eps if r % 2 == 0 else eps[::-1]):
                     runs[ep.name].append(asyncio.run(run_load(ep.url, ep.model, work, clients)))
+            work = Workload.random(count, seed=args.seed + clients)  # round 0's: the in-process baseline
             level = {name: _median_summary(res) for name, res in runs.items()}
-            level["workload"] = work.description
+            level["workload"] = work.description + f"; round r draws seed {args.seed + clients} + 1000 r"
             if clients == 1:
                 level["server_decode_tok_s"] = median(_server_decode(r) for r in runs[eps[0].name])
                 if not args.url:
@@ -183,6 +187,9 @@ def _print_level(clients: int, count: int, level: dict, names: list[str]) -> Non
         s = level[name]
         print(f"  {name:<14} {s['output_tok_s']:>10.1f} {s['requests_s']:>7.2f} {s['ttft_p50_ms']:>7.0f}ms "
               f"{s['ttft_p99_ms']:>7.0f}ms {s['itl_p50_ms']:>6.1f}ms {s['itl_p99_ms']:>6.1f}ms {s['errors']:>6.0f}")
+    for name in names:
+        for err in level[name]["errors_seen"]:
+            print(f"  {name} error: {err}")
     if len(names) == 2:
         a, b = level[names[0]], level[names[1]]
         print(f"  ratio {names[0]} / {names[1]}: output tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x, "

@@ -10,6 +10,7 @@ SIGTERM or Ctrl-C stops accepting connections, lets running requests finish for 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -69,9 +70,11 @@ def run(args) -> int:
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                  kv_cache_memory=kv, enable_prefix_caching=not args.no_prefix_caching)
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
-    llm = build_llm(args, engine_config=engine_config)
+    # The model is loaded on the thread that will step it (see quill.serving.engine.AsyncEngine).
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="quill-engine")
+    llm = executor.submit(build_llm, args, engine_config=engine_config).result()
     config = ServeConfig(args.served_model_name, args.api_key, args.max_waiting)
-    app = create_app(llm, config)
+    app = create_app(llm, config, executor)
     stats = llm.engine.stats()
     host, port = sock.getsockname()[:2]
     print(f"quill serve: '{config.model_name or default_model_name(llm.path)}' at http://{_url_host(host)}:{port}/v1 "
@@ -79,7 +82,10 @@ def run(args) -> int:
           f"sequences at once)", file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                     timeout_graceful_shutdown=args.shutdown_timeout))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
     return 0
 
 

@@ -200,10 +200,12 @@ def default_model_name(path: str | os.PathLike) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def create_app(llm, config: ServeConfig = ServeConfig()) -> FastAPI:
-    """A server for a loaded ``quill.LLM``: its own ``AsyncEngine``, started and stopped by the app's lifespan."""
+def create_app(llm, config: ServeConfig = ServeConfig(), executor=None) -> FastAPI:
+    """A server for a loaded ``quill.LLM``: its own ``AsyncEngine``, started and stopped by the app's lifespan.
+
+    ``executor``: the one-thread executor that loaded ``llm``, to step it on the same thread."""
     name = config.model_name or default_model_name(llm.path)
-    engine = AsyncEngine(llm, config.max_waiting)
+    engine = AsyncEngine(llm, config.max_waiting, executor=executor)
     metrics = ServerMetrics(engine.stats, name)
     engine.metrics = metrics
     serving = OpenAIServing(engine, llm.tokenizer, name, llm.context_length)
