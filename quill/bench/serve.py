@@ -152,31 +152,44 @@ def run(args) -> int:
         else:
             eps.append(launch_quill(args.model, threads, args.max_num_seqs or max(levels), args.serve_arg))
         stack.callback(eps[0].close)
-        if args.llama_server:
-            eps.append(launch_llama_server(args.llama_server, gguf, threads, max(levels), 1024))
-            stack.callback(eps[1].close)
         for clients in levels:
-            count = args.requests or max(6, 2 * clients)
-            runs: dict[str, list[LoadResult]] = {ep.name: [] for ep in eps}
-            for r in range(args.rounds):
-                # New prompts every round: a round must not hit prefix-cache entries an earlier
-                # round left (quill keeps every block it can; llama-server one prompt per slot).
-                work = Workload.random(count, seed=args.seed + 1000 * r + clients)
-                for ep in (eps if r % 2 == 0 else eps[::-1]):
-                    runs[ep.name].append(asyncio.run(run_load(ep.url, ep.model, work, clients)))
-            work = Workload.random(count, seed=args.seed + clients)  # round 0's: the in-process baseline
-            level = {name: _median_summary(res) for name, res in runs.items()}
-            level["workload"] = work.description + f"; round r draws seed {args.seed + clients} + 1000 r"
-            if clients == 1:
-                level["server_decode_tok_s"] = median(_server_decode(r) for r in runs[eps[0].name])
-                if not args.url:
-                    level["llm_generate_decode_tok_s"] = _llm_generate_decode(args.model, work, threads)
+            # llama-server gets one slot per client at every level (its KV cache and attention
+            # span all slots, so 64 slots would slow a 4-client load); quill keeps one engine
+            # sized for the most clients.
+            if args.llama_server:
+                eps[1:] = [launch_llama_server(args.llama_server, gguf, threads, clients, 1024)]
+            try:
+                level = _level(args, eps, clients, threads)
+            finally:
+                for ep in eps[1:]:
+                    ep.close()
             report["levels"][clients] = level
-            _print_level(clients, count, level, [ep.name for ep in eps])
+            _print_level(clients, level["requests"], level, [ep.name for ep in eps])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _level(args, eps: list[Endpoint], clients: int, threads: int) -> dict:
+    """One client count: alternating rounds against every endpoint, medians."""
+    count = args.requests or max(6, 2 * clients)
+    runs: dict[str, list[LoadResult]] = {ep.name: [] for ep in eps}
+    for r in range(args.rounds):
+        # New prompts every round: a round must not hit prefix-cache entries an earlier
+        # round left (quill keeps every block it can; llama-server one prompt per slot).
+        work = Workload.random(count, seed=args.seed + 1000 * r + clients)
+        for ep in (eps if r % 2 == 0 else eps[::-1]):
+            runs[ep.name].append(asyncio.run(run_load(ep.url, ep.model, work, clients)))
+    work = Workload.random(count, seed=args.seed + clients)  # round 0's: the in-process baseline
+    level = {name: _median_summary(res) for name, res in runs.items()}
+    level["workload"] = work.description + f"; round r draws seed {args.seed + clients} + 1000 r"
+    if clients == 1:
+        level["server_decode_tok_s"] = median(_server_decode(r) for r in runs[eps[0].name])
+        if not args.url:
+            level["llm_generate_decode_tok_s"] = _llm_generate_decode(args.model, work, threads)
+    level["requests"] = count
+    return level
 
 
 def _print_level(clients: int, count: int, level: dict, names: list[str]) -> None:
