@@ -141,8 +141,12 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation():
     import threading
     import time
 
+    # A run started in the background by a shell without job control (`make test &`, CI runners)
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the chat
+    # gets SIGINT's default disposition back, as a terminal user's has.
     proc = subprocess.Popen([sys.executable, "-m", "quill", "chat", "--max-tokens", "4000", "--ignore-eos"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     got = bytearray()
 
     def read():
