@@ -99,7 +99,7 @@ async def _one(http, model: str, prompt: str, max_tokens: int, extra: dict) -> R
         rec = await _attempt(http, body)
         # A kept-alive connection the server had closed (cpp-httplib, llama-server's HTTP layer,
         # closes one after 5 requests) fails before any response: send again, as browsers do.
-        if not (rec.chunks == [] and rec.error and rec.error.startswith(httpx.RemoteProtocolError.__name__)):
+        if not (not rec.chunks and rec.error and rec.error.startswith(httpx.RemoteProtocolError.__name__)):
             break
     return rec
 

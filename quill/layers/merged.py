@@ -19,7 +19,8 @@ import torch
 
 from quill.canonical import QuantizedWeight
 from quill.kernels import build_dense_linear, build_quant_linear
-from quill.layers.context import LayerInfo, LoadContext
+from quill.layers.context import LoadContext
+from quill.layers.slots import dense_info, quant_info
 
 
 class MergedLinear:
@@ -57,14 +58,15 @@ class MergedLinear:
             self.impl = build_quant_linear(_stack(weights, f"{names[0].rpartition('.')[0]}.{label}"), ctx.selector,
                                            ctx.activation, bias_dtype=ctx.dtype)
             for part, name, w in zip(self.parts, names, weights):
-                part.set_built(_PartView(self, part.group_index), _part_info(name, self.impl, w))
+                info = quant_info(name, self.impl, "quantized", rows=w.out_features)
+                part.set_built(_PartView(self, part.group_index), info)
         elif all(isinstance(w, tuple) for w in weights) and len({w.dtype for w, _ in weights}) == 1 and (
                 len({b is None for _, b in weights}) == 1):
             w = torch.cat([w for w, _ in weights])
             b = None if weights[0][1] is None else torch.cat([b for _, b in weights])
             self.impl = build_dense_linear(f"{names[0].rpartition('.')[0]}.{label}", w, b, ctx.dtype, ctx.selector)
             for part, name, (pw, _) in zip(self.parts, names, weights):
-                part.set_built(_PartView(self, part.group_index), _dense_part_info(name, self.impl, pw))
+                part.set_built(_PartView(self, part.group_index), dense_info(name, self.impl, rows=pw.shape[0]))
         else:
             for part, name, w in zip(self.parts, names, weights):
                 part.build_alone(name, w, ctx)
@@ -113,16 +115,3 @@ def _stack(ws: list[QuantizedWeight], name: str) -> QuantizedWeight:
         return None if parts[0] is None else torch.cat(parts)
     return ws[0].with_(codes=cat("codes"), scales=cat("scales"), zeros=cat("zeros"), offsets=cat("offsets"),
                        bias=cat("bias"), name=name)
-
-
-def _part_info(name: str, ql, w: QuantizedWeight) -> LayerInfo:
-    c = ql.config
-    summary = f"{c.summary()} (merged: {w.out_features} of {c.out_features} rows)"
-    return LayerInfo(name, "quantized", summary, c.bits, c.group_size, c.symmetric, ql.kernel_name,
-                     ql.selection.refusals, w.storage_bytes(), w.in_features * w.out_features)
-
-
-def _dense_part_info(name: str, dl, w: torch.Tensor) -> LayerInfo:
-    summary = f"dense {str(dl.dtype).removeprefix('torch.')} {w.shape[0]}x{w.shape[1]} (merged: {dl.out_features} rows)"
-    share = dl.weight_bytes * w.shape[0] // dl.out_features
-    return LayerInfo(name, "dense", summary, None, None, None, dl.kernel_name, (), share, w.numel())

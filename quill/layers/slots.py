@@ -133,10 +133,10 @@ class Linear(nn.Module, Slot):
         """Build this layer's own kernel from a QuantizedWeight or a dense (weight, bias)."""
         if isinstance(weight, QuantizedWeight):
             self.impl = build_quant_linear(weight, ctx.selector, ctx.activation, bias_dtype=ctx.dtype)
-            self._info = _quant_info(name, self.impl, "quantized")
+            self._info = quant_info(name, self.impl, "quantized")
         else:
             self.impl = build_dense_linear(name, weight[0], weight[1], ctx.dtype, ctx.selector)
-            self._info = _dense_info(name, self.impl)
+            self._info = dense_info(name, self.impl)
 
     def set_built(self, impl, info: LayerInfo) -> None:
         """Called by this part's group once it has built the shared kernel."""
@@ -160,11 +160,11 @@ class Linear(nn.Module, Slot):
         if embedding.weight is not None:
             self.impl = build_dense_linear("lm_head", embedding.weight, None, ctx.dtype, ctx.selector)
             self.impl.weight_bytes = 0  # shares the embedding's storage
-            self._info = _dense_info("lm_head", self.impl, "tied")
+            self._info = dense_info("lm_head", self.impl, "tied")
         elif embedding.quantized is not None:
             self.impl = build_quant_linear(embedding.quantized.with_(name="lm_head", bias=None), ctx.selector,
                                            ctx.activation, bias_dtype=ctx.dtype)
-            self._info = _quant_info("lm_head", self.impl, "tied")
+            self._info = quant_info("lm_head", self.impl, "tied")
 
     def check_filled(self, name: str, ctx: LoadContext) -> None:
         if not self.filled:
@@ -175,16 +175,25 @@ class Linear(nn.Module, Slot):
         return self._info
 
 
-def _quant_info(name: str, ql, kind: str) -> LayerInfo:
+def quant_info(name: str, ql, kind: str, rows: int | None = None) -> LayerInfo:
+    """``quill inspect``'s row for quantized layer ``name`` run by ``ql``; ``rows``: its share of a merged kernel."""
     c = ql.config
-    return LayerInfo(name, kind, c.summary(), c.bits, c.group_size, c.symmetric, ql.kernel_name,
-                     ql.selection.refusals, 0 if kind == "tied" else ql.weight_bytes, c.in_features * c.out_features)
+    summary, n = c.summary(), c.out_features if rows is None else rows
+    if rows is not None:
+        summary += f" (merged: {rows} of {c.out_features} rows)"
+    nbytes = 0 if kind == "tied" else ql.weight_bytes * n // c.out_features
+    return LayerInfo(name, kind, summary, c.bits, c.group_size, c.symmetric, ql.kernel_name,
+                     ql.selection.refusals, nbytes, c.in_features * n)
 
 
-def _dense_info(name: str, dl, kind: str = "dense") -> LayerInfo:
-    summary = f"dense {dtype_name(dl.dtype)} {dl.out_features}x{dl.in_features}"
-    return LayerInfo(name, kind, summary, None, None, None, dl.kernel_name, (), dl.weight_bytes,
-                     dl.in_features * dl.out_features)
+def dense_info(name: str, dl, kind: str = "dense", rows: int | None = None) -> LayerInfo:
+    """``quill inspect``'s row for dense layer ``name`` run by ``dl``; ``rows``: its share of a merged kernel."""
+    n = dl.out_features if rows is None else rows
+    summary = f"dense {dtype_name(dl.dtype)} {n}x{dl.in_features}"
+    if rows is not None:
+        summary += f" (merged: {rows} of {dl.out_features} rows)"
+    return LayerInfo(name, kind, summary, None, None, None, dl.kernel_name, (), dl.weight_bytes * n // dl.out_features,
+                     dl.in_features * n)
 
 
 class PostLoad:
