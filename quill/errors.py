@@ -39,6 +39,10 @@ class GenerationError(QuillError, ValueError):
     """Invalid generation input: sampling parameters, prompts, context length."""
 
 
+class EvalError(QuillError, ValueError):
+    """Bad evaluation input: empty text, a window the model cannot hold, a bad stride, a mismatched saved base."""
+
+
 def format_choices(choices) -> str:
     """Render a collection of supported values for an error message."""
     return ", ".join(sorted(str(c) for c in choices))

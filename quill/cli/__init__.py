@@ -14,7 +14,7 @@ import sys
 from quill.errors import QuillError
 
 COMMANDS = ("quill.cli.info", "quill.cli.generate", "quill.cli.chat", "quill.cli.inspect", "quill.cli.bench",
-            "quill.cli.serve")
+            "quill.cli.serve", "quill.cli.eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

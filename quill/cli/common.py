@@ -6,9 +6,13 @@ import argparse
 import sys
 
 
-def add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
-    """Model location and how to run it."""
-    if positional:
+def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -> None:
+    """Model location and how to run it (``positional="optional"``: MODEL may be left out for the default)."""
+    if positional == "optional":
+        p.add_argument("model", nargs="?", default=None,
+                       help="checkpoint directory, .gguf file or Hugging Face Hub id (default: the bundled "
+                            "SmolLM2-135M-Instruct Q4_1)")
+    elif positional:
         p.add_argument("model", help="checkpoint directory, .gguf file or Hugging Face Hub id")
     else:
         p.add_argument("--model", "-m", default=None,

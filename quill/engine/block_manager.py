@@ -83,10 +83,10 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks of the prefix cache holding ``seq``'s leading tokens (at least one token is left to compute)."""
-        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
-            return []  # prompt log-probs need every prompt position computed
-        hits = []
-        for key in self._prefix_keys(seq.tokens, seq.num_tokens - 1):
+        if not self.prefix_caching:
+            return []
+        hits = []  # positions whose logits are wanted (prompt log-probs, scores) are never taken from the cache
+        for key in self._prefix_keys(seq.tokens, seq.cacheable_tokens):
             block = self.by_key.get(key)
             if block is None:
                 break

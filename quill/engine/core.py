@@ -25,6 +25,7 @@ from quill.engine.kv_cache import PagedKVCache, StepLayout
 from quill.engine.memory import available_ram
 from quill.engine.sampling import Logprob, SamplingParams, process_logits, sample_token, token_logprobs
 from quill.engine.scheduler import Scheduler
+from quill.engine.scoring import PromptScores, ScoreAccumulator, ScoreSpec
 from quill.engine.sequence import Sequence, Status
 from quill.errors import GenerationError
 from quill.models.base import ForwardContext
@@ -65,6 +66,7 @@ class StepOutput:
     stop_reason: int | None  # the stop token id that ended it, if any
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens taken from the prefix cache (not recomputed)
+    scores: PromptScores | None = None  # once, with the first token, for a scored request
 
 
 @dataclass
@@ -114,15 +116,19 @@ class EngineCore:
 
     # ---- requests --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    label: str | None = None) -> None:
+                    label: str | None = None, score: ScoreSpec | None = None) -> None:
         """Queue a request (never blocks).  A GenerationError names what is wrong with it, calling the
-        request ``label`` (default: "request <id>")."""
+        request ``label`` (default: "request <id>").  ``score`` also scores its prompt tokens
+        (``StepOutput.scores`` with the first token; see quill.engine.scoring)."""
         label = label or f"request {request_id}"
         if request_id in self.requests:
             raise GenerationError(f"request id '{request_id}' is already in use")
         ids = self.check_request(prompt_token_ids, label)
+        if score is not None:
+            score.check(len(ids), self.vocab, label)
         gen = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, gen, self._arrivals)
+        seq.scorer = None if score is None else ScoreAccumulator(score, ids)
         seq.timings.prompt_tokens = len(ids)
         self._arrivals += 1
         self.requests[request_id] = seq
@@ -172,6 +178,10 @@ class EngineCore:
         logits, rows = self._forward(batch)
         outputs = []
         for seq, n in batch:
+            if seq.scorer is not None and not seq.scorer.done():
+                scored = seq.scorer.positions(seq.num_computed, n)
+                skip = scored.start - seq.num_computed if seq.wants_prompt_logprobs else 0  # all rows picked
+                seq.scorer.add(logits[rows[seq][skip:skip + len(scored)]], scored)
             prompt_chunk = seq.in_prefill
             seq.num_computed += n
             if prompt_chunk and not seq.output:
@@ -192,6 +202,9 @@ class EngineCore:
             pieces.append((seq.block_table, seq.num_computed, n))
             picked = range(start, start + n) if seq.wants_prompt_logprobs else (
                 [start + n - 1] if seq.num_computed + n == seq.num_tokens else [])
+            if seq.scorer is not None and not seq.scorer.done():  # scored rows come before the sampled one
+                scored = seq.scorer.positions(seq.num_computed, n)
+                picked = sorted({*picked, *(start + p - seq.num_computed for p in scored)})
             rows[seq] = list(range(len(want), len(want) + len(picked)))
             want += picked
         layout = StepLayout.build(pieces, self.blocks.block_size)
@@ -230,8 +243,9 @@ class EngineCore:
         seq.timings.generated_tokens = len(seq.output)
         self._check_finished(seq, token)
         first = len(seq.output) == 1
+        scores = seq.scorer.result() if first and seq.scorer is not None else None
         out = StepOutput(seq.request_id, [token], lp, seq.prompt_logprobs if first else None, seq.finish_reason,
-                         seq.stop_reason, len(seq.prompt), seq.num_cached)
+                         seq.stop_reason, len(seq.prompt), seq.num_cached, scores)
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)

@@ -23,6 +23,7 @@ from quill.engine.hub import resolve_model
 from quill.engine.loader import LoadedModel, build_model
 from quill.engine.output import OutputProcessor, RequestState, StreamChunk, check_prompt_ids
 from quill.engine.sampling import Logprob, SamplingParams
+from quill.engine.scoring import PromptScores, ScoreSpec
 from quill.engine.sequence import Timings
 from quill.errors import GenerationError
 from quill.formats.checkpoint import open_checkpoint
@@ -170,15 +171,18 @@ class LLM:
         return plist
 
     # ---- generation (on the engine core) ----------------------------------------
-    def _submit(self, prompts: Prompt | Sequence[Prompt], params) -> list[RequestState]:
+    def _submit(self, prompts: Prompt | Sequence[Prompt], params,
+                scores: Sequence[ScoreSpec | None] | None = None) -> list[RequestState]:
         encoded = self._prompts(prompts)
         plist = self._params(params, len(encoded))
         if any(p.stop_strings for p in plist) and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer (this LLM has skip_tokenizer_init=True)")
+        scores = scores or [None] * len(encoded)
         reqs = []
         try:
-            for i, ((prompt, ids), p) in enumerate(zip(encoded, plist)):
-                reqs.append(self.processor.add(f"llm-{next(self._ids)}", prompt, ids, p, label=f"prompt {i}"))
+            for i, ((prompt, ids), p, sc) in enumerate(zip(encoded, plist, scores)):
+                reqs.append(self.processor.add(f"llm-{next(self._ids)}", prompt, ids, p, label=f"prompt {i}",
+                                               score=sc))
         except BaseException:
             for r in reqs:
                 self.processor.abort(r.rid)
@@ -217,6 +221,31 @@ class LLM:
         for _ in self._events(reqs):
             pass
         return self._outputs(reqs)
+
+    def score(self, prompts: Sequence[Sequence[int]], specs: ScoreSpec | Sequence[ScoreSpec] | None = None,
+              progress=None) -> list[PromptScores]:
+        """Score the tokens of each prompt (lists of token ids), batched like ``generate``.
+
+        For every prompt token from ``spec.first`` on: its log-probability given the tokens before it,
+        the model's argmax there, and what the spec asks besides (top-k, log-probs at given ids).
+        ``progress(n)`` is called with the number of prompt tokens of each request as it completes.
+        """
+        prompts = [check_prompt_ids(p) for p in prompts]
+        if not prompts:
+            raise GenerationError("no prompts given")
+        specs = [ScoreSpec()] * len(prompts) if specs is None else (
+            [specs] * len(prompts) if isinstance(specs, ScoreSpec) else list(specs))
+        if len(specs) != len(prompts):
+            raise GenerationError(f"{len(prompts)} prompts but {len(specs)} score specs")
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        reqs = self._submit([{"prompt_token_ids": p} for p in prompts], params, specs)
+        for i, chunk in self._events(reqs):
+            if progress is not None and chunk.finish_reason is not None:
+                progress(len(reqs[i].prompt_ids))
+        missing = [i for i, r in enumerate(reqs) if r.scores is None]
+        if missing:
+            raise GenerationError(f"prompt {missing[0]} could not be scored (the KV cache cannot hold it)")
+        return [r.scores for r in reqs]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Generate for one prompt, yielding text pieces as they are decided (closing it aborts the request)."""

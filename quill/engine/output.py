@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from quill.engine.core import EngineCore, StepOutput
 from quill.engine.sampling import Logprob, SamplingParams
+from quill.engine.scoring import PromptScores, ScoreSpec
 from quill.engine.sequence import Timings
 from quill.engine.text import SequenceText
 from quill.errors import GenerationError
@@ -55,6 +56,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    scores: PromptScores | None = None  # a scored request's prompt scores, once its prompt is computed
 
 
 class OutputProcessor:
@@ -65,11 +67,11 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add(self, rid: str, prompt: str | None, ids: list[int], params: SamplingParams,
-            label: str | None = None) -> RequestState:
+            label: str | None = None, score: ScoreSpec | None = None) -> RequestState:
         """Queue one request in the core (a GenerationError names what is wrong with it)."""
         if params.stop_strings and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer (this model was loaded with skip_tokenizer_init=True)")
-        self.core.add_request(rid, ids, params, label=label)
+        self.core.add_request(rid, ids, params, label=label, score=score)
         detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids, params.skip_special_tokens)
         state = RequestState(rid, prompt, list(ids), params, self.core.requests[rid].timings,
                              SequenceText(detok, params.stop_strings))
@@ -103,6 +105,8 @@ class OutputProcessor:
     def _apply(self, state: RequestState, out: StepOutput) -> StreamChunk:
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = [self.decorate(d) for d in out.prompt_logprobs]
+        if out.scores is not None:
+            state.scores = out.scores
         state.num_cached_tokens = out.num_cached_tokens
         finish = out.finish_reason
         token = out.new_token_ids[0] if out.new_token_ids else None

@@ -83,7 +83,7 @@ class Scheduler:
         """Free ``seq``'s blocks and queue it first: it recomputes its tokens when readmitted."""
         self.blocks.free_blocks(seq)
         self.running.remove(seq)
-        seq.status, seq.num_computed, seq.num_cached = Status.WAITING, 0, 0
+        seq.restart()
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

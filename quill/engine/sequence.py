@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quill.engine.sampling import Logprob, SamplingParams
+from quill.engine.scoring import ScoreAccumulator
 
 
 class Status(enum.Enum):
@@ -55,6 +56,7 @@ class Sequence:
     stop_reason: int | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_acc: list[dict[int, Logprob] | None] | None = None  # prompt log-probs so far (chunked prefill)
+    scorer: ScoreAccumulator | None = None  # a scored prompt's rows so far (quill.engine.scoring)
     timings: Timings = field(default_factory=Timings)
     started: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
@@ -75,3 +77,18 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.prompt_logprobs is None and not self.output
+
+    @property
+    def cacheable_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache (positions that need logits may not)."""
+        if self.params.prompt_logprobs is not None:
+            return 0
+        if self.scorer is not None:
+            return min(self.scorer.spec.first - 1, self.num_tokens - 1)
+        return self.num_tokens - 1
+
+    def restart(self) -> None:
+        """Back to waiting with nothing computed (preempted): what the prompt's rows gave so far is dropped."""
+        self.status, self.num_computed, self.num_cached = Status.WAITING, 0, 0
+        if self.prompt_logprobs is None:
+            self.prompt_acc = None  # rebuilt from position 0 (a scorer instead skips what it already holds)
