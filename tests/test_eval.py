@@ -194,3 +194,19 @@ def test_scores_survive_preemption_and_prefix_cache_hits(tiny):
     part = roomy.score([tokens], ScoreSpec(first=60))[0]
     assert roomy.engine.stats().prefix_cache_hit_tokens - hits == 48  # 3 blocks: positions 0..47 < 59
     assert torch.allclose(part.token_logprobs, want.token_logprobs[59:], atol=1e-5)
+
+
+def test_a_dataset_that_cannot_be_loaded_is_named_before_any_model_loads(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    missing = tmp_path / "no-such-model"  # never reached: the text is read first
+    r = subprocess.run([sys.executable, "-m", "quill", "eval", "perplexity", str(missing), "--dataset", "foo/bar"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "--dataset foo/bar: cannot load it" in r.stderr, r.stderr
+
+
+def test_a_saved_base_alone_needs_an_other_model(tmp_path, capsys):
+    assert main(["eval", "compare", str(tmp_path / "base.safetensors"), "--pydoc-topics"]) == 2
+    assert "name the OTHER model" in capsys.readouterr().err

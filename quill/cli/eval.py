@@ -97,10 +97,10 @@ def _dataset_text(spec: str) -> str:
     return "\n\n".join(ds["text"])
 
 
-def tokenize(llm, args) -> list[int]:
+def tokenize(llm, args, text: str) -> list[int]:
     if llm.tokenizer is None:
         raise EvalError("evaluation needs the model's tokenizer")
-    tokens = llm.tokenizer.encode(read_text(args))
+    tokens = llm.tokenizer.encode(text)
     if args.max_tokens is not None:
         if args.max_tokens < 2:
             raise EvalError(f"--max-tokens must be at least 2, found {args.max_tokens}")
@@ -148,8 +148,9 @@ def _windows_total(n: int, context: int, stride: int, max_context: int) -> int:
 
 def run_perplexity(args) -> int:
     from quill.eval.perplexity import perplexity
+    text = read_text(args)  # before the model loads: a bad text fails fast
     llm = build_llm(args)
-    tokens = tokenize(llm, args)
+    tokens = tokenize(llm, args, text)
     context, stride = window_args(args, llm)
     bar = Progress(args, _windows_total(len(tokens), context, stride, llm.context_length), "perplexity")
     try:
@@ -177,6 +178,7 @@ def run_compare(args) -> int:
     other_args.act_quant = args.other_act_quant or args.act_quant
     other_args.dtype = args.other_dtype or args.dtype
     other_args.kernel = args.other_kernel or args.kernel
+    text = read_text(args)  # before any model loads: a bad text fails fast
     if base_file:
         base = BaseScores.load(args.model)
         if args.context not in (None, base.context) or args.stride not in (None, base.stride):
@@ -184,7 +186,7 @@ def run_compare(args) -> int:
                             f"found --context {args.context} --stride {args.stride}")
     else:
         llm = build_llm(args)
-        tokens = tokenize(llm, args)
+        tokens = tokenize(llm, args, text)
         context, stride = window_args(args, llm)
         bar = Progress(args, _windows_total(len(tokens), context, stride, llm.context_length), "base")
         try:
@@ -196,7 +198,7 @@ def run_compare(args) -> int:
         if args.save_base:
             base.save(args.save_base)
     other = build_llm(other_args)
-    tokens = tokenize(other, other_args)
+    tokens = tokenize(other, other_args, text)
     bar = Progress(args, _windows_total(len(tokens), base.context, base.stride, other.context_length), "other")
     try:
         result = compare(base, other, tokens, _describe(other_args, other_args.model, other_args.act_quant,
