@@ -23,6 +23,9 @@ ISA_FLAGS = (
 )
 
 # Flags a weaker machine lacks (Platform.limited_to).
+# Kernel ISA levels, best first (Platform.isa_level names one).
+ISA_LEVELS = ("amx", "avx512_vnni", "avx512", "avx_vnni", "avx2", "scalar")
+
 _ISA_CEILINGS = {
     "avx2": frozenset(f for f in ISA_FLAGS if f.startswith(("avx512", "avx_vnni", "amx"))),
 }
@@ -73,6 +76,12 @@ class Platform:
     @property
     def threads_per_core(self) -> int:
         return max(1, self.logical_cpus // max(1, self.physical_cores))
+
+    @property
+    def isa_ladder(self) -> tuple[str, ...]:
+        """This CPU's ISA level and every level below it, best first (priority tables are looked up
+        down this ladder, so a level needs a row only where its list differs from the one below)."""
+        return ISA_LEVELS[ISA_LEVELS.index(self.isa_level):]
 
     @property
     def isa_level(self) -> str:

@@ -15,8 +15,8 @@ from quill.platform import detect
 
 EXT = native.load().module
 PLATFORM = detect()
-ISAS = ["scalar"] + (["avx2"] if PLATFORM.has("avx2", "fma") else []) + (
-    ["avx512"] if PLATFORM.has("avx512f", "avx512bw", "avx512vl") else [])
+ISAS = ["scalar"] + [name for name, flags in reversed(native.ISAS) if PLATFORM.has(*flags)]
+BEST = native.isa_for(PLATFORM) or "scalar"  # what a model loaded here hands the kernel
 
 
 def _case(b, h, hkv, s, d, seed=0, cap_extra=5):
@@ -70,7 +70,7 @@ def test_masks_per_sequence_and_broadcast(rows):
     mask = torch.rand(rows, 1, 1, 41, generator=g) > 0.5
     mask[..., -1] = True  # every row sees at least its own token, as the cache guarantees
     want = _reference(q, k, v, mask, 0.125)
-    torch.testing.assert_close(EXT.decode_attention(q, k, v, mask, 0.125, "auto"), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(EXT.decode_attention(q, k, v, mask, 0.125, BEST), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused.decode_attention_torch(q, k, v, mask, 0.125), want, rtol=1e-5, atol=1e-5)
 
 
@@ -79,7 +79,7 @@ def test_extreme_scores_and_a_fully_masked_row():
     k[0, 0, 10] = 1e3  # a score of ~1e4: its softmax weight is 1, every other exp underflows
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool)
     mask[1] = False  # a sequence that may attend nowhere: zeros, not NaN (SDPA gives NaN)
-    y = EXT.decode_attention(q, k, v, mask, 0.125, "auto")
+    y = EXT.decode_attention(q, k, v, mask, 0.125, BEST)
     torch.testing.assert_close(y[:1], _reference(q[:1], k[:1], v[:1], None, 0.125), rtol=1e-5, atol=1e-5)
     assert torch.equal(y[1], torch.zeros_like(y[1]))
 
@@ -88,6 +88,7 @@ def test_layer_attention_routes_decode_and_prompts():
     q, k, v = _case(2, 8, 2, 30, 64, seed=6)
     torch.testing.assert_close(attention(q, k, v, None, 0.125), _reference(q, k, v, None, 0.125),
                                rtol=1e-5, atol=1e-5)
+    assert torch.equal(attention(q, k, v, None, 0.125, BEST), EXT.decode_attention(q, k, v, None, 0.125, BEST))
     g = torch.Generator().manual_seed(7)
     qp = torch.randn(2, 8, 30, 64, generator=g)  # a prompt: ATen's kernel, causal mask
     causal = torch.ones(30, 30, dtype=torch.bool).tril()[None, None]
@@ -106,13 +107,13 @@ def test_other_dtypes_take_the_torch_path():
 def test_bad_input_raises_kernel_error():
     q, k, v = _case(1, 6, 4, 8, 16)
     with pytest.raises(KernelError, match="6 query heads are not a multiple of 4 KV heads"):
-        EXT.decode_attention(q, k, v, None, 1.0, "auto")
+        EXT.decode_attention(q, k, v, None, 1.0, BEST)
     q, k, v = _case(1, 4, 2, 8, 16)
     with pytest.raises(KernelError, match=r"'k' should be float32 \[1, Hkv, S, 16\]"):
-        EXT.decode_attention(q, k.double(), v, None, 1.0, "auto")
+        EXT.decode_attention(q, k.double(), v, None, 1.0, BEST)
     with pytest.raises(KernelError, match=r"'mask' should be bool \[B or 1, 1, 1, 8\]"):
-        EXT.decode_attention(q, k, v, torch.ones(1, 1, 1, 9, dtype=torch.bool), 1.0, "auto")
+        EXT.decode_attention(q, k, v, torch.ones(1, 1, 1, 9, dtype=torch.bool), 1.0, BEST)
     with pytest.raises(KernelError, match=r"'q' should be float32 \[B, H, 1, D\]"):
-        EXT.decode_attention(torch.randn(1, 4, 2, 16), k, v, None, 1.0, "auto")
+        EXT.decode_attention(torch.randn(1, 4, 2, 16), k, v, None, 1.0, BEST)
     with pytest.raises(KernelError, match="unknown ISA 'sse9'"):
         EXT.decode_attention(q, k, v, None, 1.0, "sse9")

@@ -14,8 +14,8 @@ from quill.platform import detect
 
 EXT = native.load().module
 PLATFORM = detect()
-ISAS = ["scalar"] + (["avx2"] if PLATFORM.has("avx2", "fma") else []) + (
-    ["avx512"] if PLATFORM.has("avx512f", "avx512bw", "avx512vl") else [])
+ISAS = ["scalar"] + [name for name, flags in reversed(native.ISAS) if PLATFORM.has(*flags)]
+BEST = native.isa_for(PLATFORM) or "scalar"  # what a model loaded here hands the kernel
 
 
 def _paged_case(lens, h, hkv, d, block=16, seed=0):
@@ -69,7 +69,9 @@ def test_torch_fallback_agrees():
     kd, vd, mask = _gathered(q, kp, vp, slots, ln)
     want = fused.decode_attention_torch(q, kd, vd, mask, 0.125)
     torch.testing.assert_close(fused.paged_decode_attention(q, kp, vp, slots, ln, 0.125), want,
-                               rtol=1e-5, atol=1e-5)
+                               rtol=1e-5, atol=1e-5)  # no ISA handed: torch
+    got = fused.paged_decode_attention(q, kp, vp, slots, ln, 0.125, BEST)  # the ISA chosen at load: native
+    assert torch.equal(got, EXT.paged_decode_attention(q, kp, vp, slots, ln, 0.125, BEST))
     bq = q.to(torch.bfloat16)  # not float32: the torch path, in the query's dtype
     y = fused.paged_decode_attention(bq, kp.to(torch.bfloat16), vp.to(torch.bfloat16), slots, ln, 0.125)
     assert y.dtype == torch.bfloat16
@@ -81,12 +83,12 @@ def test_bad_tables_raise_kernel_error():
     bad = slots.clone()
     bad[1, 3] = kp.shape[0]
     with pytest.raises(KernelError, match=r"sequence 1 position 3 names pool row \d+; the pool has"):
-        EXT.paged_decode_attention(q, kp, vp, bad, ln, 1.0, "auto")
+        EXT.paged_decode_attention(q, kp, vp, bad, ln, 1.0, BEST)
     with pytest.raises(KernelError, match=r"sequence 0 has length 0; expected 1..20"):
-        EXT.paged_decode_attention(q, kp, vp, slots, torch.tensor([0, 10]), 1.0, "auto")
+        EXT.paged_decode_attention(q, kp, vp, slots, torch.tensor([0, 10]), 1.0, BEST)
     with pytest.raises(KernelError, match=r"'lens' should be int64 \[2\]"):
-        EXT.paged_decode_attention(q, kp, vp, slots, ln.int(), 1.0, "auto")
+        EXT.paged_decode_attention(q, kp, vp, slots, ln.int(), 1.0, BEST)
     with pytest.raises(KernelError, match=r"'v' pool .* does not match 'k' pool"):
-        EXT.paged_decode_attention(q, kp, vp[:-1], slots, ln, 1.0, "auto")
+        EXT.paged_decode_attention(q, kp, vp[:-1], slots, ln, 1.0, BEST)
     with pytest.raises(KernelError, match=r"'k' pool should be contiguous float32 \[N, Hkv, 16\]"):
-        EXT.paged_decode_attention(q, kp.double(), vp, slots, ln, 1.0, "auto")
+        EXT.paged_decode_attention(q, kp.double(), vp, slots, ln, 1.0, BEST)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quill.errors import ConfigError
-from quill.kernels.selection import KERNELS, PRIORITIES, kernel_class
+from quill.kernels.selection import KERNELS, LINEAR_KERNELS, kernel_class
 from quill.platform import CPUINFO_PATH, ISA_FLAGS, Platform, detect, parse_cpuinfo
 
 
@@ -57,7 +57,7 @@ def _platform_lines(platform: Platform) -> list[str]:
 def report(platform: Platform) -> str:
     """The text ``quill info`` prints for ``platform``."""
     lines = _platform_lines(platform)
-    priority = PRIORITIES.get(platform.isa_level, PRIORITIES["scalar"])
+    priority = LINEAR_KERNELS.default_priorities(platform)
     statuses = {name: kernel_status(name, platform) for name in KERNELS}
     lines.append(f"kernels (tried in this order on {platform.isa_level}; "
                  "each layer runs on the first that accepts it):")

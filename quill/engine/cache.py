@@ -31,15 +31,16 @@ class _LayerView:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
         k, v = self.update(k, v)  # [B, Hkv, S, D]
-        return attention(q, k, v, mask, scale)
+        return attention(q, k, v, mask, scale, self.cache.isa)
 
 
 class KVCache:
     """Per-layer key/value buffers [B, Hkv, capacity, D], grown on demand."""
 
     def __init__(self, num_layers: int, pad: torch.Tensor, kv_heads: int, head_dim: int,
-                 capacity: int, dtype: torch.dtype = torch.float32):
+                 capacity: int, dtype: torch.dtype = torch.float32, isa: str | None = None):
         self.pad = pad.to(torch.int64)  # [B] leading pad slots per row
+        self.isa = isa  # the native decode-attention variant (chosen at load), None for torch
         batch = self.pad.shape[0]
         shape = (batch, kv_heads, max(1, capacity), head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]

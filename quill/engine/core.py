@@ -87,7 +87,9 @@ class EngineCore:
     """Continuous batching over a paged KV cache with prefix caching (see the module docstring)."""
 
     def __init__(self, model: nn.Module, eos_token_ids: Seq[int], context_length: int,
-                 config: EngineConfig | None = None, seed: int = 0):
+                 config: EngineConfig | None = None, seed: int = 0, isa: str | None = None):
+        """``isa``: the native variant chosen at load (``LoadContext.native_isa``) that decode attention
+        runs; None runs it in torch."""
         self.model, self.config = model, config or EngineConfig()
         self.eos = frozenset(eos_token_ids)
         self.context_length = context_length
@@ -97,7 +99,7 @@ class EngineCore:
                                                  args.num_key_value_heads, args.head_dim, model.dtype)
         num_blocks = max(2, self._pool_bytes(per_block) // per_block)
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, self.config.block_size,
-                                  args.num_key_value_heads, args.head_dim, model.dtype)
+                                  args.num_key_value_heads, args.head_dim, model.dtype, isa)
         self.blocks = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.generator = torch.Generator().manual_seed(seed)

@@ -61,8 +61,9 @@ class PagedKVCache:
     """Per layer, keys and values for ``num_blocks * block_size`` token slots: [slots, Hkv, D]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, isa: str | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.isa = isa  # the native variant decode attention runs (chosen at load), None for torch
         shape = (num_blocks * block_size, kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
@@ -72,7 +73,7 @@ class PagedKVCache:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def views(self, layout: StepLayout) -> list["PagedLayerCache"]:
-        return [PagedLayerCache(self.keys[i], self.values[i], layout) for i in range(len(self.keys))]
+        return [PagedLayerCache(self.keys[i], self.values[i], layout, self.isa) for i in range(len(self.keys))]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for buf in (self.keys, self.values) for t in buf)
@@ -81,8 +82,8 @@ class PagedKVCache:
 class PagedLayerCache:
     """One layer's pool seen through one step's layout (``quill.models.base.LayerCache``)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, layout: StepLayout):
-        self.keys, self.values, self.layout = keys, values, layout
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, layout: StepLayout, isa: str | None = None):
+        self.keys, self.values, self.layout, self.isa = keys, values, layout, isa
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
@@ -92,13 +93,14 @@ class PagedLayerCache:
         self.values.index_copy_(0, lay.slots, v[0].transpose(0, 1).to(self.values.dtype))
         if not lay.prefills:  # every token a decode (most steps): no gather, no scatter
             qd = q[0].transpose(0, 1)[:, :, None]  # [T, H, 1, D]
-            od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens, scale)
+            od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens, scale,
+                                        self.isa)
             return od[:, :, 0].transpose(0, 1)[None]  # [1, H, T, D]
         out = torch.empty_like(q)
         if lay.decode_rows.numel():
             qd = q[0, :, lay.decode_rows].transpose(0, 1)[:, :, None]  # [Bd, H, 1, D]
             od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens,
-                                        scale)  # [Bd, H, 1, D]
+                                        scale, self.isa)  # [Bd, H, 1, D]
             out[0, :, lay.decode_rows] = od[:, :, 0].transpose(0, 1)
         for start, n, ctx in lay.prefills:
             kc = self.keys[ctx].permute(1, 0, 2)[None]  # [1, Hkv, S, D]

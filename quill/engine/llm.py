@@ -121,7 +121,8 @@ class LLM:
         self.context_length = self.model.args.context_length
         if max_model_len is not None:
             self.context_length = min(self.context_length, max_model_len)
-        self.engine = EngineCore(self.model, self.eos_token_ids, self.context_length, engine_config, seed)
+        self.engine = EngineCore(self.model, self.eos_token_ids, self.context_length, engine_config, seed,
+                                 isa=ctx.native_isa)
         self.processor = OutputProcessor(self.engine, self.tokenizer)
         self._ids = itertools.count()
 

@@ -89,36 +89,38 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
+                     scale: float, isa: str | None = None) -> torch.Tensor:
     """Attention of one new token per sequence against its cache (decode), grouped KV heads.
 
     q [B, H, 1, D], k and v [B, Hkv, S, D], mask bool [B or 1, 1, 1, S] or None -> [B, H, 1, D].
+    ``isa``: the native variant chosen at load (``quill.native.isa_for``), None for torch.
     Native (float32): each K and V row read once per KV head, where ATen's flash kernel took
     2-4x longer on single query tokens.
     """
-    ext = _ext()
+    ext = _ext() if isa is not None else None
     if ext is not None and _native_ok(q, k, v) and q.dtype == torch.float32:
-        return ext.decode_attention(q, k, v, mask, scale)
+        return ext.decode_attention(q, k, v, mask, scale, isa)
     return decode_attention_torch(q, k, v, mask, scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                           lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           lens: torch.Tensor, scale: float, isa: str | None = None) -> torch.Tensor:
     """Decode attention read through a paged pool's slot tables, without gathering the context.
 
     q [B, H, 1, D]; k_pool and v_pool [N, Hkv, D]; slots int64 [B, Smax] (the pool rows of each
     sequence's context, in order, padded past its length); lens int64 [B] -> [B, H, 1, D].  The
-    native kernel returns the bits :func:`decode_attention` gives on the gathered, masked rows.
+    native kernel (``isa`` as chosen at load; None for torch) returns the bits
+    :func:`decode_attention` gives on the gathered, masked rows.
     """
-    ext = _ext()
+    ext = _ext() if isa is not None else None
     if ext is not None and q.dtype == torch.float32 and k_pool.dtype == torch.float32 and not q.requires_grad:
-        return ext.paged_decode_attention(q, k_pool, v_pool, slots, lens, scale)
+        return ext.paged_decode_attention(q, k_pool, v_pool, slots, lens, scale, isa)
     kd = k_pool[slots].permute(0, 2, 1, 3)  # [B, Hkv, Smax, D]
     vd = v_pool[slots].permute(0, 2, 1, 3)
     mask = None
     if bool((lens != slots.shape[1]).any()):
         mask = (torch.arange(slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, Smax]
-    return decode_attention(q, kd.to(q.dtype), vd.to(q.dtype), mask, scale)
+    return decode_attention_torch(q, kd.to(q.dtype), vd.to(q.dtype), mask, scale)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,8 @@ class Registry:
 
     what: str  # "kernel", "MoE backend": used in messages
     entries: Mapping[str, str]  # name -> "module:Class" (imported on first use)
-    priorities: Mapping[str, tuple[str, ...]]  # Platform.isa_level -> names, best first ("scalar" required)
+    # ISA level -> names, best first; rows only where a list differs from the level below ("scalar" required)
+    priorities: Mapping[str, tuple[str, ...]]
     force_var: str  # environment variable that forces one implementation
     disabled_var: str  # environment variable listing disabled implementations
     logger: str
@@ -43,7 +44,8 @@ class Registry:
         return getattr(importlib.import_module(module), cls)
 
     def default_priorities(self, platform: Platform) -> tuple[str, ...]:
-        return tuple(self.priorities.get(platform.isa_level, self.priorities["scalar"]))
+        """The row of the platform's ISA level, or of the nearest level below it that has one."""
+        return tuple(next(self.priorities[lv] for lv in platform.isa_ladder if lv in self.priorities))
 
     def policy_from_env(self, environ: Mapping[str, str] | None = None) -> "KernelPolicy":
         """This family's policy from the environment (read here, once, by the caller)."""

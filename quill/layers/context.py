@@ -64,3 +64,12 @@ class LoadContext:
     @property
     def platform(self) -> Platform:
         return self.selector.platform
+
+    @property
+    def native_isa(self) -> str | None:
+        """The native variant every native entry runs on this platform ('avx512', 'avx2'), None without one.
+
+        The one decision (``quill.native.isa_for``): linear and dense kernels take it through their
+        layer config, decode attention through the engine's KV cache."""
+        from quill import native
+        return native.isa_for(self.platform) if native.load().module is not None else None

@@ -15,16 +15,16 @@ paged_decode_attention = fused.paged_decode_attention
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              scale: float) -> torch.Tensor:
+              scale: float, isa: str | None = None) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads.
 
     q [B, H, T, D], k and v [B, Hkv, S, D] (H a multiple of Hkv), mask bool broadcastable to
     [B, 1, T, S] (True = may attend) or None -> [B, H, T, D].  One query token per sequence
-    (decode) goes through :func:`quill.kernels.fused.decode_attention`; prompts through
-    ATen's flash kernel.
+    (decode) goes through :func:`quill.kernels.fused.decode_attention` (native with the ``isa``
+    a cache was given at load, else torch); prompts through ATen's flash kernel.
     """
     if q.shape[2] == 1:
-        return fused.decode_attention(q, k, v, mask, scale)
+        return fused.decode_attention(q, k, v, mask, scale, isa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 

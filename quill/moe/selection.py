@@ -24,13 +24,8 @@ MOE_BACKENDS: dict[str, str] = {
     "reference": "quill.moe.reference:ReferenceBackend",
 }
 
-# Priority lists per ISA level (Platform.isa_level), best first.
+# Priority lists per ISA level (a row only where a list differs from the level below): one for all.
 MOE_PRIORITIES: dict[str, tuple[str, ...]] = {
-    "amx": ("grouped", "reference"),
-    "avx512_vnni": ("grouped", "reference"),
-    "avx512": ("grouped", "reference"),
-    "avx_vnni": ("grouped", "reference"),
-    "avx2": ("grouped", "reference"),
     "scalar": ("grouped", "reference"),
 }
 

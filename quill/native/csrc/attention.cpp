@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "isa.h"
 #include "ops.h"
 
 namespace quill {
@@ -27,21 +28,11 @@ template <class... A>
 }
 
 AttnHead head_for(const std::string& isa) {
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl");
-  if (isa == "auto") return avx512 ? attn_head_avx512() : avx2 ? attn_head_avx2() : attn_head_scalar();
-  if (isa == "scalar") return attn_head_scalar();
-  if (isa == "avx2") {
-    if (!avx2) fail("ISA 'avx2' needs AVX2 and FMA, which this CPU lacks");
-    return attn_head_avx2();
-  }
-  if (isa == "avx512") {
-    if (!avx512) fail("ISA 'avx512' needs AVX512F/BW/VL, which this CPU lacks");
-    return attn_head_avx512();
-  }
-  fail("unknown ISA '", isa, "'; supported: auto, avx512, avx2, scalar");
+  const std::string problem = isa_problem(isa);
+  if (!problem.empty()) fail(problem);
+  if (isa == "avx512") return attn_head_avx512();
+  if (isa == "avx2") return attn_head_avx2();
+  return attn_head_scalar();
 }
 
 // k or v as [B, Hkv, S, D] float32 with a contiguous last dimension (else a contiguous copy)
@@ -150,9 +141,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
 void register_attention(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
-        py::arg("scale"), py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
-        py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("isa") = "auto",
+        py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("isa"),
         py::call_guard<py::gil_scoped_release>());
 }
 

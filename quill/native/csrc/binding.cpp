@@ -22,6 +22,7 @@
 
 #include "common.h"
 #include "hugepage.h"
+#include "isa.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -63,20 +64,11 @@ DType dtype_of(at::ScalarType t, const char* what) {
 // The kernel table of an ISA, after checking this CPU really has it (a wrong
 // choice must be an error, not an illegal instruction).
 const KernelTable& table_for(const std::string& isa) {
-  __builtin_cpu_init();
-  if (isa == "scalar") return table_scalar();
-  if (isa == "avx2") {
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
-      fail("native kernel: ISA 'avx2' needs AVX2 and FMA, which this CPU lacks");
-    return table_avx2();
-  }
-  if (isa == "avx512") {
-    const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    if (!ok) fail("native kernel: ISA 'avx512' needs AVX512F/BW/VL and AVX512-VNNI, which this CPU lacks");
-    return table_avx512();
-  }
-  fail("native kernel: unknown ISA '", isa, "'; supported: avx512, avx2, scalar");
+  const std::string problem = isa_problem(isa);
+  if (!problem.empty()) fail("native kernel: ", problem);
+  if (isa == "avx512") return table_avx512();
+  if (isa == "avx2") return table_avx2();
+  return table_scalar();
 }
 
 // Grow-only scratch of the calling thread (stream, sums, quantized activations).

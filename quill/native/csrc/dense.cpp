@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dense.h"
+#include "isa.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -25,20 +26,11 @@ template <class... A>
 }
 
 DenseGemm gemm_for(const std::string& isa) {
-  __builtin_cpu_init();
-  if (isa == "scalar") return dense_gemm_scalar();
-  if (isa == "avx2") {
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
-      fail("native dense: ISA 'avx2' needs AVX2, FMA and F16C, which this CPU lacks");
-    return dense_gemm_avx2();
-  }
-  if (isa == "avx512") {
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-        !__builtin_cpu_supports("avx512vl"))
-      fail("native dense: ISA 'avx512' needs AVX512F/BW/VL, which this CPU lacks");
-    return dense_gemm_avx512();
-  }
-  fail("native dense: unknown ISA '", isa, "'; supported: avx512, avx2, scalar");
+  const std::string problem = isa_problem(isa);
+  if (!problem.empty()) fail("native dense: ", problem);
+  if (isa == "avx512") return dense_gemm_avx512();
+  if (isa == "avx2") return dense_gemm_avx2();
+  return dense_gemm_scalar();
 }
 
 class NativeDense {
