@@ -177,3 +177,19 @@ def test_skipped_kernels_are_logged_with_reasons(caplog):
         build_quant_linear(qw, KernelSelector(ZEN3, priorities=("zentorch", "torch", "reference")))
     msg = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernel torch"))
     assert "W4A16 g32 sym" in msg and "[skipped zentorch: zentorch needs AVX-512" in msg
+
+
+def test_the_runs_thread_count_reaches_native_kernels_explicitly():
+    from quill import native
+    from quill.platform import detect
+    here = detect()
+    if native.load().module is None or native.isa_for(here) is None:
+        pytest.skip("no native kernels on this machine")  # the CI machines have them
+    for threads in (1, 3):
+        lin = build_quant_linear(_weight(), KernelSelector(here, threads=threads))
+        assert lin.kernel_name.startswith("native") and lin.config.threads == threads
+        assert lin.state.handle.threads == threads
+    default = build_quant_linear(_weight(), KernelSelector(here))
+    assert default.state.handle.threads == max(1, here.physical_cores)
+    with pytest.raises(KernelSelectionError, match="threads must be a positive integer, found 0"):
+        KernelSelector(here, threads=0)

@@ -106,13 +106,15 @@ class LLM:
         self.options = RunOptions.parse(dtype, activation_quant, threads, kernel, moe_backend, max_model_len)
         self.platform = platform or detect()
         self.threads = self.options.threads or self.platform.physical_cores
+        # native kernels get the count explicitly (LoadContext); torch's own ops (attention over
+        # prompts, norms on the torch path) only read the process-wide pool size
         torch.set_num_threads(self.threads)
         self.path = resolve_model(model, offline)
         checkpoint = open_checkpoint(self.path)
         if progress is None:
             progress = _stderr_is_tty()
         ctx = LoadContext.create(self.platform, self.options.dtype, self.options.act_quant.request,
-                                 self.options.kernel, self.options.moe_backend)
+                                 self.options.kernel, self.options.moe_backend, threads=self.threads)
         self.loaded: LoadedModel = build_model(checkpoint, progress=progress, ctx=ctx)
         self.model = self.loaded.model
         self.tokenizer = None if skip_tokenizer_init else Tokenizer(checkpoint.tokenizer_spec())

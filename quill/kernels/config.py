@@ -31,6 +31,7 @@ class LinearLayerConfig:
     act: ActKind
     act_symmetric: bool
     platform: Platform
+    threads: int = 1  # the run's threads (RunOptions.threads), handed to native kernels
 
     @property
     def per_channel(self) -> bool:
@@ -41,13 +42,14 @@ class LinearLayerConfig:
         return self.in_features // self.group_size
 
     @classmethod
-    def from_weight(cls, w: QuantizedWeight, platform: Platform) -> "LinearLayerConfig":
-        """Describe ``w`` (with its ``activation`` already resolved by the caller)."""
+    def from_weight(cls, w: QuantizedWeight, platform: Platform, threads: int | None = None) -> "LinearLayerConfig":
+        """Describe ``w`` (with its ``activation`` already resolved by the caller); ``threads`` defaults
+        to the platform's physical cores."""
         return cls(
             in_features=w.in_features, out_features=w.out_features, bits=w.bits, group_size=w.group_size,
             symmetric=w.symmetric, has_offsets=w.offsets is not None, act_order=w.has_act_order,
             act=act_kind(w.activation), act_symmetric=w.activation is None or w.activation.symmetric,
-            platform=platform,
+            platform=platform, threads=threads or max(1, platform.physical_cores),
         )
 
     def summary(self) -> str:

@@ -64,7 +64,7 @@ def build_quant_linear(
 ) -> QuantLinear:
     """Select a kernel for ``weight`` and repack it once."""
     weight = weight.with_(activation=resolve_activation(weight, activation))
-    cfg = LinearLayerConfig.from_weight(weight, selector.platform)
+    cfg = LinearLayerConfig.from_weight(weight, selector.platform, selector.threads)
     sel = selector.select(cfg, layer=weight.name)
     state = sel.kernel.prepare(weight, cfg)
     bias = None if weight.bias is None else weight.bias.to(bias_dtype).contiguous()
@@ -140,8 +140,7 @@ def _native_dense(w: torch.Tensor, selector: KernelSelector | None) -> tuple[Any
         return None
     ext, isa = native.load().module, native.isa_for(selector.platform)
     dtype = "bfloat16" if half.dtype == torch.bfloat16 else "float16"
-    handle = ext.NativeDense(pack_dense(half.contiguous()), w.shape[0], w.shape[1], dtype, isa,
-                             max(1, selector.platform.physical_cores))
+    handle = ext.NativeDense(pack_dense(half.contiguous()), w.shape[0], w.shape[1], dtype, isa, selector.threads)
     return handle, half.dtype
 
 

@@ -17,7 +17,7 @@ they accept and in their activations:
   ``activation_quant="int8"`` asked by the user.
 
 The ISA variant (AVX-512 or AVX2) is chosen once per layer in ``prepare`` from
-``cfg.platform``; threads default to the platform's physical cores, capped by
+``cfg.platform``; threads are ``cfg.threads`` (the run's, from ``LLM(threads=...)``), capped by
 ``torch.get_num_threads()`` at each call (the same pool torch uses).
 """
 
@@ -97,7 +97,7 @@ class _NativeKernel(LinearKernel):
         if isa is None:
             raise KernelError(f"{weight.name}: {cls.name} needs {native.isa_requirement()}")
         packed = pack(weight, cls.int8)
-        handle = make_handle(packed, weight, isa, max(1, cfg.platform.physical_cores), cls.int8)
+        handle = make_handle(packed, weight, isa, cfg.threads, cls.int8)
         return NativeState(packed, handle, isa)
 
     @classmethod

@@ -105,9 +105,14 @@ class PrioritySelector:
     platform: Platform
     policy: KernelPolicy = field(default_factory=KernelPolicy)
     priorities: tuple[str, ...] | None = None  # override the platform's list (tests, benchmarks)
+    threads: int | None = None  # the run's threads for native kernels (None: the platform's physical cores)
     _logged: set = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self):
+        if self.threads is None:
+            self.threads = max(1, self.platform.physical_cores)
+        elif isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise KernelSelectionError(f"threads must be a positive integer, found {self.threads!r}")
         self.policy.validate(self.registry)
         if self.priorities is None:
             self.priorities = self.registry.default_priorities(self.platform)

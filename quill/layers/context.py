@@ -45,15 +45,17 @@ class LoadContext:
     @classmethod
     def create(cls, platform: Platform, dtype: torch.dtype, activation: str | None = None,
                kernel: str | None = None, moe_backend: str | None = None, where: str = "checkpoint",
-               env: dict | None = None) -> "LoadContext":
-        """Selectors from the environment's policies (QUILL_KERNEL, ...), a forced kernel / MoE backend on top."""
+               env: dict | None = None, threads: int | None = None) -> "LoadContext":
+        """Selectors from the environment's policies (QUILL_KERNEL, ...), a forced kernel / MoE backend on top;
+        ``threads`` (default: the physical cores) is what every native kernel is built with."""
         policy = KernelPolicy.from_env(env)
         if kernel is not None:
             policy = KernelPolicy(force=kernel, disabled=policy.disabled - {kernel})
         moe_policy = MOE_REGISTRY.policy_from_env(env)
         if moe_backend is not None:
             moe_policy = KernelPolicy(force=moe_backend, disabled=moe_policy.disabled - {moe_backend})
-        return cls(KernelSelector(platform, policy), MoESelector(platform, moe_policy), activation, dtype, where)
+        return cls(KernelSelector(platform, policy, threads=threads), MoESelector(platform, moe_policy), activation,
+                   dtype, where)
 
     @classmethod
     def from_selector(cls, selector: KernelSelector, dtype: torch.dtype, activation: str | None = None,
