@@ -126,3 +126,28 @@ def test_native_dense_goes_with_the_native_float_kernels():
     assert build_dense_linear("x", w16, None, torch.float32, off).kernel_name == "dense"
     on = KernelSelector(PLATFORM, KernelPolicy(force="native_w8a16"))
     assert build_dense_linear("x", w16, None, torch.float32, on).kernel_name == "native_dense"
+
+
+def test_dense_kernels_are_a_registry_with_reasons():
+    from quill.kernels.dense import DENSE_KERNELS, DenseLayerConfig
+    sel = KernelSelector(PLATFORM)
+    assert DENSE_KERNELS.default_priorities(PLATFORM)[0] == "native_dense"
+    cfg = DenseLayerConfig(32, 16, torch.float32, None, torch.float32, PLATFORM)
+    choice = sel.dense.select(cfg, layer="x")
+    assert choice.name == "dense"
+    assert choice.refusals == (("native_dense", "holds exact bfloat16 / float16 words only; this weight has "
+                                                "float32 values that are neither"),)
+    off = KernelSelector(PLATFORM, KernelPolicy(force="torch")).dense.select(
+        DenseLayerConfig(32, 16, torch.bfloat16, torch.bfloat16, torch.float32, PLATFORM), layer="x")
+    assert off.name == "dense" and "disabled by the linear kernel policy" in off.refusals[0][1]
+
+
+def test_moe_dense_experts_get_the_native_dense_kernel():
+    from quill.moe import linear_factory
+    from quill.moe.experts import DenseWeight
+    make = linear_factory(KernelSelector(PLATFORM, threads=1), torch.float32)
+    w = (torch.randn(24, 64) * 0.1).to(torch.bfloat16)
+    lin = make(DenseWeight(w, None, "model.layers.0.mlp.experts.3.up_proj"))
+    assert lin.kernel_name == "native_dense" and lin.native.threads == 1
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(lin(x), x @ w.float().T, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,8 @@ import torch
 from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.errors import ConfigError, format_choices
 from quill.kernels.config import LinearLayerConfig
-from quill.kernels.selection import KernelSelector, Selection, kernel_class
+from quill.kernels.dense import DenseLayerConfig, NativeDenseKernel, as_16bit
+from quill.kernels.selection import KernelSelector, Selection
 
 ACTIVATION_CHOICES = ("none", "int8")
 
@@ -104,59 +105,20 @@ class DenseLinear:
         return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
-def _as_16bit(w: torch.Tensor, rows: int = 4096) -> torch.Tensor | None:
-    """``w`` as bfloat16 or float16 when that holds every value exactly (checked a slice of rows at a time)."""
-    if w.dtype in (torch.bfloat16, torch.float16):
-        return w
-    if w.dtype != torch.float32 or w.dim() != 2:
-        return None
-    for half in (torch.bfloat16, torch.float16):
-        if all(torch.equal(w[r:r + rows].to(half).float(), w[r:r + rows]) for r in range(0, w.shape[0], rows)):
-            return w.to(half)
-    return None
-
-
-# The native dense kernel goes with the native float-activation kernels: disabling either of
-# them, or forcing another kernel, keeps dense layers on torch.
-NATIVE_FLOAT_KERNELS = ("native_w4a16", "native_w8a16")
-
-
-def _native_dense(w: torch.Tensor, selector: KernelSelector | None) -> tuple[Any, torch.dtype] | None:
-    """(NativeDense over ``w`` (compute dtype), the 16-bit dtype it holds), or None: no selector, the
-    native float kernels disabled or another kernel forced, no extension or ISA, or values that are
-    not all 16-bit floats."""
-    from quill import native
-    from quill.native.pack import pack_dense
-
-    policy = selector.policy if selector is not None else None
-    if policy is None or any(k in policy.disabled for k in NATIVE_FLOAT_KERNELS):
-        return None
-    if policy.force not in (None,) + NATIVE_FLOAT_KERNELS:
-        return None
-    if kernel_class(NATIVE_FLOAT_KERNELS[0]).supported(selector.platform) is not None:
-        return None
-    half = _as_16bit(w)
-    if half is None:
-        return None
-    ext, isa = native.load().module, native.isa_for(selector.platform)
-    dtype = "bfloat16" if half.dtype == torch.bfloat16 else "float16"
-    handle = ext.NativeDense(pack_dense(half.contiguous()), w.shape[0], w.shape[1], dtype, isa, selector.threads)
-    return handle, half.dtype
-
-
 def build_dense_linear(
     name: str, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
     selector: KernelSelector | None = None,
 ) -> DenseLinear:
-    """Wrap a float weight [out, in] (converted once to ``dtype``; no copy when it already is).
-
-    With a ``selector`` the native dense kernel holds it when it can (see DenseLinear), unless
-    the policy disables the native float kernels or forces another kernel (NATIVE_FLOAT_KERNELS).
-    """
+    """Wrap a float weight [out, in]: the dense kernel ``selector.dense`` picks (quill.kernels.dense),
+    ``F.linear`` on the weight converted once to ``dtype`` without a selector."""
     stored = weight.numel() * weight.element_size()
-    w = weight.to(dtype).contiguous()
+    half = as_16bit(weight) if selector is not None else None
     b = None if bias is None else bias.to(dtype).contiguous()
-    held = _native_dense(w, selector)
-    if held is not None:
-        return DenseLinear(name, w.shape[1], w.shape[0], None, b, stored, *held)
+    if selector is not None:
+        cfg = DenseLayerConfig(weight.shape[1], weight.shape[0], weight.dtype, None if half is None else half.dtype,
+                               dtype, selector.platform, selector.threads)
+        if selector.dense.select(cfg, layer=name).name == "native_dense":
+            return DenseLinear(name, cfg.in_features, cfg.out_features, None, b, stored,
+                               NativeDenseKernel.build(half, cfg), half.dtype)
+    w = weight.to(dtype).contiguous()
     return DenseLinear(name, w.shape[1], w.shape[0], w, b, stored, None, w.dtype)

@@ -13,11 +13,12 @@ the MoE backends) are in :mod:`quill.kernels.priority`.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from quill.kernels.base import LinearKernel
 from quill.kernels.config import LinearLayerConfig
+from quill.kernels.dense import DenseSelector
 from quill.kernels.priority import KernelPolicy, PrioritySelector, Registry, Selection
 
 __all__ = ["KERNELS", "LINEAR_KERNELS", "PRIORITIES", "KernelPolicy", "KernelSelector", "Selection", "kernel_class"]
@@ -62,6 +63,11 @@ class KernelSelector(PrioritySelector):
     """Chooses a linear kernel per layer for one platform and policy; logs each distinct choice once."""
 
     registry: ClassVar[Registry] = LINEAR_KERNELS
+    dense: DenseSelector = field(init=False, repr=False)  # the dense-kernel family under the same policy
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.dense = DenseSelector.for_linear(self.platform, self.policy, self.threads)
 
     def log_key(self, cfg: LinearLayerConfig) -> Hashable:
         return (cfg.bits, cfg.group_size, cfg.symmetric, cfg.has_offsets, cfg.act_order, cfg.act)

@@ -60,7 +60,7 @@ def linear_factory(selector: KernelSelector, dtype: torch.dtype) -> Callable[[Pr
     """Build one run-time linear from a canonical projection through the linear-kernel selector."""
     def make(p: Proj):
         if isinstance(p, DenseWeight):
-            return build_dense_linear(p.name, p.weight, p.bias, dtype)
+            return build_dense_linear(p.name, p.weight, p.bias, dtype, selector)
         return build_quant_linear(p, selector, None, bias_dtype=dtype)
     return make
 
