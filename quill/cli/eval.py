@@ -141,6 +141,14 @@ def window_args(args, llm) -> tuple[int, int]:
     return context, max(1, context // 2) if args.stride is None else args.stride
 
 
+def eval_llm(args, context: int | None = None):
+    """The model, its context capped at the window when the user set no cap: the KV pool is then sized
+    for windows (16 sequences x 512 tokens: ~0.4 GB on the default model) instead of full contexts."""
+    if args.max_model_len is None:
+        args = argparse.Namespace(**{**vars(args), "max_model_len": context or args.context or 512})
+    return build_llm(args)
+
+
 def _windows_total(n: int, context: int, stride: int, max_context: int) -> int:
     from quill.eval.perplexity import make_windows
     return sum(w.end - w.begin for w in make_windows(n, context, stride, max_context))
@@ -149,7 +157,7 @@ def _windows_total(n: int, context: int, stride: int, max_context: int) -> int:
 def run_perplexity(args) -> int:
     from quill.eval.perplexity import perplexity
     text = read_text(args)  # before the model loads: a bad text fails fast
-    llm = build_llm(args)
+    llm = eval_llm(args)
     tokens = tokenize(llm, args, text)
     context, stride = window_args(args, llm)
     bar = Progress(args, _windows_total(len(tokens), context, stride, llm.context_length), "perplexity")
@@ -185,7 +193,7 @@ def run_compare(args) -> int:
             raise EvalError(f"{args.model} was scored with --context {base.context} --stride {base.stride}; "
                             f"found --context {args.context} --stride {args.stride}")
     else:
-        llm = build_llm(args)
+        llm = eval_llm(args)
         tokens = tokenize(llm, args, text)
         context, stride = window_args(args, llm)
         bar = Progress(args, _windows_total(len(tokens), context, stride, llm.context_length), "base")
@@ -197,7 +205,7 @@ def run_compare(args) -> int:
         del llm  # the base's memory goes before OTHER loads
         if args.save_base:
             base.save(args.save_base)
-    other = build_llm(other_args)
+    other = eval_llm(other_args, base.context)
     tokens = tokenize(other, other_args, text)
     bar = Progress(args, _windows_total(len(tokens), base.context, base.stride, other.context_length), "other")
     try:

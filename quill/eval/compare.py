@@ -131,6 +131,8 @@ class Comparison:
     top_k: int
     ppl_base: float
     ppl_other: float
+    ppl_base_stderr: float
+    ppl_other_stderr: float
     ln_ppl_ratio: float  # mean(NLL_other - NLL_base)
     ln_ppl_ratio_stderr: float
     kl_mean: float
@@ -155,7 +157,8 @@ class Comparison:
         return "\n".join([
             f"base:  {self.base}", f"other: {self.other}",
             f"tokens evaluated          {self.tokens_evaluated} (KL over the base's top {self.top_k} + rest)",
-            f"PPL(base)                 {self.ppl_base:.4f}", f"PPL(other)                {self.ppl_other:.4f}",
+            f"PPL(base)                 {self.ppl_base:.4f} +/- {self.ppl_base_stderr:.4f}",
+            f"PPL(other)                {self.ppl_other:.4f} +/- {self.ppl_other_stderr:.4f}",
             f"PPL(other)/PPL(base)      {self.ppl_ratio:.5f}  (ln ratio {self.ln_ppl_ratio:.5f} "
             f"+/- {self.ln_ppl_ratio_stderr:.5f})",
             f"KL divergence mean        {self.kl_mean:.6f} +/- {self.kl_stderr:.6f}",
@@ -183,9 +186,10 @@ def compare(base: BaseScores, llm, tokens: list[int], other: str, progress=None)
     n = kl.numel()
     ratio, ratio_se = nll_stats(nll_o - nll_b)
     kl_mean, kl_se = nll_stats(kl)
+    (mb, sb), (mo, so) = nll_stats(nll_b), nll_stats(nll_o)
     agree = float(same.mean())
-    return Comparison(base.model, other, n, base.top_ids.shape[1], math.exp(float(nll_b.mean())),
-                      math.exp(float(nll_o.mean())), ratio, ratio_se, kl_mean, kl_se, float(kl.median()),
+    return Comparison(base.model, other, n, base.top_ids.shape[1], math.exp(mb), math.exp(mo),
+                      math.exp(mb) * sb, math.exp(mo) * so, ratio, ratio_se, kl_mean, kl_se, float(kl.median()),
                       float(torch.quantile(kl, 0.99)), float(kl.max()), agree,
                       math.sqrt(agree * (1 - agree) / n), seconds)
 
