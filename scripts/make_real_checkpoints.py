@@ -74,7 +74,8 @@ def cut_model(gguf: Path, out: Path):
     return tok
 
 
-def calibration(tok):
+def calibration(tok, vocab: int | None = VOCAB):
+    """Up to 64 standard-library docstrings of 256 tokens (ids below ``vocab`` when given: the cut model)."""
     from datasets import Dataset
     texts = set()
     for name in CALIB_MODULES:
@@ -85,7 +86,7 @@ def calibration(tok):
                 texts.add(doc)
     rows = []
     for text in sorted(texts)[:64]:
-        ids = [t for t in tok(text).input_ids if t < VOCAB][:256]
+        ids = [t for t in tok(text).input_ids if vocab is None or t < vocab][:256]
         rows.append({"input_ids": ids, "attention_mask": [1] * len(ids)})
     return Dataset.from_list(rows)
 
