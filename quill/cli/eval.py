@@ -169,7 +169,7 @@ def run_perplexity(args) -> int:
     return 0
 
 
-def _describe(args, model: str | None, act_quant, dtype, kernel) -> str:
+def _describe(model: str | None, act_quant, dtype, kernel) -> str:
     parts = [model or "default model", f"act-quant {act_quant or 'none'}", dtype]
     if kernel:
         parts.append(f"kernel {kernel}")
@@ -199,7 +199,7 @@ def run_compare(args) -> int:
         bar = Progress(args, _windows_total(len(tokens), context, stride, llm.context_length), "base")
         try:
             base = score_base(llm, tokens, context, stride, args.top_k,
-                              _describe(args, args.model, args.act_quant, args.dtype, args.kernel), progress=bar)
+                              _describe(args.model, args.act_quant, args.dtype, args.kernel), progress=bar)
         finally:
             bar.close()
         del llm  # the base's memory goes before OTHER loads
@@ -209,7 +209,7 @@ def run_compare(args) -> int:
     tokens = tokenize(other, other_args, text)
     bar = Progress(args, _windows_total(len(tokens), base.context, base.stride, other.context_length), "other")
     try:
-        result = compare(base, other, tokens, _describe(other_args, other_args.model, other_args.act_quant,
+        result = compare(base, other, tokens, _describe(other_args.model, other_args.act_quant,
                                                         other_args.dtype, other_args.kernel), progress=bar)
     finally:
         bar.close()

@@ -12,7 +12,6 @@ and equal to it when k is the vocabulary size.  Two identical models give exactl
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import tempfile
@@ -192,7 +191,3 @@ def compare(base: BaseScores, llm, tokens: list[int], other: str, progress=None)
                       math.exp(mb) * sb, math.exp(mo) * so, ratio, ratio_se, kl_mean, kl_se, float(kl.median()),
                       float(torch.quantile(kl, 0.99)), float(kl.max()), agree,
                       math.sqrt(agree * (1 - agree) / n), seconds)
-
-
-def dumps(result) -> str:
-    return json.dumps(result.as_dict(), indent=2)

@@ -112,13 +112,13 @@ def build_dense_linear(
     """Wrap a float weight [out, in]: the dense kernel ``selector.dense`` picks (quill.kernels.dense),
     ``F.linear`` on the weight converted once to ``dtype`` without a selector."""
     stored = weight.numel() * weight.element_size()
-    half = as_16bit(weight) if selector is not None else None
+    w = weight.to(dtype).contiguous()  # a 16-bit runtime rounds the weight first, as F.linear would use it
     b = None if bias is None else bias.to(dtype).contiguous()
     if selector is not None:
-        cfg = DenseLayerConfig(weight.shape[1], weight.shape[0], weight.dtype, None if half is None else half.dtype,
+        half = as_16bit(w)
+        cfg = DenseLayerConfig(w.shape[1], w.shape[0], weight.dtype, None if half is None else half.dtype,
                                dtype, selector.platform, selector.threads)
         if selector.dense.select(cfg, layer=name).name == "native_dense":
             return DenseLinear(name, cfg.in_features, cfg.out_features, None, b, stored,
                                NativeDenseKernel.build(half, cfg), half.dtype)
-    w = weight.to(dtype).contiguous()
     return DenseLinear(name, w.shape[1], w.shape[0], w, b, stored, None, w.dtype)
