@@ -104,11 +104,11 @@ def test_topk_kl_is_the_full_kl_at_full_k_and_a_lower_bound_below():
     assert bool((part <= full + 1e-6).all()) and bool((part > 0).all())
 
 
-def test_compare_cli_int8_activations_and_a_saved_base(tmp_path, capsys):
+def test_compare_int8_activations_against_a_saved_base(tmp_path):
     name = "ct-w4a16-sym-g128-llama"
     from tests.test_fixture_models import transformers_twin
     vocab = transformers_twin(name).config.vocab_size
-    # the fixtures carry no tokenizer: score through the API, then reuse the saved base from the CLI path
+    # the fixtures carry no tokenizer: scored through the API on token ids, the base saved and read back
     llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True)
     tokens = torch.randint(0, vocab, (200,), generator=torch.Generator().manual_seed(2)).tolist()
     base = score_base(llm, tokens, 64, 32, 8, name)

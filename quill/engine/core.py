@@ -177,13 +177,15 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch:
             return self._unschedulable()
-        logits, rows = self._forward(batch)
+        scored = {seq: seq.scorer.positions(seq.num_computed, n) for seq, n in batch
+                  if seq.scorer is not None and not seq.scorer.done()}  # prompt positions scored this step
+        logits, rows = self._forward(batch, scored)
         outputs = []
         for seq, n in batch:
-            if seq.scorer is not None and not seq.scorer.done():
-                scored = seq.scorer.positions(seq.num_computed, n)
-                skip = scored.start - seq.num_computed if seq.wants_prompt_logprobs else 0  # all rows picked
-                seq.scorer.add(logits[rows[seq][skip:skip + len(scored)]], scored)
+            if seq in scored:
+                pos = scored[seq]
+                skip = pos.start - seq.num_computed if seq.wants_prompt_logprobs else 0  # all rows picked
+                seq.scorer.add(logits[rows[seq][skip:skip + len(pos)]], pos)
             prompt_chunk = seq.in_prefill
             seq.num_computed += n
             if prompt_chunk and not seq.output:
@@ -195,7 +197,7 @@ class EngineCore:
                 outputs.append(self._sample(seq, logits[rows[seq][-1]]))
         return outputs
 
-    def _forward(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, dict]:
+    def _forward(self, batch: list[tuple[Sequence, int]], scored: dict[Sequence, range]) -> tuple[torch.Tensor, dict]:
         tokens, positions, pieces, want, rows = [], [], [], [], {}
         for seq, n in batch:
             start = len(tokens)
@@ -204,9 +206,8 @@ class EngineCore:
             pieces.append((seq.block_table, seq.num_computed, n))
             picked = range(start, start + n) if seq.wants_prompt_logprobs else (
                 [start + n - 1] if seq.num_computed + n == seq.num_tokens else [])
-            if seq.scorer is not None and not seq.scorer.done():  # scored rows come before the sampled one
-                scored = seq.scorer.positions(seq.num_computed, n)
-                picked = sorted({*picked, *(start + p - seq.num_computed for p in scored)})
+            if seq in scored:  # scored rows come before the sampled one
+                picked = sorted({*picked, *(start + p - seq.num_computed for p in scored[seq])})
             rows[seq] = list(range(len(want), len(want) + len(picked)))
             want += picked
         layout = StepLayout.build(pieces, self.blocks.block_size)
