@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: install native test demo clean
+.PHONY: install native llamacpp test demo clean
 
 # torch is pinned to the local CPU wheel first: any other resolution pulls a CUDA build.
 # The zen extra (zentorch, ~28 MB, no other torch) is installed so the tests exercise that kernel.
@@ -26,7 +26,20 @@ native: $(STAMP)
 
 install: $(STAMP) native
 
-test: install
+# llama.cpp itself (llama-cpp-python 0.3.36, the AVX2 wheel in ../shared/wheels) in its own virtualenv,
+# never quill's: its quantizer writes the K-quant GGUF files the tests read, and benchmarks run it as the peer.
+LLAMA_VENV := .venv-llamacpp
+LLAMA_WHEEL ?= $(firstword $(wildcard ../shared/wheels/llama_cpp_python-0.3.36-*.whl))
+$(LLAMA_VENV)/.installed:
+	@test -n "$(LLAMA_WHEEL)" || { echo "llama-cpp-python 0.3.36 wheel not found in ../shared/wheels (set LLAMA_WHEEL=...)"; exit 1; }
+	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -m pip --disable-pip-version-check -q install numpy diskcache jinja2 typing_extensions
+	$(LLAMA_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps $(LLAMA_WHEEL)
+	touch $@
+
+llamacpp: $(LLAMA_VENV)/.installed
+
+test: install llamacpp
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -35,4 +48,4 @@ demo: install
 	$(BIN)/quill generate "What is the capital of France?" --max-tokens 64
 
 clean:
-	rm -rf $(VENV) build *.egg-info quill/native/_build quill/native/_quill_native*.so
+	rm -rf $(VENV) $(LLAMA_VENV) build *.egg-info quill/native/_build quill/native/_quill_native*.so

@@ -52,8 +52,10 @@ def default_gguf() -> Path:
 
 
 def write_1b_gguf(out: Path, tokenizer_from: Path, seed: int = 0, hidden: int = 2048, ffn: int = 8192,
-                  heads: int = 32, kv_heads: int = 8, layers: int = 16, name: str = "llama-1b-q4_0.gguf") -> Path:
-    """A Llama-shaped GGUF (1.2B by default) with random Q4_0 weights and ``tokenizer_from``'s tokenizer."""
+                  heads: int = 32, kv_heads: int = 8, layers: int = 16, name: str = "llama-1b-q4_0.gguf",
+                  qtype: str = "Q4_0") -> Path:
+    """A Llama-shaped GGUF (1.2B by default) with random weights (``qtype``: Q4_0, or F16 as a source for
+    llama.cpp's quantizer) and ``tokenizer_from``'s tokenizer."""
     import gguf
 
     path = out / name
@@ -74,7 +76,7 @@ def write_1b_gguf(out: Path, tokenizer_from: Path, seed: int = 0, hidden: int = 
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_rope_dimension_count(hidden // heads)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if qtype == "Q4_0" else gguf.LlamaFileType.MOSTLY_F16)
     for key, field in src.fields.items():  # the tokenizer, as the source file has it
         if key.startswith("tokenizer."):
             vtype = field.types[0]
@@ -83,12 +85,13 @@ def write_1b_gguf(out: Path, tokenizer_from: Path, seed: int = 0, hidden: int = 
     rng = np.random.default_rng(seed)
     hd = hidden // heads
 
-    def q4(rows: int, cols: int, scale: float) -> None:
-        data = (rng.standard_normal((rows, cols), dtype=np.float32) * scale)
-        return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
-
     def add(name: str, rows: int, cols: int) -> None:
-        w.add_tensor(name, q4(rows, cols, cols ** -0.5), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        data = rng.standard_normal((rows, cols), dtype=np.float32) * cols ** -0.5
+        if qtype == "F16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_0)
 
     add("token_embd.weight", vocab, hidden)
     for i in range(layers):

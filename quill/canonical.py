@@ -14,7 +14,8 @@ import torch
 
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUB_SCALE_DTYPES = (torch.int8, torch.int16)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -60,20 +61,30 @@ class QuantizedWeight:
                      i // group_size     otherwise
         z[o, g]    = zeros[o, g]         if zeros is not None   (asymmetric)
                      2 ** (bits - 1)     otherwise              (symmetric)
-        w[o, i]    = (codes[o, i] - z[o, g]) * scales[o, g]  (+ offsets[o, g] if offsets is not None)
+        s[o, g]    = super_scales[o, g // k] * scales[o, g]    if super_scales is not None (two-level)
+                     scales[o, g]                              otherwise
+        m[o, g]    = super_offsets[o, g // k] * offsets[o, g]  if super_offsets is not None (two-level)
+                     offsets[o, g]                             otherwise
+        w[o, i]    = (codes[o, i] - z[o, g]) * s[o, g]  (+ m[o, g] if offsets is not None)
 
-    computed in float32 (scales upcast from their stored dtype), which makes it
-    exact for every format quill reads: ``codes - z`` is a small integer and the
-    product with a 16-bit scale is representable in float32.
+    with ``k = G / S`` groups per super-group.  Computed in float32 (scales upcast
+    from their stored dtype), which makes it exact for every format quill reads:
+    ``codes - z`` is a small integer, a 16-bit scale times a small integer
+    sub-scale is representable in float32, and so is its product with the code.
 
     Fields:
         codes:   uint8 [out, in], unsigned integer codes in [0, 2**bits).
-        bits:    2, 3, 4 or 8.
+        bits:    2, 3, 4, 5, 6 or 8.
         group_size: input columns per scale group; ``in_features`` for per-channel.
         scales:  float [out, G] in the checkpoint's dtype (may be negative:
-                 auto-round's symmetric RTN produces negative scales).
+                 auto-round's symmetric RTN produces negative scales); with
+                 ``super_scales``, small integers int8/int16 [out, G] (sub-scales).
         zeros:   int16 [out, G] integer zero points in [0, 2**bits], or None (symmetric).
-        offsets: float [out, G] added after scaling (GGUF Q4_1's ``min``), or None.
+        offsets: float [out, G] added after scaling (GGUF Q4_1's ``min``), or None;
+                 with ``super_offsets``, small integers int8/int16 [out, G].
+        super_scales:  float [out, S] scale of every super-group of ``G / S`` groups
+                 (the two-level scales of block formats with 6-bit sub-scales), or None.
+        super_offsets: float [out, S] the same for offsets, or None (needs ``offsets``).
         g_idx:   int32 [in], act-order group of each input column, or None.
         dtype:   the model's original float dtype (what the weight was quantized from).
         bias:    float [out] or None.
@@ -90,6 +101,8 @@ class QuantizedWeight:
     dtype: torch.dtype = torch.bfloat16
     bias: torch.Tensor | None = None
     activation: ActivationQuant | None = None
+    super_scales: torch.Tensor | None = None
+    super_offsets: torch.Tensor | None = None
     name: str = field(default="<unnamed>", compare=False)
 
     # ---- shape facts -------------------------------------------------
@@ -117,6 +130,61 @@ class QuantizedWeight:
     def per_channel(self) -> bool:
         return self.group_size == self.in_features
 
+    @property
+    def two_level(self) -> bool:
+        """Scales (and maybe offsets) are a float per super-group times a small integer per group."""
+        return self.super_scales is not None or self.super_offsets is not None
+
+    @property
+    def groups_per_super(self) -> int:
+        """Groups per super-group (1 for single-level scales)."""
+        sup = self.super_scales if self.super_scales is not None else self.super_offsets
+        return 1 if sup is None else self.num_groups // sup.shape[1]
+
+    def group_scales(self) -> torch.Tensor:
+        """float32 [out, G]: every group's scale (``s`` of the formula), exact."""
+        return _expand_level(self.scales, self.super_scales)
+
+    def group_offsets(self) -> torch.Tensor | None:
+        """float32 [out, G] (``m`` of the formula), exact, or None."""
+        return None if self.offsets is None else _expand_level(self.offsets, self.super_offsets)
+
+    def single_level(self) -> "QuantizedWeight":
+        """The same weight with one float32 scale (and offset) per group: exact, for kernels that
+        read single-level scales.  Returns ``self`` when it already is."""
+        if not self.two_level:
+            return self
+        return self.with_(scales=self.group_scales(), offsets=self.group_offsets(),
+                          super_scales=None, super_offsets=None)
+
+    def widened(self, bits: int) -> "QuantizedWeight":
+        """The same values with ``bits``-bit codes (>= ``self.bits``): codes unchanged, a symmetric
+        weight's implicit zero spelt out.  For kernels that run a wider code than stored."""
+        if bits < self.bits:
+            raise ConfigError(f"{self.name}: cannot widen {self.bits}-bit codes to {bits} bits")
+        if bits == self.bits:
+            return self
+        zeros = self.zeros
+        if zeros is None:
+            zeros = torch.full(tuple(self.scales.shape), 1 << (self.bits - 1), dtype=torch.int16)
+        return self.with_(bits=bits, zeros=zeros)
+
+    def take_rows(self, ids: torch.Tensor) -> "QuantizedWeight":
+        """Output rows ``ids`` of every per-row tensor (codes, scales, zeros, offsets, super-, bias)."""
+        def pick(t):
+            return None if t is None else t.index_select(0, ids)
+        return self.with_(codes=pick(self.codes), scales=pick(self.scales), zeros=pick(self.zeros),
+                          offsets=pick(self.offsets), bias=pick(self.bias),
+                          super_scales=pick(self.super_scales), super_offsets=pick(self.super_offsets))
+
+    def layout(self) -> tuple:
+        """What two weights must share for their rows to be concatenated into one weight."""
+        def kind(t):
+            return None if t is None else t.dtype
+        return (self.bits, self.group_size, self.in_features, self.num_groups, self.groups_per_super,
+                self.dtype, self.activation, kind(self.scales), kind(self.zeros), kind(self.offsets),
+                kind(self.super_scales), kind(self.super_offsets), kind(self.bias), kind(self.codes))
+
     def group_index(self) -> torch.Tensor:
         """int64 [in]: the scale group of every input column."""
         if self.g_idx is not None:
@@ -126,11 +194,15 @@ class QuantizedWeight:
     def storage_bytes(self) -> int:
         """Bytes this weight occupies when packed: codes at ``bits`` each, plus scales/zeros/offsets."""
         n = self.out_features * self.in_features * self.bits // 8
-        n += self.scales.numel() * self.scales.element_size()
-        if self.zeros is not None:
+        for sub, sup in ((self.scales, self.super_scales), (self.offsets, self.super_offsets)):
+            if sub is None:
+                continue
+            if sup is None:
+                n += sub.numel() * sub.element_size()
+            else:  # integer sub-scales at the bits they need (6 for GGUF K-quants), floats per super-group
+                n += (sub.numel() * _int_bits(sub) + 7) // 8 + sup.numel() * sup.element_size()
+        if self.zeros is not None and bool(self.zeros.any()):
             n += (self.zeros.numel() * self.bits + 7) // 8
-        if self.offsets is not None:
-            n += self.offsets.numel() * self.offsets.element_size()
         return n
 
     # ---- the formula -------------------------------------------------
@@ -142,9 +214,9 @@ class QuantizedWeight:
             w = w - float(1 << (self.bits - 1))
         else:
             w = w - self.zeros.to(torch.float32)[:, g]
-        w = w * self.scales.to(torch.float32)[:, g]
+        w = w * self.group_scales()[:, g]
         if self.offsets is not None:
-            w = w + self.offsets.to(torch.float32)[:, g]
+            w = w + self.group_offsets()[:, g]
         return w
 
     def with_(self, **changes) -> "QuantizedWeight":
@@ -164,9 +236,12 @@ class QuantizedWeight:
             raise ConfigError(
                 f"{n}: group_size {self.group_size} does not divide in_features {inp}; "
                 "supported: a positive divisor of in_features (or per-channel)")
-        _expect(self.scales.dtype in FLOAT_DTYPES and self.scales.dim() == 2 and self.scales.shape[0] == out,
-                n, "scales", f"float [out={out}, G], found {self.scales.dtype} {list(self.scales.shape)}")
+        scale_kinds = SUB_SCALE_DTYPES if self.super_scales is not None else FLOAT_DTYPES
+        _expect(self.scales.dtype in scale_kinds and self.scales.dim() == 2 and self.scales.shape[0] == out,
+                n, "scales", f"{_kind(scale_kinds)} [out={out}, G], found {self.scales.dtype} "
+                f"{list(self.scales.shape)}")
         groups = self.scales.shape[1]
+        self._validate_levels(out, groups)
         if self.g_idx is None and groups != inp // self.group_size:
             raise CheckpointError(
                 f"{n}: scales have {groups} groups but in_features {inp} / group_size {self.group_size} "
@@ -175,8 +250,10 @@ class QuantizedWeight:
             _expect(self.zeros.dtype == torch.int16 and tuple(self.zeros.shape) == (out, groups), n, "zeros",
                     f"int16 [{out}, {groups}], found {self.zeros.dtype} {list(self.zeros.shape)}")
         if self.offsets is not None:
-            _expect(self.offsets.dtype in FLOAT_DTYPES and tuple(self.offsets.shape) == (out, groups), n,
-                    "offsets", f"float [{out}, {groups}], found {self.offsets.dtype} {list(self.offsets.shape)}")
+            kinds = SUB_SCALE_DTYPES if self.super_offsets is not None else FLOAT_DTYPES
+            _expect(self.offsets.dtype in kinds and tuple(self.offsets.shape) == (out, groups), n,
+                    "offsets", f"{_kind(kinds)} [{out}, {groups}], found {self.offsets.dtype} "
+                    f"{list(self.offsets.shape)}")
         if self.g_idx is not None:
             _expect(self.g_idx.dtype == torch.int32 and tuple(self.g_idx.shape) == (inp,), n, "g_idx",
                     f"int32 [{inp}], found {self.g_idx.dtype} {list(self.g_idx.shape)}")
@@ -191,6 +268,45 @@ class QuantizedWeight:
             raise CheckpointError(
                 f"{n}: codes reach {int(self.codes.max())}, above the {self.bits}-bit maximum {(1 << self.bits) - 1}")
         return self
+
+    def _validate_levels(self, out: int, groups: int) -> None:
+        n = self.name
+        if self.super_offsets is not None and self.offsets is None:
+            raise CheckpointError(f"{n}: tensor 'super_offsets' is set but there are no offsets")
+        supers = [t for t in (self.super_scales, self.super_offsets) if t is not None]
+        for label, t in zip(("super_scales", "super_offsets"), (self.super_scales, self.super_offsets)):
+            if t is None:
+                continue
+            _expect(t.dtype in FLOAT_DTYPES and t.dim() == 2 and t.shape[0] == out and t.shape[1] > 0
+                    and groups % t.shape[1] == 0, n, label,
+                    f"float [{out}, S] with S dividing the {groups} groups, found {t.dtype} {list(t.shape)}")
+        if len(supers) == 2 and supers[0].shape != supers[1].shape:
+            raise CheckpointError(f"{n}: super_scales {list(supers[0].shape)} and super_offsets "
+                                  f"{list(supers[1].shape)} differ in shape")
+        if supers and self.g_idx is not None:
+            raise ConfigError(f"{n}: two-level scales with act-order (g_idx) are not supported")
+
+
+def _expand_level(sub: torch.Tensor, sup: torch.Tensor | None) -> torch.Tensor:
+    """float32 [out, G]: ``sub`` itself, or ``sup[:, g // k] * sub[:, g]`` (one rounding, exact here)."""
+    if sup is None:
+        return sub.to(torch.float32)
+    k = sub.shape[1] // sup.shape[1]
+    return sup.to(torch.float32).repeat_interleave(k, dim=1) * sub.to(torch.float32)
+
+
+def _int_bits(t: torch.Tensor) -> int:
+    """Bits a two's-complement / unsigned integer tensor needs (at least 1)."""
+    if not t.numel():
+        return 1
+    lo, hi = int(t.min()), int(t.max())
+    if lo >= 0:
+        return max(1, hi.bit_length())
+    return max(hi.bit_length(), (-lo - 1).bit_length()) + 1
+
+
+def _kind(dtypes: tuple) -> str:
+    return "int" if dtypes == SUB_SCALE_DTYPES else "float"
 
 
 def _expect(ok: bool, layer: str, tensor: str, what: str) -> None:

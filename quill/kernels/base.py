@@ -22,6 +22,8 @@ class LinearKernel(ABC):
     """
 
     name: ClassVar[str]
+    # True: ``prepare`` reads two-level scales itself; False: it gets ``weight.single_level()``
+    two_level_scales: ClassVar[bool] = False
 
     @classmethod
     def supported(cls, platform: Platform) -> str | None:

@@ -67,10 +67,12 @@ def build_quant_linear(
     weight = weight.with_(activation=resolve_activation(weight, activation))
     cfg = LinearLayerConfig.from_weight(weight, selector.platform, selector.threads)
     sel = selector.select(cfg, layer=weight.name)
+    stored = weight.storage_bytes()
+    if not sel.kernel.two_level_scales:  # exact: one float32 scale (offset) per group
+        weight = weight.single_level()
     state = sel.kernel.prepare(weight, cfg)
     bias = None if weight.bias is None else weight.bias.to(bias_dtype).contiguous()
-    return QuantLinear(weight.name, weight.in_features, weight.out_features, sel, cfg, state, bias,
-                       weight.storage_bytes())
+    return QuantLinear(weight.name, weight.in_features, weight.out_features, sel, cfg, state, bias, stored)
 
 
 @dataclass

@@ -62,6 +62,15 @@ def make_handle(packed: PackedWeight, weight: QuantizedWeight, isa: str, threads
         act_zero=float(act.zero_point or 0) if static else 0.0, threads=threads)
 
 
+# Native code widths and the stored widths each runs (exactly: same codes, zero spelt out).
+_WIDENS = {4: (2, 3, 4), 8: (5, 6, 8)}
+
+
+def native_width(bits: int) -> int | None:
+    """The native code width that runs ``bits``-bit weights, or None."""
+    return next((w for w, stored in _WIDENS.items() if bits in stored), None)
+
+
 class _NativeKernel(LinearKernel):
     bits: ClassVar[int]
     int8: ClassVar[bool]  # int8 activations (W4A8, W8A8) or float (W4A16, W8A16)
@@ -82,8 +91,9 @@ class _NativeKernel(LinearKernel):
 
     @classmethod
     def can_implement(cls, cfg: LinearLayerConfig) -> str | None:
-        if cfg.bits != cls.bits:
-            return f"runs {cls.bits}-bit weights, found {cfg.bits}-bit"
+        if native_width(cfg.bits) != cls.bits:
+            return (f"runs {cls.bits}-bit codes ({', '.join(map(str, _WIDENS[cls.bits]))}-bit widened to "
+                    f"{cls.bits}), found {cfg.bits}-bit")
         if cls.int8 and cfg.act == ActKind.FLOAT:
             return ("activations are float; int8 activations run only when the checkpoint or "
                     "activation_quant='int8' asks")
@@ -96,7 +106,7 @@ class _NativeKernel(LinearKernel):
         isa = native.isa_for(cfg.platform)
         if isa is None:
             raise KernelError(f"{weight.name}: {cls.name} needs {native.isa_requirement()}")
-        packed = pack(weight, cls.int8)
+        packed = pack(weight.widened(cls.bits), cls.int8)
         handle = make_handle(packed, weight, isa, cfg.threads, cls.int8)
         return NativeState(packed, handle, isa)
 

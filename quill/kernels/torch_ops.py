@@ -64,10 +64,7 @@ def _dequantize_bf16(w: QuantizedWeight) -> torch.Tensor:
     step = max(1, _DEQUANT_CHUNK // max(1, w.in_features))
     for r0 in range(0, w.out_features, step):
         rows = slice(r0, r0 + step)
-        part = w.with_(codes=w.codes[rows], scales=w.scales[rows],
-                       zeros=None if w.zeros is None else w.zeros[rows],
-                       offsets=None if w.offsets is None else w.offsets[rows], bias=None)
-        out[rows] = part.dequantize()
+        out[rows] = w.take_rows(torch.arange(rows.start, min(rows.stop, w.out_features))).dequantize()
     return out
 
 

@@ -94,13 +94,7 @@ def merged(*parts) -> MergedLinear:
 def _stackable(ws: list[QuantizedWeight]) -> bool:
     first = ws[0]
     for w in ws[1:]:
-        if (w.bits, w.group_size, w.dtype, w.activation, w.in_features) != (
-                first.bits, first.group_size, first.dtype, first.activation, first.in_features):
-            return False
-        for a, b in ((w.zeros, first.zeros), (w.offsets, first.offsets), (w.bias, first.bias)):
-            if (a is None) != (b is None) or (a is not None and a.dtype != b.dtype):
-                return False
-        if w.scales.dtype != first.scales.dtype or w.codes.dtype != first.codes.dtype:
+        if w.layout() != first.layout():  # bits, groups, dtypes, presence of every optional tensor
             return False
         if (w.g_idx is None) != (first.g_idx is None):
             return False
@@ -114,4 +108,5 @@ def _stack(ws: list[QuantizedWeight], name: str) -> QuantizedWeight:
         parts = [getattr(w, field) for w in ws]
         return None if parts[0] is None else torch.cat(parts)
     return ws[0].with_(codes=cat("codes"), scales=cat("scales"), zeros=cat("zeros"), offsets=cat("offsets"),
-                       bias=cat("bias"), name=name)
+                       bias=cat("bias"), super_scales=cat("super_scales"), super_offsets=cat("super_offsets"),
+                       name=name)

@@ -214,11 +214,7 @@ def linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
 
 def take_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     """float32 [len(ids), in]: dequantize only the rows ``ids`` of a quantized matrix (embedding lookup)."""
-    def rows(t):
-        return None if t is None else t[ids]
-    part = weight.with_(codes=weight.codes[ids], scales=weight.scales[ids], zeros=rows(weight.zeros),
-                        offsets=rows(weight.offsets), bias=None)
-    return part.dequantize()
+    return weight.take_rows(ids).dequantize()
 
 
 class Embedding(nn.Module, Slot):

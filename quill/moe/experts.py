@@ -103,6 +103,7 @@ def _stackable(a: QuantizedWeight, b: QuantizedWeight) -> bool:
 
 
 def _stack_quantized(a: QuantizedWeight, b: QuantizedWeight, name: str) -> QuantizedWeight:
+    a, b = a.single_level(), b.single_level()  # two-level scales (GGUF K-quants) as exact float32 groups
     zeros = offsets = None
     if a.zeros is not None or b.zeros is not None:  # a symmetric half gets its implicit zero spelt out
         zeros = torch.cat([_zeros(a), _zeros(b)])

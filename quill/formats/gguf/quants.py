@@ -14,6 +14,8 @@ every step is the same float32 operation ggml/gguf-py perform:
 * Q4_0: codes = q, symmetric (implicit zero 8), scales = d.
 * Q4_1: codes = q, zeros = 0, offsets = m, scales = d.
 * Q8_0: codes = qs + 128 (the int8 bit pattern XOR 0x80), symmetric, scales = d.
+
+Q5_0 / Q5_1 and the K-quants (Q2_K ... Q6_K) are in :mod:`quill.formats.gguf.kquants`.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import torch
 from quill.canonical import QuantizedWeight
 from quill.errors import UnsupportedFormatError
 from quill.formats.gguf.file import GGML_TYPE_IDS, GGML_TYPES
+from quill.formats.gguf.kquants import CONVERTERS
 
 GROUP = 32
 Q4_0, Q4_1, Q8_0 = GGML_TYPE_IDS["Q4_0"], GGML_TYPE_IDS["Q4_1"], GGML_TYPE_IDS["Q8_0"]
 F32, F16, BF16 = GGML_TYPE_IDS["F32"], GGML_TYPE_IDS["F16"], GGML_TYPE_IDS["BF16"]
 
-QUANTIZED_TYPES = (Q4_0, Q4_1, Q8_0)
+QUANTIZED_TYPES = (Q4_0, Q4_1, Q8_0, *(GGML_TYPE_IDS[n] for n in CONVERTERS))
 DENSE_TYPES: dict[int, torch.dtype] = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 SUPPORTED_TYPE_NAMES = tuple(GGML_TYPES[t][0] for t in (*QUANTIZED_TYPES, *DENSE_TYPES))
 
@@ -70,13 +73,13 @@ def block_weight(raw: torch.Tensor, ggml_type: int, name: str) -> QuantizedWeigh
         d = _half(blocks, 0)
         codes = (blocks[..., 2:] ^ 0x80).reshape(rows, -1)  # int8 q -> q + 128 as uint8
         return QuantizedWeight(codes=codes, bits=8, group_size=GROUP, scales=d, dtype=torch.float32, name=name)
+    if GGML_TYPES[ggml_type][0] in CONVERTERS:
+        return CONVERTERS[GGML_TYPES[ggml_type][0]](blocks, name)
     raise UnsupportedFormatError(
         f"tensor '{name}' has ggml type {GGML_TYPES[ggml_type][0]}, which has no canonical quantized form; "
         f"supported: {', '.join(GGML_TYPES[t][0] for t in QUANTIZED_TYPES)}")
 
 
 def permute_rows(qw: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
-    """Reorder output rows (codes, scales, zeros, offsets, bias): exact, no requantization."""
-    pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
-    return qw.with_(codes=pick(qw.codes), scales=pick(qw.scales), zeros=pick(qw.zeros),
-                    offsets=pick(qw.offsets), bias=pick(qw.bias))
+    """Reorder output rows (every per-row tensor): exact, no requantization."""
+    return qw.take_rows(index)
