@@ -66,3 +66,24 @@ def raw_gguf(kvs=(), tensors=(), data: bytes = b"", version: int = 3, alignment:
         out += struct.pack("<IQ", ggml_type, offset)
     out += b"\0" * (-len(out) % alignment)
     return bytes(out) + data
+
+
+# ---- random blocks of any supported quantized type ------------------------------------
+
+# type -> byte offsets of its f16 fields (d, and dmin / m): set to sane finite values
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
+              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0, scale: float = 1e-3) -> np.ndarray:
+    """uint8 [rows, row_bytes]: random blocks of ``type_name`` for a [rows, cols] matrix, f16 scale fields
+    drawn from +-[scale, 4 * scale] (so weights stay O(scale * code))."""
+    from quill.formats.gguf.file import GGML_TYPE_IDS, GGML_TYPES
+
+    _, block, size = GGML_TYPES[GGML_TYPE_IDS[type_name]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for at in F16_FIELDS[type_name]:
+        d = (rng.uniform(1, 4, size=raw.shape[:2]) * scale * rng.choice([-1, 1], size=raw.shape[:2]))
+        raw[..., at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)

@@ -77,7 +77,8 @@ def _grid() -> list[Case]:
             (4, 8), (32, 64, 128, 48, -1), ("sym", "asym", "offsets"), (False, True), (None, "int8")):
         if not (ao and group == -1):  # act-order is meaningless with one group
             cases.append(Case(bits, group, kind, ao, 40, 384, act))
-    for bits, group, kind, ao, act in itertools.product((2, 3), (32, -1), ("sym", "asym"), (False, True),
+    # 2/3 bits (run as 4-bit codes) and 5/6 bits (GGUF Q5_0 / Q5_1, the K-quants' Q5_K / Q6_K codes)
+    for bits, group, kind, ao, act in itertools.product((2, 3, 5, 6), (32, -1), ("sym", "asym"), (False, True),
                                                         (None, "int8")):
         if not (ao and group == -1):
             cases.append(Case(bits, group, kind, ao, 40, 384, act))
@@ -168,7 +169,8 @@ def test_kernel_3d_input_bias_and_half_precision(name):
     checked = 0
     for case in (Case(4, 32, "asym", False, 48, 256, None), Case(8, -1, "sym", False, 48, 256, "int8"),
                  Case(4, 64, "sym", True, 48, 256, None), Case(8, -1, "sym", False, 48, 256, None),
-                 Case(4, 32, "sym", False, 48, 256, "int8")):  # W4A8
+                 Case(4, 32, "sym", False, 48, 256, "int8"),  # W4A8
+                 Case(6, 32, "asym", False, 48, 256, None), Case(5, 32, "sym", False, 48, 256, "int8")):
         w = make_weight(case)
         cfg = LinearLayerConfig.from_weight(w, PLATFORM)
         if kernel.can_implement(cfg):
@@ -192,7 +194,7 @@ def test_kernel_3d_input_bias_and_half_precision(name):
 
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 70), k_units=st.integers(1, 12), group_units=st.sampled_from([1, 2, 4, -1]),
-       bits=st.sampled_from([4, 8]), kind=st.sampled_from(["sym", "asym"]), int8=st.booleans(),
+       bits=st.sampled_from([4, 5, 6, 8]), kind=st.sampled_from(["sym", "asym"]), int8=st.booleans(),
        m=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_random_shapes(n, k_units, group_units, bits, kind, int8, m, seed):
     k = 32 * k_units
@@ -229,7 +231,8 @@ def test_act_order_with_unequal_groups(name):
     _platform_refusal(name)
     kernel = kernel_class(name)
     refusals = []
-    cases = ((4, None), (8, None), (8, ActivationQuant()), (4, ActivationQuant()))
+    cases = ((4, None), (8, None), (8, ActivationQuant()), (4, ActivationQuant()), (6, None),
+             (5, ActivationQuant()))
     for bits, act in cases:
         w = _unequal_groups_weight(bits, act)
         cfg = LinearLayerConfig.from_weight(w, PLATFORM)

@@ -69,6 +69,10 @@ WEIGHTS = [
     (8, -1, True, False, False, torch.bfloat16, 40, 200),  # CT W8A8 / W8A16 per-channel
     (8, 32, True, False, False, torch.float16, 19, 128),   # GGUF Q8_0
     (8, 128, False, True, False, torch.float16, 18, 256),  # GPTQ 8-bit asym act-order
+    (5, 32, True, False, False, torch.float16, 21, 128),   # GGUF Q5_0 (4-bit nibbles + 1-bit plane)
+    (5, 32, False, False, True, torch.float16, 16, 96),    # GGUF Q5_1
+    (6, 16, True, True, False, torch.float16, 35, 160),    # 6-bit (2-bit plane) with act-order
+    (6, -1, False, False, False, torch.bfloat16, 7, 203),  # 6-bit asym per-channel, odd K
 ]
 WEIGHT_IDS = [f"w{b}-g{g}-{'sym' if s else 'asym'}{'-ao' if a else ''}{'-off' if o else ''}-{n}x{k}"
               for b, g, s, a, o, _, n, k in WEIGHTS]
@@ -108,6 +112,54 @@ def test_int8_kernels_bit_exact_and_match_reference(spec, act):
     # against float activations the int8 rounding dominates; report-level sanity only
     if aq.dynamic:
         assert sqnr(outs["scalar"], x @ qw.dequantize().T) >= 25
+
+
+# GGUF types from random blocks (tests/gguf_util.py): K-quants have two-level scales, read as stored
+# (int8 per group x f16 per super-block) and bit for bit what the flattened float32 scales give.
+# Stored bits per weight: Q2_K 2.625, Q3_K 3.4375 (run as 4-bit codes), Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625.
+KQ_BPW = {"Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q5_0": 5.5, "Q5_1": 6.0}
+
+
+def _gguf_weight(type_name: str, n: int, k: int):
+    from gguf_util import random_blocks
+
+    from quill.formats.gguf.file import GGML_TYPE_IDS
+    from quill.formats.gguf.quants import block_weight
+
+    raw = torch.from_numpy(random_blocks(type_name, n, k, seed=n + k))
+    return block_weight(raw, GGML_TYPE_IDS[type_name], "layers.0.mlp.down_proj").validate()
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL"])
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_gguf_types_bit_exact_and_match_reference(type_name, int8):
+    qw = _gguf_weight(type_name, 37, 512)
+    run = qw.widened(max(qw.bits, 4))
+    if int8:
+        run = run.with_(activation=ActivationQuant())
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    outs = {isa: _run(run, x, isa, int8=int8) for isa in _variants()}
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin"
+    flat = _run(run.single_level(), x, "scalar", int8=int8)  # one float32 scale per group
+    assert torch.equal(outs["scalar"], flat)
+    if int8:
+        want = fake_quantize_activations(x, run.activation) @ qw.dequantize().T
+        assert sqnr(outs["scalar"], want) >= 40, sqnr(outs["scalar"], want)
+    else:
+        assert sqnr(outs["scalar"], x @ qw.dequantize().T) >= 75, sqnr(outs["scalar"], x @ qw.dequantize().T)
+
+
+@pytest.mark.parametrize("type_name", sorted(KQ_BPW))
+def test_gguf_types_are_held_at_their_stored_bits(type_name):
+    """The kernel layout reads at most the file's bits per weight + 3 % (64 x 4096: no row padding)."""
+    qw = _gguf_weight(type_name, 64, 4096)
+    packed = pack(qw, False)
+    held = sum(t.numel() * t.element_size() for t in (packed.codes, packed.hplane, packed.scales, packed.zeros,
+                                                       packed.offsets, packed.super_scales, packed.super_offsets)
+               if t is not None)
+    bpw = 8 * held / (64 * 4096)
+    assert bpw <= KQ_BPW[type_name] * 1.03, (type_name, bpw)
 
 
 @pytest.mark.parametrize("m", range(1, 18))

@@ -1,16 +1,19 @@
-"""Native CPU kernels (quill/native): W4A16, W8A16, W4A8, W8A8 at the memory-bandwidth limit.
+"""Native CPU kernels (quill/native): W4A16, W6A16, W8A16, W4A8, W6A8, W8A8 at the memory-bandwidth limit.
 
-Four registered kernels share one implementation, differing in the code width
-they accept and in their activations:
+Six registered kernels share one implementation, differing in the code width
+they accept (``native_w4*``: 2-4 bit codes, run as 4-bit; ``native_w6*``: 5-6 bit
+codes, 4-bit nibbles plus a high-bit plane; ``native_w8*``: 8-bit) and in their
+activations.  All read two-level scales (GGUF K-quants) as stored: an int8 per
+group times a float per super-block.
 
-* ``native_w4a16`` / ``native_w8a16``: float activations (float32, bfloat16,
+* ``native_w4a16`` / ``native_w6a16`` / ``native_w8a16``: float activations (float32, bfloat16,
   float16), entered as a 24-bit fixed-point image per 128-wide segment
   (scale = max |x| / 8355711, split into three int8 parts so the products are
   exact int8 dot products); per-element error below 2^-24 of its segment's
   largest value, so activation outliers (AWQ) cost the other channels nothing.
   Not activation quantization in the W4A8 sense: the result tracks float32
   (docs/NATIVE.md).
-* ``native_w4a8`` / ``native_w8a8``: int8 activations, quantized in C++ with the
+* ``native_w4a8`` / ``native_w6a8`` / ``native_w8a8``: int8 activations, quantized in C++ with the
   arithmetic of :mod:`quill.kernels.activation` (dynamic per token, or the
   checkpoint's static scale and zero point), exact int32 dot products.  Chosen
   only when the layer's activation is int8: a W8A8 checkpoint's own, or
@@ -59,11 +62,14 @@ def make_handle(packed: PackedWeight, weight: QuantizedWeight, isa: str, threads
         packed.bits, packed.out_features, packed.in_features, "int8" if int8 else "float", isa,
         act_dynamic=not static, act_symmetric=act is None or act.symmetric,
         act_scale=float(act.scale) if static else 0.0,
-        act_zero=float(act.zero_point or 0) if static else 0.0, threads=threads)
+        act_zero=float(act.zero_point or 0) if static else 0.0, threads=threads, hplane=packed.hplane,
+        super_scales=packed.super_scales, super_offsets=packed.super_offsets,
+        zconst=None if packed.zconst is None else float(packed.zconst))
 
 
 # Native code widths and the stored widths each runs (exactly: same codes, zero spelt out).
-_WIDENS = {4: (2, 3, 4), 8: (5, 6, 8)}
+# 6: 4-bit nibble blocks plus a high-bit plane (1 bit for 5-bit codes, 2 for 6-bit).
+_WIDENS = {4: (2, 3, 4), 6: (5, 6), 8: (8,)}
 
 
 def native_width(bits: int) -> int | None:
@@ -73,6 +79,7 @@ def native_width(bits: int) -> int | None:
 
 class _NativeKernel(LinearKernel):
     bits: ClassVar[int]
+    two_level_scales = True  # GGUF K-quants' int8 sub-scales x f16 super-block scales, read as stored
     int8: ClassVar[bool]  # int8 activations (W4A8, W8A8) or float (W4A16, W8A16)
 
     @classmethod
@@ -92,8 +99,7 @@ class _NativeKernel(LinearKernel):
     @classmethod
     def can_implement(cls, cfg: LinearLayerConfig) -> str | None:
         if native_width(cfg.bits) != cls.bits:
-            return (f"runs {cls.bits}-bit codes ({', '.join(map(str, _WIDENS[cls.bits]))}-bit widened to "
-                    f"{cls.bits}), found {cfg.bits}-bit")
+            return f"runs {'/'.join(map(str, _WIDENS[cls.bits]))}-bit codes, found {cfg.bits}-bit"
         if cls.int8 and cfg.act == ActKind.FLOAT:
             return ("activations are float; int8 activations run only when the checkpoint or "
                     "activation_quant='int8' asks")
@@ -106,7 +112,7 @@ class _NativeKernel(LinearKernel):
         isa = native.isa_for(cfg.platform)
         if isa is None:
             raise KernelError(f"{weight.name}: {cls.name} needs {native.isa_requirement()}")
-        packed = pack(weight.widened(cls.bits), cls.int8)
+        packed = pack(weight.widened(max(weight.bits, 4)), cls.int8)  # 2/3-bit codes run as 4-bit
         handle = make_handle(packed, weight, isa, cfg.threads, cls.int8)
         return NativeState(packed, handle, isa)
 
@@ -122,6 +128,16 @@ class _NativeKernel(LinearKernel):
 class NativeW4A16Kernel(_NativeKernel):
     name = "native_w4a16"
     bits, int8 = 4, False
+
+
+class NativeW6A16Kernel(_NativeKernel):
+    name = "native_w6a16"
+    bits, int8 = 6, False
+
+
+class NativeW6A8Kernel(_NativeKernel):
+    name = "native_w6a8"
+    bits, int8 = 6, True
 
 
 class NativeW8A16Kernel(_NativeKernel):

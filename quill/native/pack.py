@@ -3,8 +3,10 @@
 The layout is described in ``csrc/common.h``.  In short: output rows in blocks
 of 16 (one per SIMD lane), input columns reordered into a *stream* (act-order
 groups made contiguous, every segment padded with zeros to whole chunks of 8
-(4-bit) or 4 (8-bit) positions), one 64-byte block per chunk and row block, and
-one scale (zero, offset) per segment and row.  Done once, after loading.
+(4-6 bit) or 4 (8-bit) positions), one 64-byte block per chunk and row block
+(5/6-bit codes: their low 4 bits, with a high-bit plane of 16 or 32 bytes beside
+it), and one scale (zero, offset) per segment and row, or for two-level scales an
+int8 per segment and a float per super-block.  Done once, after loading.
 """
 
 from __future__ import annotations
@@ -26,12 +28,17 @@ BLOCK_BYTES = 64
 # positions.  Float activations: every segment has its own activation scale (the
 # fixed-point image, csrc/common.h SplitActs), so pieces of 128 bound its error to a
 # 128-wide neighbourhood and keep sums of 8-bit codes within int32.
-INT8_MAX_SEGMENT = {8: 32768, 4: 1 << 20}
+INT8_MAX_SEGMENT = {8: 32768, 6: 1 << 20, 5: 1 << 20, 4: 1 << 20}
 FLOAT_MAX_SEGMENT = 128
 
 
 def chunk_k(bits: int) -> int:
-    return 8 if bits == 4 else 4
+    return 4 if bits == 8 else 8
+
+
+def plane_bytes(bits: int) -> int:
+    """Bytes of the high-bit plane per chunk and row block (csrc/common.h)."""
+    return 16 * (bits - 4) if bits in (5, 6) else 0
 
 
 @dataclass(frozen=True)
@@ -78,15 +85,19 @@ class PackedWeight:
     """The native layout of one layer (tensors the C++ NativeLinear keeps views of)."""
 
     codes: torch.Tensor  # uint8 [NB, KC, 64]
-    scales: torch.Tensor  # float32/float16/bfloat16 [NB, S, 16]
-    zeros: torch.Tensor | None  # uint8 (4-bit) / int16 (8-bit) [NB, S, 16]; None: 2**(bits-1)
-    offsets: torch.Tensor | None  # scales' dtype [NB, S, 16]
+    scales: torch.Tensor  # float32/float16/bfloat16 [NB, S, 16]; int8 with super_scales
+    zeros: torch.Tensor | None  # uint8 (4-6 bit) / int16 (8-bit) [NB, S, 16]; None: zconst
+    offsets: torch.Tensor | None  # scales' dtype [NB, S, 16]; int8 with super_offsets
     seg_end: torch.Tensor  # int32 [S]
     src: torch.Tensor | None  # int64 [Kp]
     wsum: torch.Tensor | None  # float32 [NB * 16]: row sums of the dequantized weight
     bits: int
     out_features: int
     in_features: int
+    hplane: torch.Tensor | None = None  # uint8 [NB, KC, 16 * (bits - 4)] (5/6-bit)
+    super_scales: torch.Tensor | None = None  # float [NB, S / GPS, 16] (two-level)
+    super_offsets: torch.Tensor | None = None  # float [NB, S / GPS, 16] (two-level)
+    zconst: int | None = None  # the one zero point when zeros is None (None: 2**(bits-1))
 
 
 def _per_segment(t: torch.Tensor, order: StreamOrder, nb: int) -> torch.Tensor:
@@ -97,8 +108,8 @@ def _per_segment(t: torch.Tensor, order: StreamOrder, nb: int) -> torch.Tensor:
     return seg.view(nb, LANES, -1).transpose(1, 2)
 
 
-def _codes(w: QuantizedWeight, order: StreamOrder, nb: int) -> torch.Tensor:
-    """uint8 [N, K] codes -> a [NB, KC, 16 lanes, 4 bytes] view of the blocks (made contiguous by the caller).
+def _stream_codes(w: QuantizedWeight, order: StreamOrder, nb: int) -> torch.Tensor:
+    """uint8 [N, K] codes -> a [NB, 16 lanes, KC, CK] view in stream order, padded with zeros.
 
     Copies are made only where needed (reordering, padding, nibble packing): a large
     layer's transient memory is what bounds the peak while a model loads.
@@ -112,42 +123,92 @@ def _codes(w: QuantizedWeight, order: StreamOrder, nb: int) -> torch.Tensor:
     if nb * LANES != w.out_features:
         codes = torch.nn.functional.pad(codes, (0, 0, 0, nb * LANES - w.out_features))  # [Np, Kp]
     chunk = chunk_k(w.bits)
-    kc = order.kp // chunk
-    q = codes.view(nb, LANES, kc, chunk)
-    if w.bits == 4:  # byte b of a lane: positions b (low nibble) and b + 4 (high nibble)
-        hi = q[..., 4:] << 4
-        q = hi.bitwise_or_(q[..., :4])
+    return codes.view(nb, LANES, order.kp // chunk, chunk)
+
+
+def _codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[NB, 16, KC, CK] stream codes -> a [NB, KC, 16 lanes, 4 bytes] view of the blocks (made contiguous
+    by the caller); 5/6-bit codes give their low 4 bits (the rest goes to the high plane)."""
+    if bits != 8:  # byte b of a lane: positions b (low nibble) and b + 4 (high nibble)
+        low = q & 0x0F if bits > 4 else q
+        hi = low[..., 4:] << 4
+        q = hi.bitwise_or_(low[..., :4])
     return q.permute(0, 2, 1, 3)  # [NB, KC, 16, 4]
+
+
+def _high_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[NB, 16, KC, 8] stream codes -> the high-bit plane uint8 [NB, KC, 16 * (bits - 4)] (csrc/common.h):
+    lane r's high bits of position 4n + b in byte 4 * (r % R) + b at bit HB * (2 * (r / R) + n), R = 4 * HB."""
+    hb = bits - 4
+    rows = 4 * hb
+    nb, _, kc, _ = q.shape
+    high = (q >> 4).permute(0, 2, 1, 3).to(torch.int32).reshape(nb, kc, LANES // rows, rows, 2, 4)
+    shift = hb * (2 * torch.arange(LANES // rows).view(-1, 1, 1, 1) + torch.arange(2).view(1, 1, 2, 1))
+    return (high << shift).sum(dim=(2, 4)).to(torch.uint8).reshape(nb, kc, 4 * rows)
+
+
+def _per_super(t: torch.Tensor, nb: int) -> torch.Tensor:
+    """[N, S'] super-block values -> [NB, S', 16] view, padded rows zero."""
+    if nb * LANES != t.shape[0]:
+        t = torch.cat([t, t.new_zeros(nb * LANES - t.shape[0], t.shape[1])])
+    return t.view(nb, LANES, -1).transpose(1, 2)
+
+
+def _kernel_two_level(w: QuantizedWeight, order: StreamOrder) -> bool:
+    """Whether the kernel can hold ``w``'s two-level scales as they are (else they are flattened, exactly)."""
+    if w.super_scales is None or w.scales.dtype != torch.int8:
+        return False
+    if w.offsets is not None and (w.super_offsets is None or w.offsets.dtype != torch.int8
+                                  or w.super_offsets.dtype != w.super_scales.dtype):
+        return False
+    return torch.equal(order.seg_group, torch.arange(w.num_groups))  # every segment one group
+
+
+def _levels(w: QuantizedWeight, order: StreamOrder) -> tuple:
+    """(scales, offsets, super_scales, super_offsets): [N, G] and [N, S'] as the kernel holds them.
+
+    One level: float scales and offsets of one dtype (float32 when they differ).  Two levels:
+    the int8 sub-values and the float super-block values.
+    """
+    if w.two_level and _kernel_two_level(w, order):
+        return w.scales, w.offsets, w.super_scales, w.super_offsets
+    w = w.single_level()
+    scales, offsets = w.scales, w.offsets
+    if offsets is not None and offsets.dtype != scales.dtype:  # one dtype for both (exact in float32)
+        scales, offsets = scales.float(), offsets.float()
+    return scales, offsets, None, None
 
 
 def _row_sums(w: QuantizedWeight, rows: int = 1024) -> torch.Tensor:
     """float32 [N]: sums of the dequantized rows, computed in float64 a slice of rows at a time."""
-    def part(t, r0):
-        return None if t is None else t[r0:r0 + rows]
     return torch.cat([
-        w.with_(codes=w.codes[r0:r0 + rows], scales=w.scales[r0:r0 + rows], zeros=part(w.zeros, r0),
-                offsets=part(w.offsets, r0), bias=None).dequantize().double().sum(1)
+        w.take_rows(torch.arange(r0, min(r0 + rows, w.out_features))).dequantize().double().sum(1)
         for r0 in range(0, w.out_features, rows)]).float()
 
 
+def _zeros(w: QuantizedWeight, order: StreamOrder, nb: int) -> tuple[torch.Tensor | None, int | None]:
+    """(zeros [NB, S, 16] or None, the constant zero point when every group has the same one)."""
+    if w.zeros is None:
+        return None, None
+    lo, hi = int(w.zeros.min()), int(w.zeros.max())
+    limit = 32767 if w.bits == 8 else 255
+    if lo < 0 or hi > limit:
+        raise KernelError(f"{w.name}: zero points span [{lo}, {hi}], expected [0, {1 << w.bits}]")
+    if lo == hi:  # GGUF Q4_1 / K-quants: all 0, offsets carry the minimum
+        return None, lo
+    return _per_segment(w.zeros.to(torch.int16 if w.bits == 8 else torch.uint8), order, nb), None
+
+
 def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
-    """Repack ``w`` (4- or 8-bit) for the native kernels; ``int8_activations`` selects the int8 limits."""
-    if w.bits not in (4, 8):
-        raise KernelError(f"{w.name}: native kernels run 4- and 8-bit codes, found {w.bits}-bit")
+    """Repack ``w`` (4-, 5-, 6- or 8-bit) for the native kernels; ``int8_activations`` selects the int8 limits."""
+    if w.bits not in INT8_MAX_SEGMENT:
+        raise KernelError(f"{w.name}: native kernels run 4-, 5-, 6- and 8-bit codes, found {w.bits}-bit")
     if w.out_features == 0 or w.in_features == 0:
         raise KernelError(f"{w.name}: empty weight [{w.out_features}, {w.in_features}]")
     order = stream_order(w, INT8_MAX_SEGMENT[w.bits] if int8_activations else FLOAT_MAX_SEGMENT)
     nb = -(-w.out_features // LANES)
-    scales, offsets = w.scales, w.offsets
-    if offsets is not None and offsets.dtype != scales.dtype:  # one dtype for both (exact in float32)
-        scales, offsets = scales.float(), offsets.float()
-    zeros = None
-    if w.zeros is not None:
-        lo, hi = int(w.zeros.min()), int(w.zeros.max())
-        limit = 255 if w.bits == 4 else 32767
-        if lo < 0 or hi > limit:
-            raise KernelError(f"{w.name}: zero points span [{lo}, {hi}], expected [0, {1 << w.bits}]")
-        zeros = _per_segment(w.zeros.to(torch.uint8 if w.bits == 4 else torch.int16), order, nb)
+    scales, offsets, super_scales, super_offsets = _levels(w, order)
+    zeros, zconst = _zeros(w, order, nb)
     wsum = None
     if w.activation is not None and not w.activation.symmetric:
         rows = _row_sums(w)
@@ -156,14 +217,21 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
     # straight from the strided views
     ext = native.load().module
     place = ext.huge_page_copy if ext is not None else (lambda t: t.contiguous())
-    codes = place(_codes(w, order, nb)).view(nb, -1, BLOCK_BYTES)  # [NB, KC, 64]
-    scales = place(_per_segment(scales, order, nb))
-    zeros = None if zeros is None else place(zeros)
-    offsets = None if offsets is None else place(_per_segment(offsets, order, nb))
+    q = _stream_codes(w, order, nb)  # [NB, 16, KC, CK]
+    codes = place(_codes(q, w.bits)).view(nb, -1, BLOCK_BYTES)  # [NB, KC, 64]
+    hplane = place(_high_plane(q, w.bits)) if plane_bytes(w.bits) else None
+    del q
+
+    def segs(t):
+        return None if t is None else place(_per_segment(t, order, nb))
+
+    def supers(t):
+        return None if t is None else place(_per_super(t, nb))
     return PackedWeight(
-        codes=codes, scales=scales, zeros=zeros, offsets=offsets,
+        codes=codes, scales=segs(scales), zeros=None if zeros is None else place(zeros), offsets=segs(offsets),
         seg_end=order.seg_end, src=order.src, wsum=wsum, bits=w.bits,
-        out_features=w.out_features, in_features=w.in_features,
+        out_features=w.out_features, in_features=w.in_features, hplane=hplane,
+        super_scales=supers(super_scales), super_offsets=supers(super_offsets), zconst=zconst,
     )
 
 

@@ -29,19 +29,29 @@ inline __m256 load8(const void* p, DType t, int64_t i) {
   }
 }
 
+// One level: 8 stored values at i.  Two levels: super * int8 sub-values (level_at).
+inline __m256 level8(const void* sub, const void* sup, const Weights& w, int nb, int s, int h, int64_t i) {
+  if (!sup) return load8(sub, w.scale_dtype, i);
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(sub) + i));
+  return _mm256_mul_ps(load8(sup, w.scale_dtype, super_index(w, nb, s, 8 * h)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+}
+
+inline __m256 scale8(const Weights& w, int nb, int s, int h, int64_t i) { return level8(w.scales, w.super_scales, w, nb, s, h, i); }
+inline __m256 offset8(const Weights& w, int nb, int s, int h, int64_t i) { return level8(w.offsets, w.super_offsets, w, nb, s, h, i); }
+
 // f += scale * (d - zero * x) [+ offset * x] for lanes 8h..8h+7 of segment s (seg_epilogue).
 inline __m256 epilogue(const Weights& w, int nb, int s, int h, __m256 d, __m256 x, __m256 f) {
   const int64_t i = seg_index(w, nb, s, 8 * h);
   __m256 z;
   if (!w.zeros)
     z = _mm256_set1_ps(w.zconst);
-  else if (w.bits == 4)
+  else if (w.bits != 8)
     z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.zeros) + i))));
   else
     z = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(w.zeros) + i))));
   const __m256 t = _mm256_fnmadd_ps(z, x, d);
-  f = _mm256_fmadd_ps(load8(w.scales, w.scale_dtype, i), t, f);
-  if (w.offsets) f = _mm256_fmadd_ps(load8(w.offsets, w.scale_dtype, i), x, f);
+  f = _mm256_fmadd_ps(scale8(w, nb, s, h, i), t, f);
+  if (w.offsets) f = _mm256_fmadd_ps(offset8(w, nb, s, h, i), x, f);
   return f;
 }
 
@@ -53,7 +63,7 @@ inline __m256 epilogue_split(const Weights& w, int nb, int s, int h, __m256i dhi
   __m256i z;
   if (!w.zeros)
     z = _mm256_set1_epi32(int32_t(w.zconst));
-  else if (w.bits == 4)
+  else if (w.bits != 8)
     z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.zeros) + i)));
   else
     z = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(w.zeros) + i)));
@@ -61,9 +71,9 @@ inline __m256 epilogue_split(const Weights& w, int nb, int s, int h, __m256i dhi
   const __m256i elo = _mm256_sub_epi32(dlo, _mm256_mullo_epi32(z, _mm256_set1_epi32(xlo)));
   const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ehi), _mm256_set1_ps(65536.0f), _mm256_cvtepi32_ps(elo));
   const __m256 xs = _mm256_set1_ps(xscale);
-  f = _mm256_fmadd_ps(_mm256_mul_ps(load8(w.scales, w.scale_dtype, i), xs), t, f);
+  f = _mm256_fmadd_ps(_mm256_mul_ps(scale8(w, nb, s, h, i), xs), t, f);
   if (w.offsets)
-    f = _mm256_fmadd_ps(_mm256_mul_ps(load8(w.offsets, w.scale_dtype, i), xs),
+    f = _mm256_fmadd_ps(_mm256_mul_ps(offset8(w, nb, s, h, i), xs),
                         _mm256_set1_ps(std::fma(float(xhi), 65536.0f, float(xlo))), f);
   return f;
 }
@@ -72,6 +82,24 @@ inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   __builtin_memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
+}
+
+// 5/6-bit codes: OR the high plane (common.h) into the nibbles of half h, in place.
+// lo holds positions 8c..8c+3, hi positions 8c+4..8c+7 of lanes 8h..8h+7.
+template <int BITS>
+inline void add_high_bits(const uint8_t* plane, int h, __m256i& lo, __m256i& hi) {
+  constexpr int HB = BITS - 4;
+  __m256i v;
+  if (BITS == 6) {  // lanes 8h + r in byte row r at bits 4h (low nibble's) and 4h + 2 (high nibble's)
+    v = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)), _mm_cvtsi32_si128(4 * h));
+  } else {  // 5-bit: lanes 8h + r in byte row r % 4 at bit 2 * (2h + r / 4) (+1 for the high nibble's)
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane)));
+    const int s0 = 4 * h;
+    v = _mm256_srlv_epi32(b, _mm256_setr_epi32(s0, s0, s0, s0, s0 + 2, s0 + 2, s0 + 2, s0 + 2));
+  }
+  const __m256i m = _mm256_set1_epi8((1 << HB) - 1);
+  lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(v, m), 4));
+  hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(v, _mm256_slli_epi16(m, HB)), 4 - HB));
 }
 
 inline const int8_t* stream_of(const I8Acts& a) { return a.q; }
@@ -103,14 +131,16 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
       _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * h));
-        const __m256i lo = _mm256_and_si256(v, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        __m256i lo = _mm256_and_si256(v, low);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (BITS == 5 || BITS == 6)
+          add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(BITS), h, lo, hi);
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = stream_of(a) + (m0 + m) * a.ld + int64_t(c) * STRIDE;
           for (int p = 0; p < PARTS; ++p) {
             const int8_t* xp = x + p * CK;
             __m256i d;
-            if (BITS == 4) {  // positions 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high ones (|pair| <= 3840)
+            if (BITS != 8) {  // positions 8c..8c+3 in lo, 8c+4..8c+7 in hi (codes < 64: |sum| <= 4 * 63 * 128)
               const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)), _mm256_maddubs_epi16(hi, bcast4(xp + 4)));
               d = _mm256_madd_epi16(q, wt[p][0]);
             } else {  // code = 16 * hi + lo at positions 4c..4c+3
@@ -155,15 +185,21 @@ void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
     }
 }
 
-void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  if (w.bits == 4) run<4, SPLIT_PARTS>(w, a, o, nb0, nb1);
-  else run<8, SPLIT_PARTS>(w, a, o, nb0, nb1);
+template <int PARTS, class Acts>
+void run_bits(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
+  switch (w.bits) {
+    case 4: return run<4, PARTS>(w, a, o, nb0, nb1);
+    case 5: return run<5, PARTS>(w, a, o, nb0, nb1);
+    case 6: return run<6, PARTS>(w, a, o, nb0, nb1);
+    default: return run<8, PARTS>(w, a, o, nb0, nb1);
+  }
 }
 
-void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
-  if (w.bits == 4) run<4, 1>(w, a, o, nb0, nb1);
-  else run<8, 1>(w, a, o, nb0, nb1);
+void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  run_bits<SPLIT_PARTS>(w, a, o, nb0, nb1);
 }
+
+void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) { run_bits<1>(w, a, o, nb0, nb1); }
 
 inline __m256 load_x8(const RawX& in, const void* row, int64_t i) {
   switch (in.dtype) {

@@ -69,9 +69,11 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
       const uint8_t* p = blocks[r] + int64_t(c) * BLOCK_BYTES;
       _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T1);
       const __m512i v = _mm512_loadu_si512(p);
-      if (BITS == 4) {
+      if (BITS != 8) {
         q[r][0] = _mm512_and_si512(v, low);
         q[r][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (BITS == 5 || BITS == 6)
+          v512::add_high_bits<BITS>(w.hplane + (int64_t(nb + r) * w.kc + c) * plane_bytes(BITS), q[r][0], q[r][1]);
       } else {
         q[r][0] = q[r][1] = v;
       }
@@ -79,10 +81,10 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = xs[m] + int64_t(c) * STRIDE;
       for (int p = 0; p < PARTS; ++p)
-        for (int h = 0; h < (BITS == 4 ? 2 : 1); ++h) {
+        for (int h = 0; h < (BITS != 8 ? 2 : 1); ++h) {
           const __m512i xb = bcast4(x + p * CK + 4 * h);
           constexpr int NI = NA;  // accumulator index: nibble h, then parity
-          const int i = BITS == 4 ? (NI >= 2 ? h + (NI == 4 ? 2 * P : 0) : 0) : (NI >= 2 ? P : 0);
+          const int i = BITS != 8 ? (NI >= 2 ? h + (NI == 4 ? 2 * P : 0) : 0) : (NI >= 2 ? P : 0);
           for (int r = 0; r < RB; ++r) acc[r][m][p][i] = _mm512_dpbusd_epi32(acc[r][m][p][i], q[r][h], xb);
         }
     }
@@ -144,10 +146,12 @@ void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int 
 }
 
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  if (w.bits == 4)
-    run_split<4>(w, a, o, nb0, nb1);
-  else
-    run_split<8>(w, a, o, nb0, nb1);
+  switch (w.bits) {
+    case 4: return run_split<4>(w, a, o, nb0, nb1);
+    case 5: return run_split<5>(w, a, o, nb0, nb1);
+    case 6: return run_split<6>(w, a, o, nb0, nb1);
+    default: return run_split<8>(w, a, o, nb0, nb1);
+  }
 }
 
 // ---- W4A8 / W8A8: int8 activations (I8Acts) ----
@@ -176,9 +180,11 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
         const int cc = c + h, base = (NA == 4 ? 2 * h : 0);
         _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(cc) * BLOCK_BYTES + PREFETCH_BYTES), _MM_HINT_T1);
         const __m512i v = _mm512_loadu_si512(blocks + int64_t(cc) * BLOCK_BYTES);
-        if (BITS == 4) {
-          const __m512i lo = _mm512_and_si512(v, low);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (BITS != 8) {
+          __m512i lo = _mm512_and_si512(v, low);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          if constexpr (BITS == 5 || BITS == 6)
+            v512::add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + cc) * plane_bytes(BITS), lo, hi);
           for (int m = 0; m < MT; ++m) {
             const int8_t* x = xs[m] + int64_t(cc) * CK;
             acc[m][base] = _mm512_dpbusd_epi32(acc[m][base], lo, bcast4(x));
@@ -228,10 +234,12 @@ void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
 }
 
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
-  if (w.bits == 4)
-    run_i8<4>(w, a, o, nb0, nb1);
-  else
-    run_i8<8>(w, a, o, nb0, nb1);
+  switch (w.bits) {
+    case 4: return run_i8<4>(w, a, o, nb0, nb1);
+    case 5: return run_i8<5>(w, a, o, nb0, nb1);
+    case 6: return run_i8<6>(w, a, o, nb0, nb1);
+    default: return run_i8<8>(w, a, o, nb0, nb1);
+  }
 }
 
 // 16 input values of token row `x` starting at column i, as float32.

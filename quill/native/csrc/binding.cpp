@@ -83,12 +83,16 @@ class NativeLinear {
   NativeLinear(at::Tensor codes, at::Tensor scales, std::optional<at::Tensor> zeros, std::optional<at::Tensor> offsets,
                at::Tensor seg_end, std::optional<at::Tensor> src, std::optional<at::Tensor> wsum, int64_t bits,
                int64_t n, int64_t k, std::string family, std::string isa, bool act_dynamic, bool act_symmetric,
-               double act_scale, double act_zero, int64_t threads)
+               double act_scale, double act_zero, int64_t threads, std::optional<at::Tensor> hplane,
+               std::optional<at::Tensor> super_scales, std::optional<at::Tensor> super_offsets,
+               std::optional<double> zconst)
       : codes_(std::move(codes)), scales_(std::move(scales)), zeros_(std::move(zeros)), offsets_(std::move(offsets)),
-        seg_end_(std::move(seg_end)), src_(std::move(src)), wsum_(std::move(wsum)), int8_(family == "int8"),
+        seg_end_(std::move(seg_end)), src_(std::move(src)), wsum_(std::move(wsum)), hplane_(std::move(hplane)),
+        super_scales_(std::move(super_scales)), super_offsets_(std::move(super_offsets)), int8_(family == "int8"),
         isa_(isa), table_(table_for(isa)) {
     if (family != "int8" && family != "float") fail("native kernel: unknown family '", family, "'; supported: float, int8");
-    if (bits != 4 && bits != 8) fail("native kernel: ", bits, "-bit codes are not supported; supported: 4, 8");
+    if (bits != 4 && bits != 5 && bits != 6 && bits != 8)
+      fail("native kernel: ", bits, "-bit codes are not supported; supported: 4, 5, 6, 8");
     if (codes_.dim() != 3) fail("native kernel: codes should be uint8 [NB, KC, 64], found ", shape_of(codes_));
     const int64_t nb = codes_.size(0), kc = codes_.size(1), nseg = seg_end_.numel();
     expect(codes_, at::kByte, {nb, kc, BLOCK_BYTES}, "codes");  // [NB, KC, 64]
@@ -99,10 +103,14 @@ class NativeLinear {
     for (int64_t s = 0; s < nseg; ++s)
       if (se[s] <= (s ? se[s - 1] : 0) || (s == nseg - 1 && se[s] != kc))
         fail("native kernel: segment ends must increase strictly up to ", kc, " chunks");
-    w_.scale_dtype = dtype_of(scales_.scalar_type(), "scales");
-    expect(scales_, scales_.scalar_type(), {nb, nseg, LANES}, "scales");  // [NB, S, 16]
-    if (zeros_) expect(*zeros_, bits == 4 ? at::kByte : at::kShort, {nb, nseg, LANES}, "zeros");
-    if (offsets_) expect(*offsets_, scales_.scalar_type(), {nb, nseg, LANES}, "offsets");
+    check_levels(nb, nseg);
+    if (zeros_) expect(*zeros_, bits != 8 ? at::kByte : at::kShort, {nb, nseg, LANES}, "zeros");
+    if (plane_bytes(int(bits)) != 0) {
+      if (!hplane_) fail("native kernel: ", bits, "-bit codes need their high-bit plane (hplane)");
+      expect(*hplane_, at::kByte, {nb, kc, plane_bytes(int(bits))}, "hplane");  // [NB, KC, 16 * (bits - 4)]
+    } else if (hplane_) {
+      fail("native kernel: a high-bit plane was given for ", bits, "-bit codes, which have none");
+    }
     if (wsum_) expect(*wsum_, at::kFloat, {nb * LANES}, "wsum");  // [Np]
     kp_ = kc * chunk_k(bits);
     if (src_) {
@@ -126,6 +134,15 @@ class NativeLinear {
     w_.kc = int32_t(kc);
     w_.nseg = int32_t(nseg);
     w_.zconst = float(1 << (bits - 1));
+    if (zconst) {
+      if (zeros_ || *zconst != double(int(*zconst)) || *zconst < 0 || *zconst > double(1 << bits))
+        fail("native kernel: constant zero point ", *zconst, " should be an integer in [0, ", 1 << bits,
+             "] given instead of zeros");
+      w_.zconst = float(*zconst);
+    }
+    w_.hplane = hplane_ ? hplane_->data_ptr<uint8_t>() : nullptr;
+    w_.super_scales = super_scales_ ? super_scales_->data_ptr() : nullptr;
+    w_.super_offsets = super_offsets_ ? super_offsets_->data_ptr() : nullptr;
     aq_.dynamic = act_dynamic;
     aq_.symmetric = act_symmetric;
     aq_.scale = float(act_scale);
@@ -174,6 +191,35 @@ class NativeLinear {
 
  private:
   int threads_for(int64_t work) const { return quill::threads_for(threads_, work, w_.nb); }
+
+  // scales / offsets [NB, S, 16]: float of one dtype, or int8 sub-values of two-level scales with
+  // super_scales / super_offsets [NB, S / GPS, 16] (common.h).
+  void check_levels(int64_t nb, int64_t nseg) {
+    if (super_offsets_ && !super_scales_) fail("native kernel: super_offsets need super_scales");
+    if (super_offsets_ && !offsets_) fail("native kernel: super_offsets need offsets");
+    if (!super_scales_) {
+      w_.scale_dtype = dtype_of(scales_.scalar_type(), "scales");
+      expect(scales_, scales_.scalar_type(), {nb, nseg, LANES}, "scales");  // [NB, S, 16]
+      if (offsets_) expect(*offsets_, scales_.scalar_type(), {nb, nseg, LANES}, "offsets");
+      return;
+    }
+    const auto dt = super_scales_->scalar_type();
+    w_.scale_dtype = dtype_of(dt, "super_scales");
+    const int64_t nsup = super_scales_->dim() == 3 ? super_scales_->size(1) : 0;
+    if (nsup <= 0 || nseg % nsup) fail("native kernel: super_scales should be [", nb, ", S, ", LANES, "] with S dividing ",
+                                       nseg, " segments, found ", shape_of(*super_scales_));
+    w_.gps = int32_t(nseg / nsup);
+    expect(*super_scales_, dt, {nb, nsup, LANES}, "super_scales");  // [NB, S / GPS, 16]
+    expect(scales_, at::kChar, {nb, nseg, LANES}, "scales");       // int8 sub-scales
+    if (offsets_) {
+      if (super_offsets_) {
+        expect(*super_offsets_, dt, {nb, nsup, LANES}, "super_offsets");
+        expect(*offsets_, at::kChar, {nb, nseg, LANES}, "offsets");
+      } else {
+        expect(*offsets_, dt, {nb, nseg, LANES}, "offsets");
+      }
+    }
+  }
 
   template <class F>
   void parallel(int parts, int64_t count, const F& body) const { parallel_parts(parts, count, body); }
@@ -253,7 +299,7 @@ class NativeLinear {
   at::Tensor codes_, scales_;
   std::optional<at::Tensor> zeros_, offsets_;
   at::Tensor seg_end_;
-  std::optional<at::Tensor> src_, wsum_;
+  std::optional<at::Tensor> src_, wsum_, hplane_, super_scales_, super_offsets_;
   bool int8_;
   std::string isa_;
   const KernelTable& table_;
@@ -376,11 +422,13 @@ PYBIND11_MODULE(_quill_native, m) {
   py::class_<NativeLinear>(m, "NativeLinear")
       .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, at::Tensor,
                     std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t, int64_t, int64_t, std::string,
-                    std::string, bool, bool, double, double, int64_t>(),
+                    std::string, bool, bool, double, double, int64_t, std::optional<at::Tensor>,
+                    std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<double>>(),
            py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("offsets"), py::arg("seg_end"),
            py::arg("src"), py::arg("wsum"), py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("family"),
            py::arg("isa"), py::arg("act_dynamic") = true, py::arg("act_symmetric") = true, py::arg("act_scale") = 0.0,
-           py::arg("act_zero") = 0.0, py::arg("threads") = 1)
+           py::arg("act_zero") = 0.0, py::arg("threads") = 1, py::arg("hplane") = py::none(),
+           py::arg("super_scales") = py::none(), py::arg("super_offsets") = py::none(), py::arg("zconst") = py::none())
       // the GIL is released while the kernel runs (it touches no Python object)
       .def("forward", &NativeLinear::forward, py::arg("x"), py::arg("bias") = py::none(),
            py::call_guard<py::gil_scoped_release>())

@@ -12,11 +12,22 @@
 //
 //   4-bit, chunk = 8 positions:  byte 4*r + b = q[r][8c + b] | q[r][8c + 4 + b] << 4   (r < 16, b < 4)
 //   8-bit, chunk = 4 positions:  byte 4*r + b = q[r][4c + b]
+//   5/6-bit, chunk = 8 positions: the 4-bit block of the low 4 bits, plus a high plane
+//     of HB = bits - 4 bits per code, PLANE_BYTES(bits) = 16 * HB bytes per chunk:
+//     lane r's high bits sit in byte 4 * (r % R) + b, R = 4 * HB rows of bytes, at bit
+//     HB * (2 * (r / R) + n) for position 8c + 4n + b (n = 0: low nibble's, 1: high's).
 //
 //   codes   [NB, KC, 64]  uint8      (KC = Kp / CHUNK_K)
+//   hplane  [NB, KC, PLANE_BYTES]  uint8, 5/6-bit only
 //   scales  [NB, S, 16]   f32/f16/bf16, one per segment and row
-//   zeros   [NB, S, 16]   uint8 (4-bit) / int16 (8-bit), or none (constant zero 2**(bits-1))
+//   zeros   [NB, S, 16]   uint8 (4-6 bit) / int16 (8-bit), or none (one constant zero, zconst)
 //   offsets [NB, S, 16]   same dtype as scales, or none
+//
+// Two-level scales (GGUF K-quants: an f16 per 256-wide super-block times a 6-bit integer
+// per 16/32-wide group): scales and offsets are int8 [NB, S, 16] and
+//   super_scales / super_offsets [NB, S / GPS, 16] of scale_dtype,
+//   scale[s, n] = super_scales[s / GPS, n] * scales[s, n]   (float32, exact: 11 x 8 bits)
+// (every segment is one group; GPS groups per super-block).
 //
 // A segment is a run of chunks sharing one scale (a quantization group, or a
 // piece of one).  With raw codes q and activations x:
@@ -49,7 +60,8 @@ constexpr int PREFETCH_BYTES = 16384;
 // Most tokens a kernel call receives: the binding cuts longer inputs into blocks.
 constexpr int MAX_BLOCK_TOKENS = 252;
 
-constexpr int chunk_k(int bits) { return bits == 4 ? 8 : 4; }
+constexpr int chunk_k(int bits) { return bits == 8 ? 4 : 8; }
+constexpr int plane_bytes(int bits) { return bits > 4 && bits < 8 ? 16 * (bits - 4) : 0; }
 
 enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
 
@@ -59,6 +71,10 @@ struct Weights {
   const void* scales = nullptr;    // [NB, S, 16] of scale_dtype
   const void* zeros = nullptr;     // [NB, S, 16] uint8 (bits 4) / int16 (bits 8), or null
   const void* offsets = nullptr;   // [NB, S, 16] of scale_dtype, or null
+  const uint8_t* hplane = nullptr;  // [NB, KC, plane_bytes(bits)] (5/6-bit), or null
+  const void* super_scales = nullptr;   // [NB, S / gps, 16] of scale_dtype (two-level: scales are int8), or null
+  const void* super_offsets = nullptr;  // [NB, S / gps, 16] of scale_dtype (two-level offsets), or null
+  int32_t gps = 1;                      // groups (segments) per super-block
   const int32_t* seg_end = nullptr;  // [S] exclusive end chunk of every segment
   const float* bias = nullptr;     // [N] or null
   const float* wsum = nullptr;     // [Np] row sums of the dequantized weight (asymmetric int8 activations), or null

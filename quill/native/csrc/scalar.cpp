@@ -15,12 +15,6 @@
 namespace quill {
 namespace {
 
-// Code of row r, stream position j (< chunk) of one 64-byte block.
-inline int code_at(const uint8_t* blk, int bits, int r, int j) {
-  if (bits == 8) return blk[4 * r + j];
-  return j < 4 ? (blk[4 * r + j] & 0xF) : (blk[4 * r + j - 4] >> 4);
-}
-
 // Float activations as their split fixed-point image (common.h SplitActs): per lane,
 // Dhi = sum(code * hi) and Dlo = 256 * sum(code * mid) + sum(code * lo), exactly.
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
@@ -28,7 +22,6 @@ void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int
   float f[LANES];
   int32_t dh[LANES], dm[LANES], dl[LANES];
   for (int nb = nb0; nb < nb1; ++nb) {
-    const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;
     for (int m = 0; m < a.m; ++m) {
       const int8_t* xs = a.x + m * a.ld;  // [KC, 3 * CK]
       std::fill(f, f + LANES, 0.0f);
@@ -37,11 +30,10 @@ void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int
         std::fill(dm, dm + LANES, 0);
         std::fill(dl, dl + LANES, 0);
         for (int c = c0; c < w.seg_end[s]; ++c) {
-          const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
           const int8_t* x = xs + int64_t(c) * SPLIT_PARTS * ck;
           for (int r = 0; r < LANES; ++r)
             for (int j = 0; j < ck; ++j) {
-              const int32_t q = code_at(blk, w.bits, r, j);
+              const int32_t q = code_at(w, nb, c, r, j);
               dh[r] += q * x[j];
               dm[r] += q * x[ck + j];
               dl[r] += q * x[2 * ck + j];
@@ -62,16 +54,14 @@ void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) 
   float f[LANES];
   uint32_t d[LANES];  // int32 arithmetic with wrap-around, as the SIMD lanes do
   for (int nb = nb0; nb < nb1; ++nb) {
-    const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;
     for (int m = 0; m < a.m; ++m) {
       const int8_t* q = a.q + m * a.ld;  // [Kp]
       std::fill(f, f + LANES, 0.0f);
       for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
         std::fill(d, d + LANES, 0u);
         for (int c = c0; c < w.seg_end[s]; ++c) {
-          const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
           for (int r = 0; r < LANES; ++r)
-            for (int j = 0; j < ck; ++j) d[r] += uint32_t(code_at(blk, w.bits, r, j) * int32_t(q[c * ck + j]));
+            for (int j = 0; j < ck; ++j) d[r] += uint32_t(code_at(w, nb, c, r, j) * int32_t(q[c * ck + j]));
         }
         const float x = float(a.qsum[m * w.nseg + s]);
         for (int r = 0; r < LANES; ++r) f[r] = seg_epilogue(w, nb, s, r, float(int32_t(d[r])), x, f[r]);

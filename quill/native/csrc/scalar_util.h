@@ -111,21 +111,54 @@ inline int64_t seg_index(const Weights& w, int nb, int s, int r) { return (int64
 
 inline float zero_at(const Weights& w, int64_t i) {
   if (!w.zeros) return w.zconst;
-  return w.bits == 4 ? float(static_cast<const uint8_t*>(w.zeros)[i]) : float(static_cast<const int16_t*>(w.zeros)[i]);
+  return w.bits != 8 ? float(static_cast<const uint8_t*>(w.zeros)[i]) : float(static_cast<const int16_t*>(w.zeros)[i]);
+}
+
+// Index of lane r's super-block value for segment s (two-level scales).
+inline int64_t super_index(const Weights& w, int nb, int s, int r) {
+  return (int64_t(nb) * (w.nseg / w.gps) + s / w.gps) * LANES + r;
+}
+
+// One level: the stored value at i.  Two levels: super * int8 sub-value, one float32 rounding (exact).
+inline float level_at(const void* sub, const void* sup, const Weights& w, int nb, int s, int r, int64_t i) {
+  if (!sup) return to_float(sub, w.scale_dtype, i);
+  return to_float(sup, w.scale_dtype, super_index(w, nb, s, r)) * float(static_cast<const int8_t*>(sub)[i]);
+}
+
+inline float scale_at(const Weights& w, int nb, int s, int r, int64_t i) {
+  return level_at(w.scales, w.super_scales, w, nb, s, r, i);
+}
+
+inline float offset_at(const Weights& w, int nb, int s, int r, int64_t i) {
+  return level_at(w.offsets, w.super_offsets, w, nb, s, r, i);
 }
 
 // f += scale * (D - zero * X) [+ offset * X] for lane r of segment s.
 inline float seg_epilogue(const Weights& w, int nb, int s, int r, float d, float x, float f) {
   const int64_t i = seg_index(w, nb, s, r);
   const float t = std::fma(-zero_at(w, i), x, d);
-  f = std::fma(to_float(w.scales, w.scale_dtype, i), t, f);
-  if (w.offsets) f = std::fma(to_float(w.offsets, w.scale_dtype, i), x, f);
+  f = std::fma(scale_at(w, nb, s, r, i), t, f);
+  if (w.offsets) f = std::fma(offset_at(w, nb, s, r, i), x, f);
   return f;
 }
 
 inline int32_t zero_int_at(const Weights& w, int64_t i) {
   if (!w.zeros) return static_cast<int32_t>(w.zconst);
-  return w.bits == 4 ? int32_t(static_cast<const uint8_t*>(w.zeros)[i]) : int32_t(static_cast<const int16_t*>(w.zeros)[i]);
+  return w.bits != 8 ? int32_t(static_cast<const uint8_t*>(w.zeros)[i]) : int32_t(static_cast<const int16_t*>(w.zeros)[i]);
+}
+
+// The code of lane r at position j of chunk c of row block nb (the layout of common.h).
+inline int code_at(const Weights& w, int nb, int64_t c, int r, int j) {
+  const uint8_t* blk = w.codes + (int64_t(nb) * w.kc + c) * BLOCK_BYTES;
+  if (w.bits == 8) return blk[4 * r + j];
+  const int b = j % 4, n = j / 4;
+  int q = (blk[4 * r + b] >> (4 * n)) & 0x0F;
+  if (w.hplane) {
+    const int hb = w.bits - 4, rows = 4 * hb;
+    const uint8_t byte = w.hplane[(int64_t(nb) * w.kc + c) * plane_bytes(w.bits) + 4 * (r % rows) + b];
+    q |= ((byte >> (hb * (2 * (r / rows) + n))) & ((1 << hb) - 1)) << 4;
+  }
+  return q;
 }
 
 // The float kernels' epilogue for lane r of segment s (common.h SplitActs):
@@ -138,9 +171,9 @@ inline float split_epilogue(const Weights& w, int nb, int s, int r, int32_t dhi,
   const int64_t i = seg_index(w, nb, s, r);
   const int32_t z = zero_int_at(w, i);
   const float t = std::fma(float(dhi - z * xhi), 65536.0f, float(dlo - z * xlo));
-  f = std::fma(to_float(w.scales, w.scale_dtype, i) * xscale, t, f);
+  f = std::fma(scale_at(w, nb, s, r, i) * xscale, t, f);
   if (w.offsets)
-    f = std::fma(to_float(w.offsets, w.scale_dtype, i) * xscale, std::fma(float(xhi), 65536.0f, float(xlo)), f);
+    f = std::fma(offset_at(w, nb, s, r, i) * xscale, std::fma(float(xhi), 65536.0f, float(xlo)), f);
   return f;
 }
 

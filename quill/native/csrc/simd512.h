@@ -32,13 +32,20 @@ struct SegConsts {
   bool has_offset;
 };
 
+// One level: 16 stored values at i.  Two levels: super * int8 sub-values (level_at).
+inline __m512 level16(const void* sub, const void* sup, const Weights& w, int nb, int s, int64_t i) {
+  if (!sup) return load16(sub, w.scale_dtype, i);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(sub) + i));
+  return _mm512_mul_ps(load16(sup, w.scale_dtype, super_index(w, nb, s, 0)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+}
+
 inline SegConsts seg_consts(const Weights& w, int nb, int s) {
   const int64_t i = seg_index(w, nb, s, 0);
   SegConsts c;
-  c.scale = load16(w.scales, w.scale_dtype, i);
+  c.scale = level16(w.scales, w.super_scales, w, nb, s, i);
   if (!w.zeros) {
     c.zero_i = _mm512_set1_epi32(int32_t(w.zconst));
-  } else if (w.bits == 4) {
+  } else if (w.bits != 8) {
     const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.zeros) + i));
     c.zero_i = _mm512_cvtepu8_epi32(z);
   } else {
@@ -47,7 +54,7 @@ inline SegConsts seg_consts(const Weights& w, int nb, int s) {
   }
   c.zero = _mm512_cvtepi32_ps(c.zero_i);
   c.has_offset = w.offsets != nullptr;
-  c.offset = c.has_offset ? load16(w.offsets, w.scale_dtype, i) : _mm512_setzero_ps();
+  c.offset = c.has_offset ? level16(w.offsets, w.super_offsets, w, nb, s, i) : _mm512_setzero_ps();
   return c;
 }
 
@@ -71,6 +78,24 @@ inline __m512 split_epilogue(const SegConsts& c, __m512i dhi, __m512i dlo, int32
   if (c.has_offset)
     f = _mm512_fmadd_ps(_mm512_mul_ps(c.offset, xs), _mm512_set1_ps(std::fma(float(xhi), 65536.0f, float(xlo))), f);
   return f;
+}
+
+// 5/6-bit codes: OR the high plane (common.h) of one chunk into the nibbles of all 16 lanes,
+// in place (lo: positions 8c..8c+3, hi: 8c+4..8c+7).
+template <int BITS>
+inline void add_high_bits(const uint8_t* plane, __m512i& lo, __m512i& hi) {
+  constexpr int HB = BITS - 4;
+  __m512i v;
+  if (BITS == 6) {  // lane r in byte row r % 8 at bit 4 * (r / 8) (+2 for the high nibble's)
+    const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)));
+    v = _mm512_srlv_epi32(b, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
+  } else {  // 5-bit: lane r in byte row r % 4 at bit 2 * (r / 4) (+1)
+    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane)));
+    v = _mm512_srlv_epi32(b, _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0));
+  }
+  const __m512i m = _mm512_set1_epi8((1 << HB) - 1);
+  lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(v, m), 4));
+  hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(v, _mm512_slli_epi16(m, HB)), 4 - HB));
 }
 
 inline __mmask16 row_mask(const Weights& w, int nb) {
