@@ -71,8 +71,8 @@ def test_validate_errors_name_the_layer():
     codes = torch.zeros(4, 6, dtype=torch.uint8)
     with pytest.raises(ConfigError, match="lay.*group_size 4 does not divide in_features 6"):
         QuantizedWeight(codes, 4, 4, torch.ones(4, 1), name="lay").validate()
-    with pytest.raises(UnsupportedFormatError, match="bits=5"):
-        QuantizedWeight(codes, 5, 3, torch.ones(4, 2), name="lay").validate()
+    with pytest.raises(UnsupportedFormatError, match="bits=7"):
+        QuantizedWeight(codes, 7, 3, torch.ones(4, 2), name="lay").validate()
     with pytest.raises(CheckpointError, match="'scales'"):
         QuantizedWeight(codes, 4, 3, torch.ones(3, 2), name="lay").validate()
     with pytest.raises(CheckpointError, match="above the 4-bit maximum"):
