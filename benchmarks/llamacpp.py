@@ -1,6 +1,14 @@
 """quill against llama.cpp on the same GGUF file: decode and prefill tokens/s, 2 threads each.
 
-    python benchmarks/llamacpp.py --llama-python /tmp/llamacpp-venv/bin/python [--gguf FILE] [--write-1b DIR]
+    python benchmarks/llamacpp.py --llama-python .venv-llamacpp/bin/python [--gguf FILE] [--write-1b DIR]
+        [--types q4_k_m,q5_k_m,q6_k] [--isa avx2] [--llama-lib DIR]
+
+``--types``: every file is first requantized by llama.cpp's own quantizer into each type (into
+``--out``, once) and the comparison runs on those files.  ``--isa avx2`` limits quill to its AVX2
+kernels (and torch to ``ATEN_CPU_CAPABILITY=avx2``) for a same-ISA comparison with the AVX2 wheel;
+``--llama-lib DIR`` runs llama.cpp from a native build's ``libllama.so`` (LLAMA_CPP_LIB_PATH), e.g.
+AVX-512.  Beside the speeds: the weight bytes quill's kernels hold (what each decoded token reads)
+against the file's tensor bytes.
 
 llama.cpp runs through llama-cpp-python, in its own interpreter (``--llama-python``; it is not a
 quill dependency: install it with ``CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python``
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,6 +52,45 @@ for _ in range(gen):
 t2 = time.perf_counter()
 print(json.dumps({"prefill_tps": prompt / (t1 - t0), "decode_tps": gen / (t2 - t1)}))
 """
+
+
+QUANTIZE_SCRIPT = r"""
+import ctypes, sys, llama_cpp
+src, dst, ftype = sys.argv[1:4]
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype)
+p.allow_requantize = True  # e.g. the default model is Q4_1: llama.cpp dequantizes, then quantizes
+p.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p)))
+"""
+
+
+def quantize_with_llamacpp(python: str, src: Path, dst: Path, ftype: str) -> Path:
+    """``llama_model_quantize(src -> dst)`` with ``LLAMA_FTYPE_MOSTLY_<ftype>`` (e.g. Q4_K_M), once."""
+    if not dst.exists():
+        tmp = dst.with_name(dst.name + ".part")
+        p = subprocess.run([python, "-c", QUANTIZE_SCRIPT, str(src), str(tmp), ftype.upper()],
+                           capture_output=True, text=True, check=False)
+        if p.returncode:
+            raise RuntimeError(f"llama.cpp could not quantize {src.name} to {ftype}: {p.stderr[-2000:]}")
+        tmp.rename(dst)
+    return dst
+
+
+def file_linear_bytes(path: Path) -> int:
+    """Bytes of the file's matrices a decoded token reads: every 2-D tensor except a token embedding
+    that has its own output matrix (a tied one is the lm_head)."""
+    from quill.formats.gguf.file import GGUFFile
+
+    f = GGUFFile(path)
+    tied = "output.weight" not in f.tensors
+    return sum(i.nbytes for i in f.tensors.values()
+               if len(i.shape) >= 2 and (i.name != "token_embd.weight" or tied))
+
+
+def quill_linear_bytes(llm) -> int:
+    """Bytes quill's kernels hold for the linears (lm_head included): what each decoded token reads."""
+    return sum(i.held_bytes for i in llm.loaded.layers if i.kind in ("quantized", "dense", "tied"))
 
 
 def default_gguf() -> Path:
@@ -119,9 +167,10 @@ def prompt_ids(n: int) -> list[int]:
     return [(7 * i + 11) % 4000 + 100 for i in range(n)]
 
 
-def run_llamacpp(python: str, path: Path, prompt: int, gen: int, threads: int) -> dict:
+def run_llamacpp(python: str, path: Path, prompt: int, gen: int, threads: int, lib: Path | None = None) -> dict:
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(lib)) if lib else None
     p = subprocess.run([python, "-c", LLAMA_SCRIPT, str(path), json.dumps(prompt_ids(prompt)), str(gen), str(threads)],
-                       capture_output=True, text=True, check=False)
+                       capture_output=True, text=True, check=False, env=env)
     if p.returncode:
         raise RuntimeError(f"llama.cpp run failed: {p.stderr.strip()[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -141,11 +190,14 @@ QUILL_MODES = {"quill w4a16": None, "quill w4a8": "int8"}
 ENGINES = (*QUILL_MODES, "llama.cpp")
 
 
-def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: int, probe, log) -> dict:
+def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: int, probe, log,
+            platform=None, lib: Path | None = None) -> dict:
     import quill
 
-    llms = {e: quill.LLM(str(path), threads=threads, progress=False, activation_quant=aq)
+    llms = {e: quill.LLM(str(path), threads=threads, progress=False, activation_quant=aq, platform=platform)
             for e, aq in QUILL_MODES.items()}
+    held, stored = quill_linear_bytes(llms["quill w4a16"]), file_linear_bytes(path)
+    log(f"  weights read per token: quill {held / 1e6:.2f} MB, file {stored / 1e6:.2f} MB ({held / stored:.3f}x)")
     for llm in llms.values():
         run_quill(llm, 8, 4)  # warm-up
     rows: dict[str, list] = {e: [] for e in ENGINES} | {"dram_gbs": []}
@@ -153,13 +205,14 @@ def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: 
         rows["dram_gbs"].append(probe.read_gbs())
         for e, llm in llms.items():
             rows[e].append(run_quill(llm, prompt, gen))
-        rows["llama.cpp"].append(run_llamacpp(python, path, prompt, gen, threads))
+        rows["llama.cpp"].append(run_llamacpp(python, path, prompt, gen, threads, lib))
         log(f"  run {r + 1}/{runs}: DRAM {rows['dram_gbs'][-1]:.1f} GB/s; decode tok/s: "
             + ", ".join(f"{e} {rows[e][-1]['decode_tps']:.1f}" for e in ENGINES))
     del llms
     med = {e: {k: statistics.median(r[k] for r in rows[e]) for k in ("prefill_tps", "decode_tps")}
            for e in ENGINES}
-    return {"file": str(path), "prompt": prompt, "gen": gen, "threads": threads, "runs": rows, "median": med}
+    return {"file": str(path), "prompt": prompt, "gen": gen, "threads": threads, "runs": rows, "median": med,
+            "quill_weight_bytes_per_token": held, "file_weight_bytes": stored}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,20 +226,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--types", default="", help="comma-separated llama.cpp ftypes to requantize every file into "
+                    "first (q4_k_m, q5_k_m, q6_k, ...)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out", help="where --types files go")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native", help="quill's (and torch's) ISA")
+    ap.add_argument("--llama-lib", type=Path, default=None, help="directory of a native libllama.so to run")
     args = ap.parse_args(argv)
+    if args.isa == "avx2":  # before torch is imported
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
     from quill.bench import memory
     from quill.platform import detect
 
     platform = detect()
+    if args.isa == "avx2":
+        platform = platform.limited_to("avx2")
     threads = args.threads or platform.physical_cores
     files = list(args.gguf or [default_gguf()])
     if args.write_1b:
         files.append(write_1b_gguf(args.write_1b, default_gguf()))
+    if args.types:
+        args.out.mkdir(parents=True, exist_ok=True)
+        files = [quantize_with_llamacpp(args.llama_python, f, args.out / f"{f.stem}.{t.upper()}.gguf", t)
+                 for f in files for t in args.types.split(",")]
     probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
+    print(f"CPU: {platform.summary()}; quill ISA {args.isa}; llama.cpp from "
+          f"{args.llama_lib or 'the llama-cpp-python wheel'}", flush=True)
     results = []
     for f in files:
         print(f"{f.name}: prompt {args.prompt}, {args.gen} decoded, {threads} threads", flush=True)
-        results.append(compare(f, args.llama_python, args.prompt, args.gen, args.runs, threads, probe, print))
+        results.append(compare(f, args.llama_python, args.prompt, args.gen, args.runs, threads, probe, print,
+                               platform, args.llama_lib))
     print(f"\n{'file':<32} {'engine':<12} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs llama.cpp':>14}")
     for res in results:
         lc = res["median"]["llama.cpp"]

@@ -6,23 +6,13 @@ into quill's interpreter: every call is a subprocess of that virtualenv's python
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-
-_QUANTIZE = r"""
-import ctypes, sys, llama_cpp
-src, dst, ftype = sys.argv[1:4]
-p = llama_cpp.llama_model_quantize_default_params()
-p.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype)
-p.allow_requantize = True  # the default model is already Q4_1: llama.cpp dequantizes, then quantizes
-p.nthread = 2
-sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p)))
-"""
 
 
 def llama_python() -> str:
@@ -35,12 +25,14 @@ def llama_python() -> str:
 
 
 def quantize(src: Path, dst: Path, ftype: str) -> Path:
-    """``llama_model_quantize(src -> dst)`` with ``LLAMA_FTYPE_MOSTLY_<ftype>`` (e.g. Q4_K_M)."""
-    if not dst.exists():
-        tmp = dst.with_suffix(".part")
-        p = subprocess.run([llama_python(), "-c", _QUANTIZE, str(src), str(tmp), ftype],
-                           capture_output=True, text=True, check=False)
-        if p.returncode:
-            raise RuntimeError(f"llama.cpp could not quantize {src.name} to {ftype}: {p.stderr[-2000:]}")
-        tmp.rename(dst)
-    return dst
+    """``llama_model_quantize(src -> dst)`` with ``LLAMA_FTYPE_MOSTLY_<ftype>`` (e.g. Q4_K_M), once."""
+    return bench_module().quantize_with_llamacpp(llama_python(), src, dst, ftype)
+
+
+def bench_module():
+    """benchmarks/llamacpp.py (not a package): the quantizer and the random-Llama writer live there."""
+    script = REPO / "benchmarks" / "llamacpp.py"
+    spec = importlib.util.spec_from_file_location("bench_llamacpp", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

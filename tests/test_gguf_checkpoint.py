@@ -235,8 +235,8 @@ def test_unsupported_tensor_type_names_tensor_and_supported_types(tmp_path, qtyp
     data = np.random.default_rng(7).integers(0, 256, (4, nbytes * (256 // GGML_TYPES[qtype][1])), dtype=np.uint8)
     path = write_gguf(tmp_path / "k.gguf", "llama", _arch_kv("llama"), [("blk.0.ffn_up.weight", data, qtype)])
     with pytest.raises(UnsupportedFormatError, match=rf"'blk.0.ffn_up.weight' has ggml type {qtype.name}.*"
-                                                     r"supported: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, "
-                                                     r"Q5_K, Q6_K, F32, F16, BF16"):
+                                                     r"supported: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, "
+                                                     r"Q4_K, Q5_K, Q6_K, F32, F16, BF16"):
         GGUFCheckpoint(path)
 
 

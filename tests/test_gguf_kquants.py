@@ -7,7 +7,6 @@ IQ4_NL) and a random-weight Llama whose widths are multiples of 256 (every matri
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from llamacpp_util import quantize
+from llamacpp_util import bench_module, quantize
 
 import quill
 from quill.canonical import QuantizedWeight
@@ -121,14 +120,6 @@ def test_widening_never_narrows():
 
 # ---- files written by llama.cpp's quantizer -----------------------------------------
 
-def _bench_module():
-    script = Path(__file__).parents[1] / "benchmarks" / "llamacpp.py"
-    spec = importlib.util.spec_from_file_location("bench_llamacpp", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def kq_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("kquants")
@@ -143,7 +134,7 @@ def smol(kq_dir) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def tiny(kq_dir) -> dict[str, Path]:
     """A random-weight Llama (hidden 256, MLP 512, 2 layers) in every ftype, from an F16 copy."""
-    f16 = _bench_module().write_1b_gguf(kq_dir, default_model_path(), hidden=256, ffn=512, heads=4, kv_heads=2,
+    f16 = bench_module().write_1b_gguf(kq_dir, default_model_path(), hidden=256, ffn=512, heads=4, kv_heads=2,
                                         layers=2, name="tiny-f16.gguf", qtype="F16")
     return {t: quantize(f16, kq_dir / f"tiny-{t}.gguf", t) for t in FTYPES}
 

@@ -30,6 +30,7 @@ class LayerInfo:
     refusals: tuple[tuple[str, str], ...]  # kernels ranked higher that refused, with their reasons
     weight_bytes: int  # as stored in the checkpoint
     num_weights: int
+    held_bytes: int = 0  # as the kernel holds it (what a decode step reads); 0 where not tracked (experts)
 
 
 @dataclass(frozen=True)

@@ -182,8 +182,9 @@ def quant_info(name: str, ql, kind: str, rows: int | None = None) -> LayerInfo:
     if rows is not None:
         summary += f" (merged: {rows} of {c.out_features} rows)"
     nbytes = 0 if kind == "tied" else ql.weight_bytes * n // c.out_features
+    held = ql.selection.kernel.state_bytes(ql.state) * n // c.out_features
     return LayerInfo(name, kind, summary, c.bits, c.group_size, c.symmetric, ql.kernel_name,
-                     ql.selection.refusals, nbytes, c.in_features * n)
+                     ql.selection.refusals, nbytes, c.in_features * n, held)
 
 
 def dense_info(name: str, dl, kind: str = "dense", rows: int | None = None) -> LayerInfo:
@@ -192,8 +193,9 @@ def dense_info(name: str, dl, kind: str = "dense", rows: int | None = None) -> L
     summary = f"dense {dtype_name(dl.dtype)} {n}x{dl.in_features}"
     if rows is not None:
         summary += f" (merged: {rows} of {dl.out_features} rows)"
+    held = dl.in_features * n * (2 if dl.native is not None else dl.weight.element_size())
     return LayerInfo(name, kind, summary, None, None, None, dl.kernel_name, (), dl.weight_bytes * n // dl.out_features,
-                     dl.in_features * n)
+                     dl.in_features * n, held)
 
 
 class PostLoad:
