@@ -247,3 +247,64 @@ def test_q6_k_default_model_answers_paris_with_llama_cpp_arithmetic(smol, hf_mod
     want = hf_model(path).generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     got = llm.generate([ids], quill.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
     assert got == want
+
+
+# ---- mixture-of-experts files quantized by llama.cpp (stacked expert tensors) ----------
+
+MOE_DIMS = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64,
+                num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def moe_files(kq_dir):
+    """model_type -> (transformers model, its Q4_K_M file from an F16 copy; widths 256 so all K-quants)."""
+    from tests.gguf_util import T
+    from tests.moe_models_util import hf_moe_model
+    from tests.test_moe_gguf import ALL_SPARSE, to_gguf
+
+    def make(model_type: str):
+        dims = dict(MOE_DIMS, **({"shared_expert_intermediate_size": 256} if model_type == "qwen2_moe" else {}))
+        hf = hf_moe_model(model_type, seed=20, **{**ALL_SPARSE[model_type], **dims})
+        src, _ = to_gguf(hf, model_type, kq_dir / f"{model_type}-f16.gguf", every_type=T.F16)
+        return hf, quantize(src, kq_dir / f"{model_type}-Q4_K_M.gguf", "Q4_K_M")
+    return make
+
+
+def _moe_logprobs(path: Path, kernel: str | None, ids: list[int]) -> tuple[torch.Tensor, quill.LLM]:
+    llm = quill.LLM(str(path), kernel=kernel, threads=2, progress=False, skip_tokenizer_init=True)
+    n, vocab = len(ids) - 1, llm.model.args.vocab_size
+    spec = ScoreSpec(first=1, gather_ids=torch.arange(vocab).expand(n, -1).contiguous())
+    return llm.score([ids], spec)[0].gathered, llm
+
+
+MOE_IDS = [5, 17, 99, 3, 250, 61, 7, 42, 11]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_moe_q4_k_m_matches_transformers(moe_files, model_type):
+    """transformers reads the same file (its config from ours: its GGUF mapping misses the expert width)."""
+    from transformers import AutoModelForCausalLM
+
+    hf, path = moe_files(model_type)
+    types = Counter(i.type_name for i in _quantized(path)[1])
+    assert {"Q4_K", "Q6_K"} <= types.keys(), types
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 config=hf.config)
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([MOE_IDS])).logits[0].float(), -1)[:-1]
+    for kernel, tol in (("reference", 1e-4), (None, 1e-2)):
+        got, llm = _moe_logprobs(path, kernel, MOE_IDS)
+        assert float((got - want).abs().max()) <= tol, (kernel, float((got - want).abs().max()))
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert any(i.kind == "expert" for i in llm.loaded.layers)
+
+
+def test_mixtral_style_llama_q4_k_m_native_matches_reference(moe_files):
+    """transformers reads no Mixtral GGUF; the mapping is checked against it on Q4_0 files
+    (test_moe_gguf.py), the blocks against gguf-py here: native kernels against the reference."""
+    _, path = moe_files("mixtral")
+    f, infos = _quantized(path)
+    _check_exact(f, [i for i in infos if i.name.startswith("blk.0.")])
+    want, _ = _moe_logprobs(path, "reference", MOE_IDS)
+    got, llm = _moe_logprobs(path, None, MOE_IDS)
+    assert float((got - want).abs().max()) <= 1e-2 and torch.equal(got.argmax(-1), want.argmax(-1))

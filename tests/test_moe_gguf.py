@@ -48,13 +48,17 @@ def _metadata(cfg, arch: str) -> list:
     return kv
 
 
-def to_gguf(hf, model_type: str, path):
-    """Write ``hf`` as llama.cpp would; return the path and the twin's state (gguf round trips)."""
+def to_gguf(hf, model_type: str, path, every_type=None):
+    """Write ``hf`` as llama.cpp would; return the path and the twin's state (gguf round trips).
+
+    ``every_type`` (e.g. F16): every matrix in that type instead (a source for llama.cpp's quantizer)."""
     arch, cfg = ARCH[model_type], hf.config
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
     tensors, twin = [], {}
 
     def put(gguf_name: str, hf_name: str, w: np.ndarray, qtype, permute_heads: int | None = None):
+        if every_type is not None and w.ndim >= 2:
+            qtype = every_type
         stored = llama_permute(w, permute_heads) if permute_heads else w
         tensors.append((gguf_name, stored, qtype))
         back = w if qtype == T.F32 else _roundtrip(w, qtype)
@@ -80,7 +84,7 @@ def to_gguf(hf, model_type: str, path):
         gate_up, down = sd[f"{p}.mlp.experts.gate_up_proj"], sd[f"{p}.mlp.experts.down_proj"]  # [E, 2I, H], [E, H, I]
         inter = gate_up.shape[1] // 2
         for name, w in (("gate", gate_up[:, :inter]), ("up", gate_up[:, inter:]), ("down", down)):
-            tensors.append((f"{b}.ffn_{name}_exps.weight", np.ascontiguousarray(w), EXPERT_TYPES[name]))
+            tensors.append((f"{b}.ffn_{name}_exps.weight", np.ascontiguousarray(w), every_type or EXPERT_TYPES[name]))
         twin[f"{p}.mlp.experts.gate_up_proj"] = torch.from_numpy(np.concatenate(
             [_roundtrip(gate_up[:, :inter], T.Q4_0), _roundtrip(gate_up[:, inter:], T.Q4_1)], axis=1))
         twin[f"{p}.mlp.experts.down_proj"] = torch.from_numpy(_roundtrip(down, T.Q8_0))
@@ -94,6 +98,8 @@ def to_gguf(hf, model_type: str, path):
 
 
 def _roundtrip(w: np.ndarray, qtype) -> np.ndarray:
+    if qtype == T.F16:
+        return w.astype(np.float16).astype(np.float32)
     return dequantize(quantize(np.ascontiguousarray(w), qtype), qtype).astype(np.float32).reshape(w.shape)
 
 
