@@ -32,6 +32,7 @@ class LinearLayerConfig:
     act_symmetric: bool
     platform: Platform
     threads: int = 1  # the run's threads (RunOptions.threads), handed to native kernels
+    two_level: bool = False  # scales (mins) are a float per super-block x a small integer per group (K-quants)
 
     @property
     def per_channel(self) -> bool:
@@ -49,7 +50,7 @@ class LinearLayerConfig:
             in_features=w.in_features, out_features=w.out_features, bits=w.bits, group_size=w.group_size,
             symmetric=w.symmetric, has_offsets=w.offsets is not None, act_order=w.has_act_order,
             act=act_kind(w.activation), act_symmetric=w.activation is None or w.activation.symmetric,
-            platform=platform, threads=threads or max(1, platform.physical_cores),
+            platform=platform, threads=threads or max(1, platform.physical_cores), two_level=w.two_level,
         )
 
     def summary(self) -> str:
@@ -57,7 +58,7 @@ class LinearLayerConfig:
         a = {ActKind.FLOAT: "A16", ActKind.INT8_TOKEN: "A8 dyn", ActKind.INT8_TENSOR: "A8 static"}[self.act]
         g = "ch" if self.per_channel else f"g{self.group_size}"
         kind = "sym" if self.symmetric else ("offset" if self.has_offsets else "asym")
-        extra = " act-order" if self.act_order else ""
+        extra = (" act-order" if self.act_order else "") + (" 2-level" if self.two_level else "")
         return f"W{self.bits}{a} {g} {kind}{extra} {self.out_features}x{self.in_features}"
 
 

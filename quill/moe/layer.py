@@ -66,8 +66,8 @@ def linear_factory(selector: KernelSelector, dtype: torch.dtype) -> Callable[[Pr
 
 
 def _with_activation(p: Proj, activation: str | None) -> Proj:
-    if isinstance(p, QuantizedWeight):  # MoE backends read single-level scales
-        return p.single_level().with_(activation=resolve_activation(p, activation))
+    if isinstance(p, QuantizedWeight):
+        return p.with_(activation=resolve_activation(p, activation))
     return p  # a projection the checkpoint left in float stays float (as the tools run it)
 
 
