@@ -142,9 +142,12 @@ def _high_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
     hb = bits - 4
     rows = 4 * hb
     nb, _, kc, _ = q.shape
-    high = (q >> 4).permute(0, 2, 1, 3).to(torch.int32).reshape(nb, kc, LANES // rows, rows, 2, 4)
-    shift = hb * (2 * torch.arange(LANES // rows).view(-1, 1, 1, 1) + torch.arange(2).view(1, 1, 2, 1))
-    return (high << shift).sum(dim=(2, 4)).to(torch.uint8).reshape(nb, kc, 4 * rows)
+    high = (q >> 4).permute(0, 2, 1, 3).reshape(nb, kc, LANES // rows, rows, 2, 4)  # uint8, one copy
+    plane = torch.zeros(nb, kc, rows, 4, dtype=torch.uint8)
+    for slot in range(LANES // rows):  # 2 (6-bit) or 4 (5-bit) lane groups x 2 nibbles: bytewise ORs
+        for n in range(2):
+            plane.bitwise_or_(high[:, :, slot, :, n, :] << (hb * (2 * slot + n)))
+    return plane.reshape(nb, kc, 4 * rows)
 
 
 def _per_super(t: torch.Tensor, nb: int) -> torch.Tensor:

@@ -72,7 +72,10 @@ def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 def _bits(x: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
     """uint8 [..., n] -> [..., len(shifts), n]: ``(x >> s) & mask`` for every shift."""
-    return torch.stack([(x >> s) & mask for s in shifts], dim=-2)
+    out = torch.empty(*x.shape[:-1], len(shifts), x.shape[-1], dtype=torch.uint8)
+    for i, s in enumerate(shifts):
+        torch.bitwise_and(torch.bitwise_right_shift(x, s), mask, out=out[..., i, :])
+    return out
 
 
 def _qh32(qh: torch.Tensor) -> torch.Tensor:
@@ -129,7 +132,8 @@ def _two_level(codes, bits, group, d, sub, dmin=None, mins=None, name="") -> Qua
     """Canonical weight from per-super-block d (dmin) [R, B] and integer sub-scales (mins) [R, B, n]."""
     kw = {}
     if dmin is not None:  # w = q*(d*sc) - dmin*m  ==  q*(d*sc) + (-dmin)*m, bit for bit
-        kw = dict(zeros=torch.zeros(_flat(sub).shape, dtype=torch.int16), offsets=_flat(mins),
+        zeros = torch.zeros(1, 1, dtype=torch.int16).expand(sub.shape[0], sub.shape[1] * sub.shape[2])  # no copy
+        kw = dict(zeros=zeros, offsets=_flat(mins),
                   super_offsets=-dmin)
     return QuantizedWeight(codes=codes, bits=bits, group_size=group, scales=_flat(sub), super_scales=d,
                            dtype=torch.float32, name=name, **kw)
