@@ -72,10 +72,26 @@ def test_torch_fallback_agrees():
                                rtol=1e-5, atol=1e-5)  # no ISA handed: torch
     got = fused.paged_decode_attention(q, kp, vp, slots, ln, 0.125, BEST)  # the ISA chosen at load: native
     assert torch.equal(got, EXT.paged_decode_attention(q, kp, vp, slots, ln, 0.125, BEST))
-    bq = q.to(torch.bfloat16)  # not float32: the torch path, in the query's dtype
+    bq = q.to(torch.bfloat16)  # no ISA handed: the torch path, in the query's dtype
     y = fused.paged_decode_attention(bq, kp.to(torch.bfloat16), vp.to(torch.bfloat16), slots, ln, 0.125)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("lens,h,hkv,d", CASES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_bfloat16_pools_read_as_their_float32_values(lens, h, hkv, d, isa):
+    """A bfloat16 run's pool is widened exactly as it is read: the bits of a float32 pool of those values."""
+    q, kp, vp, slots, ln = _paged_case(lens, h, hkv, d, seed=3)
+    kb, vb = kp.to(torch.bfloat16), vp.to(torch.bfloat16)
+    want = EXT.paged_decode_attention(q, kb.float(), vb.float(), slots, ln, 0.125, isa)
+    assert torch.equal(EXT.paged_decode_attention(q, kb, vb, slots, ln, 0.125, isa), want)
+    y = fused.paged_decode_attention(q.to(torch.bfloat16), kb, vb, slots, ln, 0.125, isa)  # the engine's call
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, EXT.paged_decode_attention(q.to(torch.bfloat16).float(), kb.float(), vb.float(), slots,
+                                                     ln, 0.125, isa).to(torch.bfloat16))
+    with pytest.raises(KernelError, match="'v' pool"):
+        EXT.paged_decode_attention(q, kb, vp, slots, ln, 0.125, isa)
 
 
 def test_bad_tables_raise_kernel_error():
@@ -90,5 +106,5 @@ def test_bad_tables_raise_kernel_error():
         EXT.paged_decode_attention(q, kp, vp, slots, ln.int(), 1.0, BEST)
     with pytest.raises(KernelError, match=r"'v' pool .* does not match 'k' pool"):
         EXT.paged_decode_attention(q, kp, vp[:-1], slots, ln, 1.0, BEST)
-    with pytest.raises(KernelError, match=r"'k' pool should be contiguous float32 \[N, Hkv, 16\]"):
+    with pytest.raises(KernelError, match=r"'k' pool should be contiguous float32 or bfloat16 \[N, Hkv, 16\]"):
         EXT.paged_decode_attention(q, kp.double(), vp, slots, ln, 1.0, BEST)

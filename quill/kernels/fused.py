@@ -110,11 +110,13 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     q [B, H, 1, D]; k_pool and v_pool [N, Hkv, D]; slots int64 [B, Smax] (the pool rows of each
     sequence's context, in order, padded past its length); lens int64 [B] -> [B, H, 1, D].  The
     native kernel (``isa`` as chosen at load; None for torch) returns the bits
-    :func:`decode_attention` gives on the gathered, masked rows.
+    :func:`decode_attention` gives on the gathered, masked rows (float32; bfloat16 pools are
+    widened exactly as read, q enters as float32 and the result is rounded to q's dtype).
     """
     ext = _ext() if isa is not None else None
-    if ext is not None and q.dtype == torch.float32 and k_pool.dtype == torch.float32 and not q.requires_grad:
-        return ext.paged_decode_attention(q, k_pool, v_pool, slots, lens, scale, isa)
+    native_dtypes = (torch.float32, torch.bfloat16)
+    if ext is not None and q.dtype in native_dtypes and k_pool.dtype in native_dtypes and not q.requires_grad:
+        return ext.paged_decode_attention(q.float(), k_pool, v_pool, slots, lens, scale, isa).to(q.dtype)
     kd = k_pool[slots].permute(0, 2, 1, 3)  # [B, Hkv, Smax, D]
     vd = v_pool[slots].permute(0, 2, 1, 3)
     mask = None

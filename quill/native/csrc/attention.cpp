@@ -94,7 +94,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   return out;
 }
 
-// q [B, H, 1, D]; k and v pools [N, Hkv, D] float32; slots int64 [B, Smax] (pool rows of each
+// q [B, H, 1, D] float32; k and v pools [N, Hkv, D] float32 or bfloat16; slots int64 [B, Smax] (pool rows of each
 // sequence's context, in order); lens int64 [B] (1 <= lens[b] <= Smax) -> [B, H, 1, D]
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& slots_in, const at::Tensor& lens_in, double scale,
@@ -103,11 +103,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
     fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
   const int64_t B = q_in.size(0), H = q_in.size(1), D = q_in.size(3);
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
   for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}})
-    if (t->scalar_type() != at::kFloat || t->dim() != 3 || t->size(2) != D || !t->is_contiguous())
-      fail("'", name, "' pool should be contiguous float32 [N, Hkv, ", D, "], found ", t->dtype(), " ",
-           t->sizes());
-  if (v.sizes() != k.sizes()) fail("'v' pool ", v.sizes(), " does not match 'k' pool ", k.sizes());
+    if ((t->scalar_type() != at::kFloat && t->scalar_type() != at::kBFloat16) || t->dim() != 3 ||
+        t->size(2) != D || !t->is_contiguous())
+      fail("'", name, "' pool should be contiguous float32 or bfloat16 [N, Hkv, ", D, "], found ", t->dtype(),
+           " ", t->sizes());
+  if (v.sizes() != k.sizes() || v.scalar_type() != k.scalar_type())
+    fail("'v' pool ", v.dtype(), " ", v.sizes(), " does not match 'k' pool ", k.dtype(), " ", k.sizes());
   const int64_t N = k.size(0), hkv = k.size(1);
   if (hkv == 0 || H % hkv) fail(H, " query heads are not a multiple of ", hkv, " KV heads");
   if (slots_in.scalar_type() != at::kLong || slots_in.dim() != 2 || slots_in.size(0) != B)
@@ -127,8 +130,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
   at::Tensor out = at::empty({B, H, 1, D}, q.options());
   AttnArgs a;
   a.q = q.data_ptr<float>();
-  a.k = k.data_ptr<float>();
-  a.v = v.data_ptr<float>();
+  if (bf16) {
+    a.k16 = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+    a.v16 = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  } else {
+    a.k = k.data_ptr<float>();
+    a.v = v.data_ptr<float>();
+  }
   a.out = out.data_ptr<float>();
   a.kh = a.vh = D, a.ks = a.vs = hkv * D;
   a.slots = sl, a.lens = ln, a.slot_b = S;

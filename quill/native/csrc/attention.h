@@ -19,6 +19,10 @@ struct AttnArgs {
   const float* q = nullptr;      // [B, H, D] contiguous
   const float* k = nullptr;      // [B, Hkv, S, D] with strides (kb, kh, ks), last dim contiguous
   const float* v = nullptr;      // as k, strides (vb, vh, vs)
+  // Paged pools of bfloat16 words instead (a bfloat16 run's KV cache), widened exactly to float32
+  // as they are read: the same bits as float32 pools holding those values.  Null: k / v.
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
   const uint8_t* mask = nullptr; // [B or 1, S] (1 = may attend) or null (every position)
   // Paged: row s of sequence b is pool row slots[b * slot_b + s] (k + row * ks + kv_head * kh;
   // kb and vb unused) for s < lens[b]; positions past lens[b] do not exist.  Null: dense rows.

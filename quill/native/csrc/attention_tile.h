@@ -23,12 +23,21 @@ inline float tree(const float* p) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {  // a, b [d]
+inline float widen(float x) { return x; }
+inline float widen(uint16_t h) {  // bfloat16 -> float32, exact
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <class T>
+inline float dot(const float* a, const T* b, int64_t d) {  // a, b [d]
   float part[L] = {};
   int64_t i = 0;
   for (; i + L <= d; i += L)
-    for (int j = 0; j < L; ++j) part[j] += a[i + j] * b[i + j];
-  for (int j = 0; i < d; ++i, ++j) part[j] += a[i] * b[i];
+    for (int j = 0; j < L; ++j) part[j] += a[i + j] * widen(b[i + j]);
+  for (int j = 0; i < d; ++i, ++j) part[j] += a[i] * widen(b[i]);
   return tree(part);
 }
 
@@ -76,21 +85,22 @@ inline float max(const float* x, int64_t n) {
   return m;
 }
 
-// DC: the head dimension when known at compile time (64, 128), else 0 (a.d at run time).
-template <int DC>
-void head(const AttnArgs& a, int64_t b, int64_t kvh, float* __restrict scratch) {
+// DC: the head dimension when known at compile time (64, 128), else 0 (a.d at run time);
+// T: the K / V element (float, or uint16_t bfloat16 words).
+template <int DC, class T>
+void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, float* __restrict scratch) {
   // Paged: S is this sequence's length, rows come through its slot table (masked padding
   // past the length would add exact zeros to the same lanes: the bits do not change).
   const int64_t G = a.h / a.hkv, S = a.slots ? a.lens[b] : a.s, D = DC ? DC : a.d;
   const float* __restrict q = a.q + (b * a.h + kvh * G) * D;  // [G, D]
   const int64_t* rows = a.slots ? a.slots + b * a.slot_b : nullptr;  // [S] pool rows
-  const float* kbase = a.k + (rows ? 0 : b * a.kb) + kvh * a.kh;     // [S, D], rows ks apart
-  const float* vbase = a.v + (rows ? 0 : b * a.vb) + kvh * a.vh;     // [S, D], rows vs apart
+  const T* kbase = k + (rows ? 0 : b * a.kb) + kvh * a.kh;     // [S, D], rows ks apart
+  const T* vbase = v + (rows ? 0 : b * a.vb) + kvh * a.vh;     // [S, D], rows vs apart
   const uint8_t* mask = a.mask ? a.mask + b * a.mask_b : nullptr;  // [S]
   float* __restrict scores = scratch;       // [G, S]
   float* __restrict acc = scratch + G * S;  // [G, D]
   for (int64_t s = 0; s < S; ++s) {  // each K row once, for all G query heads
-    const float* __restrict krow = kbase + (rows ? rows[s] : s) * a.ks;
+    const T* __restrict krow = kbase + (rows ? rows[s] : s) * a.ks;
     const bool on = !mask || mask[s];
     for (int64_t g = 0; g < G; ++g) scores[g * S + s] = on ? dot(q + g * D, krow, D) * a.scale : kMasked;
   }
@@ -104,11 +114,11 @@ void head(const AttnArgs& a, int64_t b, int64_t kvh, float* __restrict scratch) 
   }
   for (int64_t s = 0; s < S; ++s) {  // each V row once
     if (mask && !mask[s]) continue;
-    const float* __restrict vrow = vbase + (rows ? rows[s] : s) * a.vs;
+    const T* __restrict vrow = vbase + (rows ? rows[s] : s) * a.vs;
     for (int64_t g = 0; g < G; ++g) {
       const float w = scores[g * S + s];
       float* __restrict o = acc + g * D;
-      for (int64_t i = 0; i < D; ++i) o[i] += w * vrow[i];
+      for (int64_t i = 0; i < D; ++i) o[i] += w * widen(vrow[i]);
     }
   }
   for (int64_t g = 0; g < G; ++g) {  // a fully masked row (quill's cache never builds one): zeros
@@ -120,10 +130,16 @@ void head(const AttnArgs& a, int64_t b, int64_t kvh, float* __restrict scratch) 
   }
 }
 
+template <class T>
+inline void typed_head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, float* scratch) {
+  if (a.d == 64) return head<64>(a, k, v, b, kvh, scratch);
+  if (a.d == 128) return head<128>(a, k, v, b, kvh, scratch);
+  head<0>(a, k, v, b, kvh, scratch);
+}
+
 inline void any_head(const AttnArgs& a, int64_t b, int64_t kvh, float* scratch) {
-  if (a.d == 64) return head<64>(a, b, kvh, scratch);
-  if (a.d == 128) return head<128>(a, b, kvh, scratch);
-  head<0>(a, b, kvh, scratch);
+  if (a.k16) return typed_head(a, a.k16, a.v16, b, kvh, scratch);
+  typed_head(a, a.k, a.v, b, kvh, scratch);
 }
 
 }  // namespace
