@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from gguf_util import F16_FIELDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llamacpp_util import bench_module, quantize
@@ -27,10 +28,9 @@ from quill.errors import CheckpointError, ConfigError
 from quill.formats.gguf.file import GGML_TYPE_IDS, GGML_TYPES, GGUFFile
 from quill.formats.gguf.quants import block_weight
 
-# type -> byte offsets of its f16 fields (d, dmin / m): kept finite in generated blocks
-F16_FIELDS = {"Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
-              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-BITS = {"Q5_0": 5, "Q5_1": 5, "IQ4_NL": 8, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+# every quantized type quill reads, with its code width (F16_FIELDS: its f16 fields, kept finite)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 8, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4,
+        "Q5_K": 5, "Q6_K": 6}
 K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 FTYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K")
 # the ftype's main tensor type, which every file of that ftype must hold
@@ -60,7 +60,7 @@ def blocks(draw, type_name: str):
     return raw.reshape(rows, per_row * size)
 
 
-@pytest.mark.parametrize("type_name", sorted(F16_FIELDS))
+@pytest.mark.parametrize("type_name", sorted(BITS))
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_generated_blocks_dequantize_like_gguf_py(type_name, data):

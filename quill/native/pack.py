@@ -100,12 +100,16 @@ class PackedWeight:
     zconst: int | None = None  # the one zero point when zeros is None (None: 2**(bits-1))
 
 
+def _per_lane(t: torch.Tensor, nb: int) -> torch.Tensor:
+    """[N, C] -> [NB, C, 16] view: one value per column and lane, padded rows zero."""
+    if nb * LANES != t.shape[0]:
+        t = torch.cat([t, t.new_zeros(nb * LANES - t.shape[0], t.shape[1])])
+    return t.view(nb, LANES, -1).transpose(1, 2)
+
+
 def _per_segment(t: torch.Tensor, order: StreamOrder, nb: int) -> torch.Tensor:
-    """[N, G] -> [NB, S, 16] view: one value per segment and lane, padded rows zero."""
-    seg = t[:, order.seg_group]  # [N, S]
-    if nb * LANES != seg.shape[0]:
-        seg = torch.cat([seg, seg.new_zeros(nb * LANES - seg.shape[0], seg.shape[1])])
-    return seg.view(nb, LANES, -1).transpose(1, 2)
+    """[N, G] -> [NB, S, 16] view: one value per segment and lane."""
+    return _per_lane(t[:, order.seg_group], nb)
 
 
 def _stream_codes(w: QuantizedWeight, order: StreamOrder, nb: int) -> torch.Tensor:
@@ -148,13 +152,6 @@ def _high_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
         for n in range(2):
             plane.bitwise_or_(high[:, :, slot, :, n, :] << (hb * (2 * slot + n)))
     return plane.reshape(nb, kc, 4 * rows)
-
-
-def _per_super(t: torch.Tensor, nb: int) -> torch.Tensor:
-    """[N, S'] super-block values -> [NB, S', 16] view, padded rows zero."""
-    if nb * LANES != t.shape[0]:
-        t = torch.cat([t, t.new_zeros(nb * LANES - t.shape[0], t.shape[1])])
-    return t.view(nb, LANES, -1).transpose(1, 2)
 
 
 def _kernel_two_level(w: QuantizedWeight, order: StreamOrder) -> bool:
@@ -229,7 +226,7 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
         return None if t is None else place(_per_segment(t, order, nb))
 
     def supers(t):
-        return None if t is None else place(_per_super(t, nb))
+        return None if t is None else place(_per_lane(t, nb))  # [N, S'] -> [NB, S', 16]
     return PackedWeight(
         codes=codes, scales=segs(scales), zeros=None if zeros is None else place(zeros), offsets=segs(offsets),
         seg_end=order.seg_end, src=order.src, wsum=wsum, bits=w.bits,
