@@ -210,8 +210,8 @@ def _quill_logprobs(path: Path, kernel: str | None) -> tuple[torch.Tensor, quill
 
 
 # every tiny file is K-quants only; the default model's (slow for transformers to load) are mixed
-@pytest.mark.parametrize("model,ftype", [("tiny", "Q4_K_M"), ("tiny", "Q5_K_M"), ("tiny", "Q6_K"),
-                                         ("smol", "Q4_K_M"), ("smol", "Q6_K")])
+@pytest.mark.parametrize("model,ftype", [("tiny", "Q4_K_M"), ("tiny", "Q5_K_M"), ("tiny", "Q6_K"), ("tiny", "Q3_K_M"),
+                                         ("tiny", "Q2_K"), ("smol", "Q4_K_M"), ("smol", "Q6_K")])
 @pytest.mark.parametrize("kernel,tol", [("reference", 1e-4), (None, 1e-2)])
 def test_next_token_logprobs_match_transformers(request, hf_model, model, ftype, kernel, tol):
     path = request.getfixturevalue(model)[ftype]
