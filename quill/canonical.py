@@ -177,6 +177,16 @@ class QuantizedWeight:
                           offsets=pick(self.offsets), bias=pick(self.bias),
                           super_scales=pick(self.super_scales), super_offsets=pick(self.super_offsets))
 
+    @staticmethod
+    def concat_rows(ws: "list[QuantizedWeight]", name: str) -> "QuantizedWeight":
+        """The rows of weights of one ``layout()`` stacked in order, as one weight (every per-row tensor)."""
+        def cat(field):
+            parts = [getattr(w, field) for w in ws]
+            return None if parts[0] is None else torch.cat(parts)
+        return ws[0].with_(codes=cat("codes"), scales=cat("scales"), zeros=cat("zeros"), offsets=cat("offsets"),
+                           bias=cat("bias"), super_scales=cat("super_scales"), super_offsets=cat("super_offsets"),
+                           name=name)
+
     def layout(self) -> tuple:
         """What two weights must share for their rows to be concatenated into one weight."""
         def kind(t):

@@ -55,8 +55,8 @@ class MergedLinear:
         weights = [w for _, w in offers]
         label = "+".join(n.rpartition(".")[2] for n in names)
         if all(isinstance(w, QuantizedWeight) for w in weights) and _stackable(weights):
-            self.impl = build_quant_linear(_stack(weights, f"{names[0].rpartition('.')[0]}.{label}"), ctx.selector,
-                                           ctx.activation, bias_dtype=ctx.dtype)
+            stacked = QuantizedWeight.concat_rows(weights, f"{names[0].rpartition('.')[0]}.{label}")
+            self.impl = build_quant_linear(stacked, ctx.selector, ctx.activation, bias_dtype=ctx.dtype)
             for part, name, w in zip(self.parts, names, weights):
                 info = quant_info(name, self.impl, "quantized", rows=w.out_features)
                 part.set_built(_PartView(self, part.group_index), info)
@@ -102,11 +102,3 @@ def _stackable(ws: list[QuantizedWeight]) -> bool:
             return False
     return True
 
-
-def _stack(ws: list[QuantizedWeight], name: str) -> QuantizedWeight:
-    def cat(field):
-        parts = [getattr(w, field) for w in ws]
-        return None if parts[0] is None else torch.cat(parts)
-    return ws[0].with_(codes=cat("codes"), scales=cat("scales"), zeros=cat("zeros"), offsets=cat("offsets"),
-                       bias=cat("bias"), super_scales=cat("super_scales"), super_offsets=cat("super_offsets"),
-                       name=name)

@@ -104,12 +104,7 @@ def _stackable(a: QuantizedWeight, b: QuantizedWeight) -> bool:
 
 def _stack_quantized(a: QuantizedWeight, b: QuantizedWeight, name: str) -> QuantizedWeight:
     if a.two_level and a.layout() == b.layout():  # GGUF K-quant gate and up of one type: rows as stored
-        def cat(field):
-            parts = [getattr(a, field), getattr(b, field)]
-            return None if parts[0] is None else torch.cat(parts)
-        return a.with_(codes=cat("codes"), scales=cat("scales"), zeros=cat("zeros"), offsets=cat("offsets"),
-                       super_scales=cat("super_scales"), super_offsets=cat("super_offsets"),
-                       bias=_cat_bias(a, b), name=name).validate()
+        return QuantizedWeight.concat_rows([a, b], name).validate()
     a, b = a.single_level(), b.single_level()  # otherwise two-level scales as exact float32 groups
     zeros = offsets = None
     if a.zeros is not None or b.zeros is not None:  # a symmetric half gets its implicit zero spelt out

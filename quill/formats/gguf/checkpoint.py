@@ -43,7 +43,6 @@ from quill.formats.gguf.quants import (
     QUANTIZED_TYPES,
     block_weight,
     check_supported,
-    permute_rows,
 )
 from quill.formats.gguf.tokenizer import tokenizer_spec_from_gguf
 from quill.tokenizer import eos_token_ids
@@ -164,7 +163,7 @@ class GGUFCheckpoint:
             raw = raw[wsrc.expert * out:(wsrc.expert + 1) * out]
         qw = block_weight(raw, info.ggml_type, module)
         if wsrc.heads is not None:  # rows of codes, scales and offsets together: exact
-            qw = permute_rows(qw, unpermute_index(qw.out_features, wsrc.heads, module))
+            qw = qw.take_rows(unpermute_index(qw.out_features, wsrc.heads, module))  # exact
         if bsrc is not None:
             qw = qw.with_(bias=self._load(bsrc).reshape(-1))  # _load un-permutes the bias itself
         return qw.validate()

@@ -61,13 +61,7 @@ from __future__ import annotations
 import torch
 
 from quill.canonical import QuantizedWeight
-
-QK = 256
-
-
-def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The f16 field at byte ``start`` of every block: uint8 [R, B, bytes] -> float16 [R, B]."""
-    return blocks[..., start:start + 2].contiguous().view(torch.float16).squeeze(-1)
+from quill.formats.gguf.blocks import flat, half_field, nibbles
 
 
 def _bits(x: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
@@ -85,19 +79,18 @@ def _qh32(qh: torch.Tensor) -> torch.Tensor:
 
 def _q5_codes(blocks: torch.Tensor, qh_at: int) -> torch.Tensor:
     qs = blocks[..., qh_at + 4:qh_at + 20]
-    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [R, B, 32]
-    return (low | (_qh32(blocks[..., qh_at:qh_at + 4]) << 4)).reshape(blocks.shape[0], -1)
+    return flat(nibbles(qs) | (_qh32(blocks[..., qh_at:qh_at + 4]) << 4))
 
 
 def q5_0(blocks: torch.Tensor, name: str) -> QuantizedWeight:
     """blocks uint8 [out, in / 32, 22]."""
-    return QuantizedWeight(codes=_q5_codes(blocks, 2), bits=5, group_size=32, scales=_half(blocks, 0),
+    return QuantizedWeight(codes=_q5_codes(blocks, 2), bits=5, group_size=32, scales=half_field(blocks, 0),
                            dtype=torch.float32, name=name)
 
 
 def q5_1(blocks: torch.Tensor, name: str) -> QuantizedWeight:
     """blocks uint8 [out, in / 32, 24]."""
-    d, m = _half(blocks, 0), _half(blocks, 2)
+    d, m = half_field(blocks, 0), half_field(blocks, 2)
     return QuantizedWeight(codes=_q5_codes(blocks, 4), bits=5, group_size=32, scales=d,
                            zeros=torch.zeros(d.shape, dtype=torch.int16), offsets=m,
                            dtype=torch.float32, name=name)
@@ -109,10 +102,9 @@ KVALUES_IQ4NL = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 2
 
 def iq4_nl(blocks: torch.Tensor, name: str) -> QuantizedWeight:
     """blocks uint8 [out, in / 32, 18]."""
-    qs = blocks[..., 2:18]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)  # [R, in]
+    q = flat(nibbles(blocks[..., 2:18]))  # [R, in]
     codes = (KVALUES_IQ4NL[q.long()] + 128).to(torch.uint8)
-    return QuantizedWeight(codes=codes, bits=8, group_size=32, scales=_half(blocks, 0), dtype=torch.float32,
+    return QuantizedWeight(codes=codes, bits=8, group_size=32, scales=half_field(blocks, 0), dtype=torch.float32,
                            name=name)
 
 
@@ -123,19 +115,13 @@ def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo.to(torch.int8), mn.to(torch.int8)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """[R, B, per-block...] -> [R, B * per-block]."""
-    return t.reshape(t.shape[0], -1)
-
-
 def _two_level(codes, bits, group, d, sub, dmin=None, mins=None, name="") -> QuantizedWeight:
     """Canonical weight from per-super-block d (dmin) [R, B] and integer sub-scales (mins) [R, B, n]."""
     kw = {}
     if dmin is not None:  # w = q*(d*sc) - dmin*m  ==  q*(d*sc) + (-dmin)*m, bit for bit
         zeros = torch.zeros(1, 1, dtype=torch.int16).expand(sub.shape[0], sub.shape[1] * sub.shape[2])  # no copy
-        kw = dict(zeros=zeros, offsets=_flat(mins),
-                  super_offsets=-dmin)
-    return QuantizedWeight(codes=codes, bits=bits, group_size=group, scales=_flat(sub), super_scales=d,
+        kw = dict(zeros=zeros, offsets=flat(mins), super_offsets=-dmin)
+    return QuantizedWeight(codes=codes, bits=bits, group_size=group, scales=flat(sub), super_scales=d,
                            dtype=torch.float32, name=name, **kw)
 
 
@@ -143,8 +129,8 @@ def q2_k(blocks: torch.Tensor, name: str) -> QuantizedWeight:
     """blocks uint8 [out, in / 256, 84]."""
     sc, qs = blocks[..., 0:16], blocks[..., 16:80]
     codes = _bits(qs.unflatten(-1, (2, 32)), (0, 2, 4, 6), 3)  # [R, B, 2 halves, 4 shifts, 32]
-    return _two_level(_flat(codes), 2, 16, _half(blocks, 80), (sc & 15).to(torch.int8),
-                      _half(blocks, 82), (sc >> 4).to(torch.int8), name)
+    return _two_level(flat(codes), 2, 16, half_field(blocks, 80), (sc & 15).to(torch.int8),
+                      half_field(blocks, 82), (sc >> 4).to(torch.int8), name)
 
 
 def _q3_scales(sc: torch.Tensor) -> torch.Tensor:
@@ -160,7 +146,7 @@ def q3_k(blocks: torch.Tensor, name: str) -> QuantizedWeight:
     low = _bits(qs.unflatten(-1, (2, 32)), (0, 2, 4, 6), 3)  # [R, B, 2, 4, 32]
     high = _bits(hmask, tuple(range(8)), 1).unflatten(-2, (2, 4))  # bit 4h + j of hmask[b]
     codes = low | (high << 2)
-    return _two_level(_flat(codes), 3, 16, _half(blocks, 108), _q3_scales(blocks[..., 96:108]), name=name)
+    return _two_level(flat(codes), 3, 16, half_field(blocks, 108), _q3_scales(blocks[..., 96:108]), name=name)
 
 
 def q4_k(blocks: torch.Tensor, name: str) -> QuantizedWeight:
@@ -168,7 +154,7 @@ def q4_k(blocks: torch.Tensor, name: str) -> QuantizedWeight:
     sc, mn = _scale_min_k4(blocks[..., 4:16])
     qs = blocks[..., 16:144].unflatten(-1, (4, 32))  # [R, B, 4 chunks, 32]
     codes = _bits(qs, (0, 4), 15)  # [R, B, 4, 2 nibbles, 32]
-    return _two_level(_flat(codes), 4, 32, _half(blocks, 0), sc, _half(blocks, 2), mn, name)
+    return _two_level(flat(codes), 4, 32, half_field(blocks, 0), sc, half_field(blocks, 2), mn, name)
 
 
 def q5_k(blocks: torch.Tensor, name: str) -> QuantizedWeight:
@@ -177,7 +163,7 @@ def q5_k(blocks: torch.Tensor, name: str) -> QuantizedWeight:
     qs = blocks[..., 48:176].unflatten(-1, (4, 32))
     low = _bits(qs, (0, 4), 15)  # [R, B, 4, 2, 32]
     high = _bits(blocks[..., 16:48], tuple(range(8)), 1).unflatten(-2, (4, 2))  # bit 2c + n of qh[l]
-    return _two_level(_flat(low | (high << 4)), 5, 32, _half(blocks, 0), sc, _half(blocks, 2), mn, name)
+    return _two_level(flat(low | (high << 4)), 5, 32, half_field(blocks, 0), sc, half_field(blocks, 2), mn, name)
 
 
 def q6_k(blocks: torch.Tensor, name: str) -> QuantizedWeight:
@@ -187,7 +173,7 @@ def q6_k(blocks: torch.Tensor, name: str) -> QuantizedWeight:
     low = _bits(ql, (0, 4), 15).transpose(-2, -3).flatten(-3, -2)  # [R, B, half, k = 2 * nibble + k % 2, 32]
     high = _bits(qh, (0, 2, 4, 6), 3)  # [R, B, half, k, 32]
     sc = blocks[..., 192:208].contiguous().view(torch.int8)
-    return _two_level(_flat(low | (high << 4)), 6, 16, _half(blocks, 208), sc, name=name)
+    return _two_level(flat(low | (high << 4)), 6, 16, half_field(blocks, 208), sc, name=name)
 
 
 CONVERTERS = {"Q5_0": q5_0, "Q5_1": q5_1, "IQ4_NL": iq4_nl,

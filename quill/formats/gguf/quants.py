@@ -24,6 +24,7 @@ import torch
 
 from quill.canonical import QuantizedWeight
 from quill.errors import UnsupportedFormatError
+from quill.formats.gguf.blocks import flat, half_field, nibbles
 from quill.formats.gguf.file import GGML_TYPE_IDS, GGML_TYPES
 from quill.formats.gguf.kquants import CONVERTERS
 
@@ -44,33 +45,22 @@ def check_supported(ggml_type: int, tensor: str) -> None:
             f"supported: {', '.join(SUPPORTED_TYPE_NAMES)}")
 
 
-def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The f16 field at byte ``start`` of every block: uint8 [R, B, bytes] -> float16 [R, B]."""
-    return blocks[..., start:start + 2].contiguous().view(torch.float16).squeeze(-1)
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """uint8 [R, B, 16] -> codes uint8 [R, B * 32]: low nibbles are weights 0..15, high 16..31."""
-    rows = qs.shape[0]
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, -1)
-
-
 def block_weight(raw: torch.Tensor, ggml_type: int, name: str) -> QuantizedWeight:
     """Convert one matrix of blocks, uint8 ``[out, row_bytes]``, into a canonical ``[out, in]`` weight."""
     _, block, type_size = GGML_TYPES[ggml_type]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, type_size)  # [out, in / 32, type_size]
     if ggml_type == Q4_0:
-        d = _half(blocks, 0)
-        return QuantizedWeight(codes=_nibbles(blocks[..., 2:]), bits=4, group_size=GROUP, scales=d,
+        d = half_field(blocks, 0)
+        return QuantizedWeight(codes=flat(nibbles(blocks[..., 2:])), bits=4, group_size=GROUP, scales=d,
                                dtype=torch.float32, name=name)
     if ggml_type == Q4_1:
-        d, m = _half(blocks, 0), _half(blocks, 2)
-        return QuantizedWeight(codes=_nibbles(blocks[..., 4:]), bits=4, group_size=GROUP, scales=d,
+        d, m = half_field(blocks, 0), half_field(blocks, 2)
+        return QuantizedWeight(codes=flat(nibbles(blocks[..., 4:])), bits=4, group_size=GROUP, scales=d,
                                zeros=torch.zeros(d.shape, dtype=torch.int16), offsets=m,
                                dtype=torch.float32, name=name)
     if ggml_type == Q8_0:
-        d = _half(blocks, 0)
+        d = half_field(blocks, 0)
         codes = (blocks[..., 2:] ^ 0x80).reshape(rows, -1)  # int8 q -> q + 128 as uint8
         return QuantizedWeight(codes=codes, bits=8, group_size=GROUP, scales=d, dtype=torch.float32, name=name)
     if GGML_TYPES[ggml_type][0] in CONVERTERS:
@@ -79,7 +69,3 @@ def block_weight(raw: torch.Tensor, ggml_type: int, name: str) -> QuantizedWeigh
         f"tensor '{name}' has ggml type {GGML_TYPES[ggml_type][0]}, which has no canonical quantized form; "
         f"supported: {', '.join(GGML_TYPES[t][0] for t in QUANTIZED_TYPES)}")
 
-
-def permute_rows(qw: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
-    """Reorder output rows (every per-row tensor): exact, no requantization."""
-    return qw.take_rows(index)
