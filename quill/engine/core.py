@@ -69,6 +69,32 @@ class StepOutput:
     scores: PromptScores | None = None  # once, with the first token, for a scored request
 
 
+@dataclass(frozen=True)
+class PromptLimits:
+    """The facts a prompt is checked against: vocabulary, context window and KV pool size."""
+
+    vocab: int
+    context_length: int
+    block_size: int
+    num_blocks: int
+
+    def check(self, prompt_token_ids: Seq[int], label: str = "prompt") -> list[int]:
+        """The prompt as a list, or a GenerationError naming what is wrong with it."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise GenerationError(f"{label} is empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab]
+        if bad:
+            raise GenerationError(f"{label}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab})")
+        if len(ids) > self.context_length:
+            raise GenerationError(f"{label} has {len(ids)} tokens, longer than the context window of "
+                                  f"{self.context_length} tokens")
+        if -(-(len(ids) + 1) // self.block_size) > self.num_blocks:
+            raise GenerationError(f"{label} has {len(ids)} tokens, more than the KV cache holds "
+                                  f"({self.num_blocks * self.block_size} tokens)")
+        return ids
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -101,6 +127,8 @@ class EngineCore:
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, self.config.block_size,
                                   args.num_key_value_heads, args.head_dim, model.dtype, isa)
         self.blocks = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        # what a prompt must satisfy here (checkable anywhere, e.g. by a Ray ingress that holds no model)
+        self.limits = PromptLimits(self.vocab, context_length, self.config.block_size, num_blocks)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, Sequence] = {}
@@ -140,19 +168,7 @@ class EngineCore:
         """The prompt as a list, or a GenerationError naming what is wrong with it.
 
         Reads only what never changes after construction, so any thread may call it."""
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise GenerationError(f"{label} is empty")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab]
-        if bad:
-            raise GenerationError(f"{label}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab})")
-        if len(ids) > self.context_length:
-            raise GenerationError(f"{label} has {len(ids)} tokens, longer than the context window of "
-                                  f"{self.context_length} tokens")
-        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
-            raise GenerationError(f"{label} has {len(ids)} tokens, more than the KV cache holds "
-                                  f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
-        return ids
+        return self.limits.check(prompt_token_ids, label)
 
     def abort_request(self, request_id: str) -> None:
         """End a request now and free its blocks; unknown or finished ids are ignored."""

@@ -153,8 +153,11 @@ class AsyncEngine:
         """Validate a prompt against the model (GenerationError names what is wrong)."""
         return self.core.check_request(ids, label)
 
-    def submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> "RequestHandle":
+    def submit(self, requests: list[tuple[str, list[int], SamplingParams]],
+               affinity: str | None = None, streamed: bool = True) -> "RequestHandle":
         """Queue ``requests`` (id, prompt ids, params) to run together; iterate the handle for their chunks.
+
+        ``affinity`` and ``streamed`` are hints for servers over several engines; one engine has no use for them.
 
         Raises ``ServerBusy`` when the queue is full and ``EngineStopped`` when the engine is not running,
         before anything is queued.  The caller must ``close()`` the handle (aborting what is unfinished)."""

@@ -53,10 +53,13 @@ class _EngineCollector:
 class ServerMetrics:
     """Everything ``GET /metrics`` reports."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model: str):
+    def __init__(self, stats: Callable[[], EngineStats] | None, model: str):
+        """``stats``: the engine's counters, read at scrape time; None for a host without an engine
+        of its own (the Ray ingress, whose replicas hold the engines)."""
         self.registry = CollectorRegistry()
         self.model = model
-        self.registry.register(_EngineCollector(stats, model))
+        if stats is not None:
+            self.registry.register(_EngineCollector(stats, model))
         self.ttft = Histogram("quill_time_to_first_token_seconds", "From request arrival to its first token",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("quill_inter_token_latency_seconds", "Between consecutive tokens of a request",

@@ -9,6 +9,9 @@ stream never starts with an error.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
 import re
 from collections.abc import AsyncIterator, Callable
 
@@ -38,8 +41,10 @@ class EventStream:
 class OpenAIServing:
     """Completions and chat completions for one served model.
 
-    ``engine``: ``check(ids, label) -> ids`` and ``submit([(id, ids, params)]) -> handle`` (async iterable of
-    ``(index, StreamChunk)`` with ``close()``).  ``tokenizer``: ``quill.tokenizer.Tokenizer``.
+    ``engine``: ``check(ids, label) -> ids`` and ``submit([(id, ids, params)], affinity=key) -> handle``
+    (or an awaitable of one; an async iterable of ``(index, StreamChunk)`` with ``close()``).  ``affinity``
+    (requests with one key share a prefix cache) and ``streamed`` (False: nothing is sent before the
+    end) are hints for an engine over replicas; one engine ignores them.  ``tokenizer``: ``quill.tokenizer.Tokenizer``.
     """
 
     def __init__(self, engine, tokenizer, model_name: str, context_length: int, created: int | None = None):
@@ -69,9 +74,10 @@ class OpenAIServing:
                               "context_length_exceeded")
         return ids
 
-    def _submit(self, requests: list[tuple[str, list[int], object]]):
+    async def _submit(self, requests: list[tuple[str, list[int], object]], affinity: str | None, streamed: bool):
         try:
-            return self.engine.submit(requests)
+            handle = self.engine.submit(requests, affinity=affinity, streamed=streamed)
+            return (await handle) if inspect.isawaitable(handle) else handle
         except ServerBusy as e:
             raise APIError(503, str(e), None, "server_busy", "server_error", {"Retry-After": "1"}) from None
         except EngineStopped as e:
@@ -111,7 +117,7 @@ class OpenAIServing:
             for j in range(req.n):
                 params = _sampling(lambda: req.sampling_params(req.max_tokens, k, echo_lp, j))
                 subs.append((f"{rid}-{i}-{j}", p, params))
-        handle = self._submit(subs)
+        handle = await self._submit(subs, req.user or _key(ids[0][:AFFINITY_TOKENS]), req.stream)
         echo = [self._echo_text(text, p) if req.echo else "" for (text, _), p in zip(prompts, ids)]
         if req.stream:
             return EventStream(self._completion_stream(req, rid, handle, echo, k), handle)
@@ -126,7 +132,7 @@ class OpenAIServing:
         choices = [R.Choice() for _ in range(len(echo) * req.n)]
         usage, prompt_lps = R.Usage(), {}
         try:
-            async for index, chunk in handle:
+            async for index, chunk in _chunks(handle):
                 choices[index].add(chunk)
                 usage.add(index // req.n, chunk)
                 if chunk.prompt_logprobs is not None:
@@ -148,7 +154,7 @@ class OpenAIServing:
         offsets = [0] * (len(echo) * req.n)  # text offset of each choice's next token (logprobs)
         started = [False] * len(offsets)
         try:
-            async for index, chunk in handle:
+            async for index, chunk in _chunks(handle):
                 usage.add(index // req.n, chunk)
                 text, entries = chunk.text, []
                 if not started[index]:  # a choice's first chunk carries the echoed prompt
@@ -174,6 +180,9 @@ class OpenAIServing:
             if req.include_usage:
                 yield R.sse(R.completion_body(rid, created, self.model_name, [], usage))
             yield R.SSE_DONE
+        except APIError as e:  # the engine stopped mid-stream: the status is sent already, so say it in the stream
+            yield R.sse(e.body())
+            yield R.SSE_DONE
         finally:
             handle.close()
 
@@ -194,12 +203,12 @@ class OpenAIServing:
         rid = R.new_id("chatcmpl")
         subs = [(f"{rid}-{j}", ids, _sampling(lambda j=j: req.sampling_params(limit, k, None, j)))
                 for j in range(req.n)]
-        handle = self._submit(subs)
+        handle = await self._submit(subs, req.user or _key(_opening(req.conversation())), req.stream)
         if req.stream:
             return EventStream(self._chat_stream(req, rid, handle, k), handle)
         choices, usage = [R.Choice() for _ in range(req.n)], R.Usage()
         try:
-            async for index, chunk in handle:
+            async for index, chunk in _chunks(handle):
                 choices[index].add(chunk)
                 usage.add(0, chunk)
         finally:
@@ -214,7 +223,7 @@ class OpenAIServing:
                 role = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}
                 yield R.sse(R.chat_chunk(rid, created, self.model_name, [role], None, inc))
-            async for index, chunk in handle:
+            async for index, chunk in _chunks(handle):
                 usage.add(0, chunk)
                 lp = None
                 if k is not None and chunk.token_id is not None and chunk.logprobs is not None:
@@ -229,8 +238,35 @@ class OpenAIServing:
             if inc:
                 yield R.sse(R.chat_chunk(rid, created, self.model_name, [], usage.body(), True))
             yield R.SSE_DONE
+        except APIError as e:
+            yield R.sse(e.body())
+            yield R.SSE_DONE
         finally:
             handle.close()
+
+
+AFFINITY_TOKENS = 64  # a completion's routing key: its first tokens (4 KV blocks)
+
+
+def _opening(messages: list[dict]) -> list[dict]:
+    """A chat's messages up to its first user message: what every later turn of it starts with."""
+    for i, m in enumerate(messages):
+        if m.get("role") == "user":
+            return messages[:i + 1]
+    return messages
+
+
+def _key(value) -> str:
+    return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+async def _chunks(handle) -> AsyncIterator:
+    """The handle's ``(index, chunk)`` pairs; an engine that stops under them becomes a 503."""
+    try:
+        async for item in handle:
+            yield item
+    except EngineStopped as e:
+        raise APIError(503, str(e), None, "engine_unavailable", "server_error", {"Retry-After": "1"}) from None
 
 
 def _prompt_entries(handle, index: int, lps: list | None) -> list:

@@ -1,0 +1,336 @@
+"""``quill serve --replicas 2`` on a Ray cluster started here on 127.0.0.1, talked to as users do.
+
+The cluster is made the way a multi-node one is (``ray start --head``, then ``quill serve
+--ray-address``): two replicas x one thread of the default model behind one ingress.  The
+OpenAI-client tests of ``test_serve.py`` run against it unchanged (they are imported below, so
+they take this module's ``server`` fixture), then the Ray-only ones: both replicas serve, a chat
+stays on its replica, a killed replica is replaced while its requests end cleanly, and
+shutdown leaves no Ray process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import quill
+from tests.server_util import ServerProcess
+
+pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'quill[ray]'; make install does)")
+
+# The OpenAI-client subset of the single-server tests: the same code, now through the Ray ingress.
+from tests.test_serve import (  # noqa: E402, F401
+    BAD,
+    GREEDY,
+    QUESTIONS,
+    chat_offline,
+    test_bad_requests_are_4xx_naming_the_field,
+    test_chat_greedy_equals_offline,
+    test_chat_stream_equals_offline_and_reports_usage,
+    test_completions_greedy_streamed_and_not_equal_offline,
+    test_continuous_batching_late_request_starts_before_others_end,
+    test_echo,
+    test_load_generator_against_the_server,
+    test_logprobs_match_offline,
+    test_n_and_seed,
+    test_openai_client_raises_on_bad_request,
+    test_prefix_cache_second_chat_turn,
+    test_stop_strings_and_finish_reason,
+    test_unknown_model_and_route,
+)
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _ray_pids() -> set[int]:
+    """Processes of any Ray cluster on this machine (its daemons and its workers)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and re.search(r"ray::|raylet|gcs_server|site-packages/ray/|ray/_private", cmd):
+            pids.add(int(entry))
+    return pids
+
+
+def _wait_gone(pids: set[int], timeout: float = 60.0) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while (left := pids & _ray_pids()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+class RayCluster:
+    """``ray start --head`` on 127.0.0.1 in a temp dir of its own; ``stop()`` is ``ray stop``."""
+
+    def __init__(self, cpus: int = 2):
+        self.before = _ray_pids()
+        self.temp = tempfile.mkdtemp(prefix="qray", dir="/tmp")  # short: Ray's socket paths have a length limit
+        # Token authentication, as a cluster reachable from other machines should have: the head and
+        # quill serve (which inherits this environment) read the token from this file.
+        token = Path(self.temp, "auth_token")
+        token.write_text(secrets.token_hex(32))
+        self.saved_env = os.environ.get("RAY_AUTH_TOKEN_PATH")
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+        port = _free_port()
+        self.address = f"127.0.0.1:{port}"
+        subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                        "--num-cpus", str(cpus), "--include-dashboard", "false", "--disable-usage-stats",
+                        "--temp-dir", self.temp], check=True, capture_output=True, timeout=180)
+
+    def stop(self) -> set[int]:
+        """``ray stop``; the Ray processes that outlive it (none expected)."""
+        ours = _ray_pids() - self.before
+        subprocess.run([RAY, "stop"], capture_output=True, timeout=180)
+        left = _wait_gone(ours)
+        shutil.rmtree(self.temp, ignore_errors=True)
+        if self.saved_env is None:
+            os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        else:
+            os.environ["RAY_AUTH_TOKEN_PATH"] = self.saved_env
+        return left
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = RayCluster()
+    try:
+        yield c
+    finally:
+        left = c.stop()
+        if left:
+            subprocess.run(["kill", "-9", *map(str, left)])
+        assert not left, f"Ray processes left after ray stop: {sorted(left)}"
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    s = ServerProcess("--replicas", "2", "--threads-per-replica", "1", "--max-num-seqs", "16",
+                      "--ray-address", cluster.address, startup_timeout=300)
+    with s:
+        yield s
+    assert s.proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return quill.LLM(threads=1)  # what each replica runs
+
+
+def _metric_lines(server, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of ``name`` in /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    out = []
+    for m in re.finditer(rf"^{name}(?:\{{(.*)\}})? ([0-9.e+-]+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        out.append((labels, float(m.group(2))))
+    return out
+
+
+def _replicas(server) -> dict[str, dict]:
+    """Per replica seen by the ingress: {"pid": ..., "requests": ...} from /metrics."""
+    out: dict[str, dict] = {}
+    for labels, _ in _metric_lines(server, "quill_replica_info"):
+        out.setdefault(labels["replica"], {})["pid"] = int(labels["pid"])
+    for labels, value in _metric_lines(server, "quill_replica_requests_total"):
+        out.setdefault(labels["replica"], {})["requests"] = value
+    return out
+
+
+def _counter(server, name: str) -> float:
+    return sum(value for _, value in _metric_lines(server, name))
+
+
+async def _chat(http: httpx.AsyncClient, question: str, user: str | None = None, stream: bool = False,
+                max_tokens: int = 24) -> tuple[int, str, str | None]:
+    """(status, text, error) of one chat; a stream's error event counts as its error."""
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream, **({"user": user} if user else {})}
+    if not stream:
+        r = await http.post("/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            return r.status_code, "", r.json()["error"]["message"]
+        return 200, r.json()["choices"][0]["message"]["content"], None
+    text, error = [], None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, "", json.loads(await r.aread())["error"]["message"]
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+                continue
+            text += [c["delta"].get("content") or "" for c in event["choices"]]
+    return 200, "".join(text), error
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _many(server, questions: list[tuple[str, str | None, bool]], max_tokens: int = 24):
+    async with httpx.AsyncClient(base_url=server.url, timeout=300,
+                                 limits=httpx.Limits(max_connections=100)) as http:
+        return await asyncio.gather(*[_chat(http, q, u, s, max_tokens) for q, u, s in questions])
+
+
+# ---- Ray-only ------------------------------------------------------------------------------------
+
+def test_both_replicas_serve_and_outputs_equal_offline(server, llm):
+    qs = [(f"{QUESTIONS[i % len(QUESTIONS)]} ({i})", f"user-{i}", i % 2 == 0) for i in range(16)]
+    results = _run(_many(server, qs))
+    for (q, _, _), (status, text, error) in zip(qs, results):
+        assert status == 200 and error is None
+        assert text == chat_offline(llm, q, 24).text
+    served = _replicas(server)
+    assert len(served) == 2 and all(r["requests"] >= 1 for r in served.values()), served
+    assert len({r["pid"] for r in served.values()}) == 2
+
+
+def test_a_chat_stays_on_its_replica(server):
+    """Calls with one affinity key (here the ``user`` field) land on one replica while load is even."""
+    before = _replicas(server)
+    for _ in range(4):
+        _run(_many(server, [("Tell me about owls.", "sticky-user", False)]))
+    after = _replicas(server)
+    grew = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0) for rid in after}
+    assert sorted(grew.values()) == [0, 4], grew
+
+
+def test_killed_replica_requests_end_cleanly_and_it_comes_back(server, llm):
+    served = _replicas(server)
+    victim = next(iter(served.values()))["pid"]
+    qs = [(f"{QUESTIONS[i % len(QUESTIONS)]} [{i}]", f"load-{i}", i % 2 == 0) for i in range(24)]
+
+    async def load_then_kill():
+        task = asyncio.ensure_future(_many(server, qs, max_tokens=48))
+        await asyncio.sleep(1.0)  # requests are decoding on both replicas
+        os.kill(victim, signal.SIGKILL)
+        return await task
+
+    results = _run(load_then_kill())
+    failed = 0
+    for (q, _, stream), (status, text, error) in zip(qs, results):
+        if status == 200 and error is None:
+            assert text == chat_offline(llm, q, 48).text, q
+            continue
+        failed += 1
+        assert status == 503 or (stream and status == 200 and error), (status, error)
+        assert "stopped" in error
+    # Unstreamed requests are sent again once when their replica dies (nothing had reached the client).
+    assert all(s == 200 and e is None for (_, _, stream), (s, _, e) in zip(qs, results) if not stream)
+    assert _counter(server, "quill_replica_retries_total") + failed >= 1  # the kill hit someone
+    deadline = time.monotonic() + 180
+    while True:  # Ray replaces the replica; requests with fresh keys soon reach the new one
+        later = _run(_many(server, [(f"Name a bird ({time.monotonic()})", f"after-{time.monotonic()}-{i}", False)
+                                    for i in range(6)]))
+        assert all(status == 200 and error is None for status, _, error in later), later
+        pids = {r["pid"] for r in _replicas(server).values()}
+        if len(pids - {victim} - {r["pid"] for r in served.values()}) >= 1:
+            break
+        assert time.monotonic() < deadline, f"no new replica served after the kill: {_replicas(server)}"
+        time.sleep(2)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ---- a cluster of its own ---------------------------------------------------------------------------
+
+def test_own_cluster_autoscales_under_load_and_stops_clean():
+    """No --ray-address: quill serve starts a cluster of its own, scales 1 -> 2 replicas on queue length,
+    and takes every Ray process with it on SIGTERM."""
+    before = _ray_pids()
+    fast = '{"upscale_delay_s": 0.5, "metrics_interval_s": 0.5, "look_back_period_s": 2}'
+    with ServerProcess("--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "1",
+                       "--autoscaling-config", fast, "--threads-per-replica", "1", startup_timeout=300) as s:
+        ours = _ray_pids() - before
+        assert ours  # a cluster of its own
+        assert len(_replicas(s)) <= 1
+        deadline = time.monotonic() + 180
+        while len(_replicas(s)) < 2:  # keep 8 long requests queued until a second replica serves some
+            assert time.monotonic() < deadline, f"never scaled to 2 replicas: {_replicas(s)}"
+            qs = [(f"Tell a long story {time.monotonic()} #{i}", f"scale-{time.monotonic()}-{i}", False)
+                  for i in range(8)]
+            assert all(status == 200 for status, _, _ in _run(_many(s, qs, max_tokens=64)))
+    assert s.proc.returncode == 0
+    assert not _wait_gone(ours), "quill serve left Ray processes behind"
+
+
+def test_config_errors_are_clear():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "quill", "serve", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    r = run("--replicas", "2", "--min-replicas", "1")
+    assert r.returncode != 0 and "--min-replicas" in r.stderr
+    r = run("--replicas", "1", "--threads", "2")
+    assert r.returncode != 0 and "--threads-per-replica" in r.stderr
+    r = run("--replicas", "0")
+    assert r.returncode != 0 and "replicas" in r.stderr
+    r = run("--min-replicas", "1")
+    assert r.returncode != 0 and "--max-replicas" in r.stderr
+    r = run("--min-replicas", "1", "--max-replicas", "2", "--autoscaling-config", '{"upscale_delay_s": -1}')
+    assert r.returncode != 0 and "upscale_delay_s" in r.stderr
+    r = run("--min-replicas", "1", "--max-replicas", "2", "--autoscaling-config", "[1]")
+    assert r.returncode != 0 and "JSON object" in r.stderr
+
+
+# ---- pieces without a cluster ----------------------------------------------------------------------
+
+def test_rendezvous_home_moves_only_for_keys_of_a_removed_replica():
+    from quill.serving.router import rendezvous_order
+    ids, keys = ["r1", "r2", "r3", "r4"], [f"chat-{i}" for i in range(800)]
+    home = {k: rendezvous_order(k, ids)[0] for k in keys}
+    shares = [sum(h == r for h in home.values()) for r in ids]
+    assert min(shares) > 120, shares  # spread over every replica (200 each on average)
+    after = {k: rendezvous_order(k, ["r1", "r2", "r4"])[0] for k in keys}
+    assert all(after[k] == home[k] for k in keys if home[k] != "r3")
+    assert {after[k] for k in keys if home[k] == "r3"} == {"r1", "r2", "r4"}
+
+
+def test_build_app_for_serve_run_reads_string_arguments():
+    from ray.serve import Application
+
+    from quill.errors import ConfigError
+    from quill.serving.ray import RayServeOptions, build_app
+    app = build_app({"replicas": "3", "threads_per_replica": "1", "max_num_seqs": "4", "dtype": "bfloat16",
+                     "enable_prefix_caching": "false", "api_key": "k"})
+    assert isinstance(app, Application)
+    opts = RayServeOptions(replicas=3, engine={"max_num_seqs": 4})
+    assert opts.engine_config.kv_cache_fraction == pytest.approx(0.2 / 3)  # three replicas share the default
+    with pytest.raises(ConfigError, match="unknown argument 'replica'"):
+        build_app({"replica": "2"})
+    with pytest.raises(ConfigError, match="max_num_seqs: expected an integer"):
+        build_app({"max_num_seqs": "many"})
+    with pytest.raises(ConfigError, match="min_replicas .* above max_replicas"):
+        RayServeOptions(replicas=None, min_replicas=3, max_replicas=2)
