@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import platform
 import re
 import secrets
 import shutil
@@ -30,7 +31,14 @@ import pytest
 import quill
 from tests.server_util import ServerProcess
 
-pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'quill[ray]'; make install does)")
+try:
+    import ray  # noqa: F401
+except ImportError:
+    # Ray has wheels for Linux x86_64 / aarch64: there a missing extra is a broken install and fails
+    # (make install and CI install it); elsewhere these tests cannot run.
+    if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64"):
+        raise ImportError("the ray extra is not installed: pip install 'quill[ray]' (make install does)") from None
+    pytest.skip("Ray Serve has no wheel for this platform", allow_module_level=True)
 
 # The OpenAI-client subset of the single-server tests: the same code, now through the Ray ingress.
 from tests.test_serve import (  # noqa: E402, F401

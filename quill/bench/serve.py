@@ -3,11 +3,14 @@
     quill bench serve --llama-server /path/to/llama-server            # the default model, 1 4 16 64 clients
     quill bench serve --model model.gguf --llama-server BIN --json out.json
     quill bench serve --url http://host:8000 --served-model NAME        # any running OpenAI endpoint
+    quill bench serve --ray 1x2,2x1 --clients 4,16                      # + quill on Ray Serve: replicas x threads
 
 Both servers run side by side (each idle while the other is measured); for every client
 count the two take turns, round after round, and medians of the rounds are reported.  The
 in-process ``LLM.generate`` decode rate of the same single-client requests is measured too,
-so the server's own overhead shows.
+so the server's own overhead shows.  With ``--ray``, each replicas x threads layout runs as
+``quill serve --replicas R --threads-per-replica T`` (a Ray cluster of its own) beside the
+direct server, and the latency the Ray ingress adds to a one-token request is measured.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ def register(bsub) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads of each server (default: physical cores)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="quill's --max-num-seqs (default: most clients)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra argument for quill serve (repeatable)")
+    p.add_argument("--ray", default=None, metavar="RxT,...",
+                   help="also quill on Ray Serve in these layouts: R replicas x T threads each, e.g. 1x2,2x1")
+    p.add_argument("--overhead-requests", type=int, default=40,
+                   help="one-token requests per endpoint for the Ray ingress's added latency (default 40)")
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     p.set_defaults(func=run)
 
@@ -91,6 +98,57 @@ def launch_quill(model: str, threads: int, max_num_seqs: int, extra: list[str]) 
            "--max-num-seqs", str(max_num_seqs), *(["--model", model] if model else []), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return _wait_ready(Endpoint("quill serve", f"http://127.0.0.1:{port}", "", proc))
+
+
+def launch_quill_ray(model: str | None, replicas: int, threads: int, max_num_seqs: int,
+                     extra: list[str]) -> Endpoint:
+    """``quill serve --replicas R --threads-per-replica T`` with a Ray cluster of its own."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "quill", "serve", "--port", str(port), "--replicas", str(replicas),
+           "--threads-per-replica", str(threads), "--max-num-seqs", str(max_num_seqs),
+           *(["--model", model] if model else []), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return _wait_ready(Endpoint(f"ray {replicas}x{threads}", f"http://127.0.0.1:{port}", "", proc))
+
+
+def ray_layouts(text: str | None) -> list[tuple[int, int]]:
+    """'1x2,2x1' -> [(1, 2), (2, 1)] (replicas, threads per replica)."""
+    out = []
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        try:
+            r, t = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"--ray: expected layouts like 1x2,2x1 (replicas x threads), found '{item}'") from None
+        if r < 1 or t < 1:
+            raise ConfigError(f"--ray: replicas and threads must be >= 1, found '{item}'")
+        out.append((r, t))
+    return out
+
+
+async def _one_token_latency(url: str, model: str, prompt: str) -> float:
+    import httpx
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        start = time.monotonic()
+        r = await http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1,
+                                                     "temperature": 0})
+        r.raise_for_status()
+        return time.monotonic() - start
+
+
+def ingress_overhead(eps: list[Endpoint], count: int) -> dict:
+    """Median latency of one-token completions (short prompt, no prefix-cache reuse: a new prompt each
+    time), sequential, endpoints alternating; each Ray layout's excess over the direct server."""
+    lat: dict[str, list[float]] = {ep.name: [] for ep in eps}
+    for i in range(count):
+        prompt = f"Request {i}: name one colour."
+        for ep in (eps if i % 2 == 0 else eps[::-1]):
+            lat[ep.name].append(asyncio.run(_one_token_latency(ep.url, ep.model, prompt)))
+    med = {name: median(v) * 1000 for name, v in lat.items()}
+    direct = med[eps[0].name]
+    return {"requests": count, "median_ms": med,
+            "added_ms": {name: m - direct for name, m in med.items() if name != eps[0].name}}
 
 
 def launch_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int) -> Endpoint:
@@ -145,6 +203,7 @@ def run(args) -> int:
             raise ConfigError("--llama-server needs a GGUF file: pass --gguf (or a .gguf --model)")
     report = {"cpu": platform.summary(), "threads": threads, "levels": {}}
     print(f"cpu: {platform.summary()}, {threads} threads per server")
+    layouts = ray_layouts(args.ray)
     with ExitStack() as stack:
         eps = []
         if args.url:
@@ -152,19 +211,29 @@ def run(args) -> int:
         else:
             eps.append(launch_quill(args.model, threads, args.max_num_seqs or max(levels), args.serve_arg))
         stack.callback(eps[0].close)
+        for replicas, per in layouts:
+            eps.append(launch_quill_ray(args.model, replicas, per, args.max_num_seqs or max(levels), args.serve_arg))
+            stack.callback(eps[-1].close)
+        fixed = len(eps)  # llama-server comes and goes per client count
         for clients in levels:
             # llama-server gets one slot per client at every level (its KV cache and attention
             # span all slots, so 64 slots would slow a 4-client load); quill keeps one engine
             # sized for the most clients.
             if args.llama_server:
-                eps[1:] = [launch_llama_server(args.llama_server, gguf, threads, clients, 1024)]
+                eps[fixed:] = [launch_llama_server(args.llama_server, gguf, threads, clients, 1024)]
             try:
                 level = _level(args, eps, clients, threads)
             finally:
-                for ep in eps[1:]:
+                for ep in eps[fixed:]:
                     ep.close()
             report["levels"][clients] = level
             _print_level(clients, level["requests"], level, [ep.name for ep in eps])
+        if layouts:
+            report["ingress_overhead"] = ingress_overhead(eps[:fixed], args.overhead_requests)
+            o = report["ingress_overhead"]
+            print(f"\none-token request latency, median of {o['requests']}: "
+                  + ", ".join(f"{n} {m:.1f} ms" for n, m in o["median_ms"].items())
+                  + "; added by Ray: " + ", ".join(f"{n} {m:+.1f} ms" for n, m in o["added_ms"].items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
@@ -203,9 +272,9 @@ def _print_level(clients: int, count: int, level: dict, names: list[str]) -> Non
     for name in names:
         for err in level[name]["errors_seen"]:
             print(f"  {name} error: {err}")
-    if len(names) == 2:
-        a, b = level[names[0]], level[names[1]]
-        print(f"  ratio {names[0]} / {names[1]}: output tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x, "
+    for other in names[1:]:
+        a, b = level[names[0]], level[other]
+        print(f"  ratio {names[0]} / {other}: output tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x, "
               f"ITL p99 {a['itl_p99_ms'] / b['itl_p99_ms']:.2f}x")
     if "llm_generate_decode_tok_s" in level:
         print(f"  single client decode: through the server {level['server_decode_tok_s']:.1f} tok/s, "

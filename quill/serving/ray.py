@@ -59,6 +59,7 @@ class RayServeOptions:
     target_ongoing_requests: int | None = None  # autoscaling's aim per replica (default: max_num_seqs)
     autoscaling: dict = field(default_factory=dict)  # more of Ray's AutoscalingConfig: upscale_delay_s, ...
     threads_per_replica: int = 1  # CPUs each replica reserves from Ray and runs its kernels on
+    ingress_replicas: int = 1  # ingress processes (no model; ~1.3 ms CPU per streamed token each, measured)
     llm: dict = field(default_factory=dict)  # quill.LLM keywords: dtype, activation_quant, kernel, ...
     engine: dict = field(default_factory=dict)  # EngineConfig fields
     model_name: str | None = None  # the name clients use (default: the checkpoint's)
@@ -68,7 +69,8 @@ class RayServeOptions:
     shutdown_timeout: float = 30.0  # seconds a stopping replica lets running requests finish
 
     def __post_init__(self):
-        for name in ("min_replicas", "max_replicas", "threads_per_replica", "max_waiting", "imbalance"):
+        for name in ("min_replicas", "max_replicas", "threads_per_replica", "ingress_replicas", "max_waiting",
+                     "imbalance"):
             _check_int(name, getattr(self, name), 0 if name in ("max_waiting", "imbalance") else 1)
         if self.replicas is not None:
             _check_int("replicas", self.replicas, 1)
@@ -223,12 +225,14 @@ def application(options: RayServeOptions):
                                                   request_router_kwargs={"imbalance": options.imbalance}),
         health_check_period_s=5, graceful_shutdown_timeout_s=options.shutdown_timeout, **scaling)
     ingress = serve.deployment(QuillIngress).options(
-        name="QuillIngress", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+        name="QuillIngress", num_replicas=options.ingress_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=100_000)
     return ingress.bind(replica.bind(options), options)
 
 
 _INTS = {"replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "threads_per_replica",
-         "max_waiting", "imbalance", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len"}
+         "ingress_replicas", "max_waiting", "imbalance", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+         "max_model_len"}
 _LLM = {"dtype", "activation_quant", "kernel", "moe_backend", "max_model_len", "offline"}
 _ENGINE = {f.name for f in dataclasses.fields(EngineConfig)}
 
