@@ -268,3 +268,21 @@ def test_llm_generate_is_the_engine(llm, oracle):
     outs = llm.generate(PROMPTS, quill.SamplingParams(max_tokens=12, **GREEDY))
     assert [o.token_ids for o in outs] == [oracle[i] for i in range(len(PROMPTS))]
     assert llm.engine.stats().kv_blocks_used == 0
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_kv_pool_is_zero_and_takes_memory_only_where_written():
+    from quill.engine.kv_cache import untouched_zeros
+    before = _rss_mb()
+    pool = untouched_zeros((1 << 28,), torch.float32)  # 1 GiB
+    assert _rss_mb() - before < 64  # nothing resident yet (torch.zeros would make all of it so)
+    assert pool.shape == (1 << 28,) and pool.dtype == torch.float32
+    assert not pool[:: 1 << 16].any() and not pool[-4096:].any()  # zeros wherever read
+    pool[: 1 << 20] = 1.0  # 4 MiB written: resident
+    assert pool[: 1 << 20].sum().item() == float(1 << 20)
+    b16 = untouched_zeros((4, 3, 2), torch.bfloat16)
+    assert b16.dtype == torch.bfloat16 and not b16.any() and untouched_zeros((0, 3), torch.float32).numel() == 0

@@ -159,6 +159,11 @@ def _kv_u32(key, value):
     ([("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2**40))], [], b"", "claims .* elements"),
     ([("k", V.ARRAY, struct.pack("<IQ", V.UINT32, 2**50))], [], b"", "needs"),
     ([("k", V.STRING, pack_string(b"\xff\xfe"))], [], b"", "not valid UTF-8"),
+    # string arrays (a vocabulary) are read by their own loop: the same checks, the element named
+    ([("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + pack_string(b"ok") + pack_string(b"\xff"))], [], b"",
+     r"'k'\[1\] at offset \d+ is not valid UTF-8"),
+    ([("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + pack_string(b"ok") + struct.pack("<Q", 2**40))], [], b"",
+     r"'k'\[1\] needs 1099511627776 bytes"),
     ([("k", 13, b"")], [], b"", "value type 13"),
     ([("k", V.ARRAY, struct.pack("<IQ", 77, 1))], [], b"", "element type 77"),
     ([_kv_u32("k", 1), _kv_u32("k", 2)], [], b"", "appears twice"),

@@ -11,6 +11,8 @@ chunk over its cached prefix plus itself, causally.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,17 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros that cost nothing until written: an anonymous mapping, whose pages the kernel supplies
+    zero-filled on first touch.  A pool sized for many long contexts then takes neither start-up time
+    (torch.zeros wrote 4.6 GB in 1.5 s for the default model's default pool) nor resident memory
+    beyond the blocks in use."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the map alive
+
+
 class PagedKVCache:
     """Per layer, keys and values for ``num_blocks * block_size`` token slots: [slots, Hkv, D]."""
 
@@ -65,8 +78,8 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.isa = isa  # the native variant decode attention runs (chosen at load), None for torch
         shape = (num_blocks * block_size, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [untouched_zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [untouched_zeros(shape, dtype) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -182,7 +182,31 @@ class _Cursor:
         # Every element takes at least 8 bytes (a length or a count): reject absurd counts before looping.
         if count * 8 > self.size - self.pos:
             raise self.fail(f"{what} claims {count} elements, more than the {self.size - self.pos} bytes left")
+        if etype == ValueType.STRING:
+            return etype, self.strings(count, what)
         return etype, [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
+
+    def strings(self, count: int, what: str) -> list[str]:
+        """``count`` strings in a row (a vocabulary: ~100k of them), in one tight loop."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        unpack = _U64.unpack_from
+        for i in range(count):
+            if pos + 8 > size:
+                raise self.fail(f"length of {what}[{i}] needs 8 bytes at offset {pos}, the file has {size}")
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if pos + n > size:
+                raise self.fail(f"{what}[{i}] needs {n} bytes at offset {pos}, the file has {size}")
+            try:
+                out.append(str(buf[pos:pos + n], "utf-8"))
+            except UnicodeDecodeError as e:
+                raise self.fail(f"{what}[{i}] at offset {pos} is not valid UTF-8 ({e.reason})") from None
+            pos += n
+        self.pos = pos
+        return out
+
+
+_U64 = struct.Struct("<Q")
 
 
 def _align(n: int, alignment: int) -> int:
