@@ -200,3 +200,22 @@ def test_empty_array_and_zero_tensors(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(CheckpointError, match="cannot open"):
         GGUFFile(tmp_path / "nope.gguf")
+
+
+def test_release_pages_keeps_every_byte(tmp_path):
+    """After loading, the map's pages are released: unwritten ones dropped (read back from the file),
+    written ones (private copies) kept."""
+    from quill.formats.gguf.file import _copied_kb
+    p = tmp_path / "w.gguf"
+    data = bytes(range(256)) * 64
+    p.write_bytes(raw_gguf([], [("w", (4096,), 0, 0)], data))
+    f = GGUFFile(p)
+    before = bytes(f._map[:])
+    assert _copied_kb(f._map) == 0
+    f.release_pages()
+    assert bytes(f._map[:]) == before  # dropped pages fault back in from the file
+    f._map[-4:] = b"QUIL"  # a private write (ACCESS_COPY): must survive a release
+    assert _copied_kb(f._map) > 0
+    f.release_pages()
+    assert bytes(f._map[-4:]) == b"QUIL" and bytes(f._map[:-4]) == before[:-4]
+    assert p.read_bytes() == before  # and the file itself never changes

@@ -70,6 +70,9 @@ def register(sub) -> None:
     from quill.bench import serve
 
     serve.register(bsub)  # serve: quill serve against llama-server
+    from quill.bench import startup
+
+    startup.register(bsub)  # load: load time and memory against llama.cpp
 
 
 def _ints(text: str, what: str) -> list[int]:

@@ -118,6 +118,9 @@ class LLM:
         self.loaded: LoadedModel = build_model(checkpoint, progress=progress, ctx=ctx)
         self.model = self.loaded.model
         self.tokenizer = None if skip_tokenizer_init else Tokenizer(checkpoint.tokenizer_spec())
+        release = getattr(checkpoint, "release_pages", None)  # a memory map read through once (GGUF)
+        if release is not None:
+            release()
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                               else checkpoint.eos_token_ids())
         self.context_length = self.model.args.context_length

@@ -189,6 +189,10 @@ class GGUFCheckpoint:
             t = t.reshape(src.shape)
         return t
 
+    def release_pages(self) -> None:
+        """After loading: the file's pages are no longer resident (``GGUFFile.release_pages``)."""
+        self.file.release_pages()
+
     def tokenizer_spec(self) -> TokenizerSpec:
         """The tokenizer stored in the file's metadata (``tokenizer.ggml.*``)."""
         return tokenizer_spec_from_gguf(self.file.metadata, self.path)

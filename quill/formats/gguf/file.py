@@ -21,10 +21,12 @@ truncated or corrupt file raises :class:`CheckpointError` naming what is wrong.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,6 +211,24 @@ class _Cursor:
 _U64 = struct.Struct("<Q")
 
 
+def _copied_kb(m: mmap.mmap) -> int | None:
+    """Kilobytes of ``m`` written through the mapping (private copies: "Anonymous" in /proc/self/smaps);
+    None if unknown."""
+    start = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    head = f"{start:x}-"
+    try:
+        with open("/proc/self/smaps") as f:
+            found = False
+            for line in f:
+                if not found:
+                    found = line.startswith(head)
+                elif line.startswith("Anonymous:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
@@ -245,6 +265,22 @@ class GGUFFile:
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for info in infos:
             self._add_tensor(*info)
+
+    def release_pages(self) -> None:
+        """Hand the file's resident pages back once loading has read them: they count as the process's
+        memory while mapped, but after repacking only a few (embedding rows) are read again, and those
+        fault back in.  A mapping nothing wrote to drops its pages (MADV_DONTNEED: they stay in the
+        page cache, so the next load is still warm); one with written (private, copied) pages is only
+        paged out (MADV_PAGEOUT), which never discards data.  Linux only; elsewhere a no-op."""
+        if sys.platform != "linux":
+            return
+        copied = _copied_kb(self._map)
+        # Python 3.11's mmap module lacks MADV_PAGEOUT; Linux has had it (21) since 5.4
+        advice = mmap.MADV_DONTNEED if copied == 0 else getattr(mmap, "MADV_PAGEOUT", 21)
+        try:
+            self._map.madvise(advice)
+        except OSError:  # an older kernel: nothing released, nothing wrong
+            pass
 
     # ---- header ------------------------------------------------------------
     def _read_preamble(self, cur: _Cursor) -> tuple[int, int, int]:
