@@ -93,3 +93,20 @@ def test_llamacpp_bench_writes_a_gguf_quill_runs(tmp_path):
     out = mod.run_quill(llm, 5, 3)
     assert out["decode_tps"] > 0 and out["prefill_tps"] > 0
     assert llm.tokenizer.encode("Hello") == quill.LLM(str(default_model()), progress=False).tokenizer.encode("Hello")
+
+
+def test_bench_load_against_llamacpp(tmp_path, capsys):
+    from tests.llamacpp_util import llama_python
+    out = tmp_path / "load.json"
+    assert main(["bench", "load", "--runs", "1", "--llama-python", llama_python(), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ratio quill / llama.cpp" in text
+    data = json.loads(out.read_text())
+    (model, res), = data["models"].items()
+    for mode in ("cold", "warm"):
+        for engine in ("quill", "llama.cpp"):
+            s = res[mode][engine]
+            assert s["load_s"] > 0 and s["peak_mb"] >= s["rss_mb"] > 0
+    base = data["baseline"]["quill (import torch, quill)"]["rss_mb"]
+    assert res["warm"]["quill"]["rss_mb"] > base  # the model is in memory on top of the runtime
+    assert main(["bench", "load", "--model", str(tmp_path / "nope.gguf")]) == 2
