@@ -238,6 +238,33 @@ def test_a_chat_stays_on_its_replica(server):
     assert sorted(grew.values()) == [0, 4], grew
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_stops_its_request_on_the_replica(server, stream):
+    """The ingress cancels the replica's call when its client goes: the replica stops decoding
+    (a 3000-token request would keep a replica busy for tens of seconds)."""
+    body = {"prompt": "Count slowly:", "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": stream,
+            "user": f"leaver-{stream}"}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 20:
+                    break
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
+    time.sleep(1.0)
+    pids = [r["pid"] for r in _replicas(server).values() if Path(f"/proc/{r['pid']}").exists()]
+    before = {pid: _cpu_seconds(pid) for pid in pids}
+    time.sleep(3.0)
+    busy = {pid: _cpu_seconds(pid) - t for pid, t in before.items()}
+    assert all(v < 1.0 for v in busy.values()), busy  # decoding would take ~3 s of CPU here
+
+
 def test_killed_replica_requests_end_cleanly_and_it_comes_back(server, llm):
     served = _replicas(server)
     victim = next(iter(served.values()))["pid"]
