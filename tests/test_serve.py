@@ -17,6 +17,8 @@ import openai
 import pytest
 
 import quill
+from quill.errors import GenerationError
+from quill.serving.engine import EngineStopped
 from tests.server_util import ServerProcess
 
 GREEDY = dict(temperature=0.0)
@@ -351,3 +353,55 @@ def test_load_generator_against_the_server(server):
     s = result.summary()
     assert s["requests"] == 5 and s["output_tokens"] == sum(n for _, n in work.requests)
     assert 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"] and 0 < s["itl_p50_ms"] <= s["itl_p99_ms"]
+
+
+# ---- errors that arrive after the request was accepted --------------------------------------------
+
+class _FailingEngine:
+    """An engine that accepts a submission and then fails it with ``error`` (the way a replica whose KV
+    pool is smaller than the ingress thought, or an engine thread that died, does)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def check(self, ids, label):
+        return list(ids)
+
+    def submit(self, requests, affinity=None, streamed=True):
+        error = self.error
+
+        class Handle:
+            sub = type("Sub", (), {"requests": requests})
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                raise error
+
+            def close(self):
+                pass
+
+        return Handle()
+
+
+@pytest.mark.parametrize("error,status", [
+    (GenerationError("prompt has 9000 tokens, more than the KV cache holds (4096 tokens)"), 400),
+    (EngineStopped("the engine failed"), 503),
+])
+def test_errors_after_acceptance_are_openai_errors(error, status):
+    from quill.serving.openai import OpenAIServing
+    from quill.serving.protocol import APIError, CompletionRequest
+    serving = OpenAIServing(_FailingEngine(error), None, "m", 8192)
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.completions(CompletionRequest(prompt=[1, 2, 3], max_tokens=4)))
+    assert e.value.status == status and str(error) in e.value.message
+
+    async def streamed():
+        stream = await serving.completions(CompletionRequest(prompt=[1, 2, 3], max_tokens=4, stream=True))
+        return [event async for event in stream]
+
+    events = asyncio.run(streamed())
+    assert events[-1] == "data: [DONE]\n\n"
+    body = json.loads(events[-2][len("data: "):])
+    assert str(error) in body["error"]["message"]

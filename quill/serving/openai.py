@@ -261,12 +261,15 @@ def _key(value) -> str:
 
 
 async def _chunks(handle) -> AsyncIterator:
-    """The handle's ``(index, chunk)`` pairs; an engine that stops under them becomes a 503."""
+    """The handle's ``(index, chunk)`` pairs; an engine that stops under them becomes a 503, a request
+    the engine itself refuses (checked here already, so a race or a replica with a smaller KV pool) a 400."""
     try:
         async for item in handle:
             yield item
     except EngineStopped as e:
         raise APIError(503, str(e), None, "engine_unavailable", "server_error", {"Retry-After": "1"}) from None
+    except GenerationError as e:
+        raise _param_error(e) from None
 
 
 def _prompt_entries(handle, index: int, lps: list | None) -> list:

@@ -35,7 +35,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from quill.engine.core import EngineConfig, PromptLimits
-from quill.errors import ConfigError
+from quill.errors import ConfigError, QuillError
 from quill.serving.app import build_app as build_http_app
 from quill.serving.app import default_model_name
 from quill.serving.engine import AsyncEngine, EngineStopped, ServerBusy
@@ -142,7 +142,8 @@ class QuillReplica:
                 "tokenizer": None if tok is None else spec_to_dict(tok.spec), **self.who}
 
     async def generate(self, requests: list, affinity: str | None = None):
-        """("replica", who) once it is queued (or ("busy" | "stopped", why)), then ("chunk", index, chunk)s.
+        """("replica", who) once it is queued (or ("busy" | "stopped", why)), then ("chunk", index, chunk)s
+        (or a last ("stopped" | "invalid", why)).
 
         ``affinity`` was read by the router already.  Cancelling the call aborts the requests."""
         try:
@@ -159,6 +160,8 @@ class QuillReplica:
                 yield ("chunk", index, chunk)
         except EngineStopped as e:
             yield ("stopped", str(e))
+        except QuillError as e:  # the engine refused a request the ingress let through (a smaller KV pool)
+            yield ("invalid", str(e))
         finally:
             handle.close()
 

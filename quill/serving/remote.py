@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Gauge
 
 from quill.engine.core import PromptLimits
+from quill.errors import GenerationError
 from quill.serving.engine import EngineStopped, ServerBusy
 from quill.serving.metrics import ServerMetrics
 
@@ -183,7 +184,7 @@ class RemoteHandle:
             self._observe(index, chunk)
             return index, chunk
         self.close()
-        raise EngineStopped(item[1])
+        raise GenerationError(item[1]) if item[0] == "invalid" else EngineStopped(item[1])
 
     def _observe(self, index: int, chunk) -> None:
         now = time.monotonic()
