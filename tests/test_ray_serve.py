@@ -45,6 +45,7 @@ from tests.test_serve import (  # noqa: E402, F401
     BAD,
     GREEDY,
     QUESTIONS,
+    _stream_completion,
     chat_offline,
     test_bad_requests_are_4xx_naming_the_field,
     test_chat_greedy_equals_offline,
@@ -99,11 +100,21 @@ class RayCluster:
         token.write_text(secrets.token_hex(32))
         self.saved_env = os.environ.get("RAY_AUTH_TOKEN_PATH")
         os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
-        port = _free_port()
+        port, self.metrics_port = _free_port(), _free_port()
         self.address = f"127.0.0.1:{port}"
         subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                         "--num-cpus", str(cpus), "--include-dashboard", "false", "--disable-usage-stats",
-                        "--temp-dir", self.temp], check=True, capture_output=True, timeout=180)
+                        "--metrics-export-port", str(self.metrics_port), "--temp-dir", self.temp],
+                       check=True, capture_output=True, timeout=180)
+
+    def metrics(self, name: str) -> dict[str, float]:
+        """Replica id -> value of Ray's exported metric ``ray_<name>`` (the replicas' engine gauges)."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        out = {}
+        for m in re.finditer(rf"^ray_{name}\{{(.*)\}} ([0-9.e+-]+)$", text, re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            out[labels.get("replica", "")] = float(m.group(2))
+        return out
 
     def stop(self) -> set[int]:
         """``ray stop``; the Ray processes that outlive it (none expected)."""
@@ -236,6 +247,37 @@ def test_a_chat_stays_on_its_replica(server):
     after = _replicas(server)
     grew = {rid: after[rid]["requests"] - before.get(rid, {}).get("requests", 0) for rid in after}
     assert sorted(grew.values()) == [0, 4], grew
+
+
+def test_many_streaming_clients_some_disconnecting_leave_the_replicas_idle(cluster, server, llm):
+    """64 concurrent streams through the ingress, 10 cut mid-stream: the rest finish with their offline
+    text, and every replica's engine (Ray's exported metrics) ends with nothing running or holding KV."""
+    bodies = [dict(prompt=f"{QUESTIONS[i % len(QUESTIONS)]} ({i})", max_tokens=6 + (i * 7) % 40, temperature=0)
+              for i in range(64)]
+    cut = set(range(3, 63, 6))
+    offline = llm.generate([b["prompt"] for b in bodies],
+                           [quill.SamplingParams(max_tokens=b["max_tokens"], **GREEDY) for b in bodies])
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300,
+                                     limits=httpx.Limits(max_connections=100)) as http:
+            return await asyncio.gather(*[_stream_completion(http, b, cut_after=2 if i in cut else None)
+                                          for i, b in enumerate(bodies)])
+
+    for i, (text, finish) in enumerate(asyncio.run(main())):
+        if i not in cut:
+            assert text == offline[i].text and finish == offline[i].finish_reason, i
+    deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
+    while True:
+        generated = cluster.metrics("quill_generation_tokens")
+        running = cluster.metrics("quill_num_requests_running")
+        used = cluster.metrics("quill_kv_cache_blocks_used")
+        live = {r for r, v in generated.items() if v > 0}
+        if len(live) >= 2 and all(running.get(r) == 0 and used.get(r) == 0 for r in live):
+            break
+        assert time.monotonic() < deadline, (generated, running, used)
+        time.sleep(1)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -18,6 +18,24 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+# (metric name, EngineStats field, description): the engine's state, exported by quill serve at scrape
+# time and by each Ray replica (quill.serving.ray.EngineGauges).
+ENGINE_GAUGES = (
+    ("quill_num_requests_running", "num_running", "Requests in the running batch"),
+    ("quill_num_requests_waiting", "num_waiting", "Requests waiting to be admitted"),
+    ("quill_kv_cache_blocks_used", "kv_blocks_used", "KV blocks held by running requests"),
+    ("quill_kv_cache_blocks_total", "kv_blocks_total", "KV blocks in the pool"),
+    ("quill_kv_cache_blocks_cached", "kv_blocks_cached_free", "Free KV blocks still holding prefix-cache content"),
+)
+ENGINE_COUNTERS = (
+    ("quill_prefix_cache_queried_tokens", "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
+    ("quill_prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+    ("quill_prompt_tokens", "prompt_tokens_total", "Prompt tokens computed (cache hits excluded)"),
+    ("quill_generation_tokens", "generation_tokens_total", "Tokens generated"),
+    ("quill_num_preemptions", "num_preemptions", "Requests preempted (blocks freed, recomputed later)"),
+)
+
+
 class _EngineCollector:
     """Gauges and counters read from ``stats()`` on every scrape."""
 
@@ -26,28 +44,11 @@ class _EngineCollector:
 
     def collect(self):
         s = self.stats()
-        gauges = [("quill_num_requests_running", "Requests in the running batch", s.num_running),
-                  ("quill_num_requests_waiting", "Requests waiting to be admitted", s.num_waiting),
-                  ("quill_kv_cache_blocks_used", "KV blocks held by running requests", s.kv_blocks_used),
-                  ("quill_kv_cache_blocks_total", "KV blocks in the pool", s.kv_blocks_total),
-                  ("quill_kv_cache_blocks_cached", "Free KV blocks still holding prefix-cache content",
-                   s.kv_blocks_cached_free)]
-        counters = [("quill_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
-                     s.prefix_cache_queried_tokens),
-                    ("quill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                     s.prefix_cache_hit_tokens),
-                    ("quill_prompt_tokens", "Prompt tokens computed (cache hits excluded)", s.prompt_tokens_total),
-                    ("quill_generation_tokens", "Tokens generated", s.generation_tokens_total),
-                    ("quill_num_preemptions", "Requests preempted (blocks freed, recomputed later)",
-                     s.num_preemptions)]
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model], value)
-            yield g
-        for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model], value)
-            yield c
+        for table, family in ((ENGINE_GAUGES, GaugeMetricFamily), (ENGINE_COUNTERS, CounterMetricFamily)):
+            for name, field, doc in table:
+                m = family(name, doc, labels=["model_name"])
+                m.add_metric([self.model], getattr(s, field))
+                yield m
 
 
 class ServerMetrics:

@@ -39,7 +39,7 @@ from quill.errors import ConfigError, QuillError
 from quill.serving.app import build_app as build_http_app
 from quill.serving.app import default_model_name
 from quill.serving.engine import AsyncEngine, EngineStopped, ServerBusy
-from quill.serving.metrics import ServerMetrics
+from quill.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
 from quill.serving.openai import OpenAIServing
 from quill.serving.remote import RemoteEngine, ReplicaMetrics
 from quill.serving.router import AffinityRouter
@@ -133,6 +133,7 @@ class QuillReplica:
         self.engine.start()
         self.who = {"replica": serve.get_replica_context().replica_id.unique_id, "pid": os.getpid(),
                     "node": ray.get_runtime_context().get_node_id()[:12]}
+        self._gauges = EngineGauges(self.engine, self.who["replica"])
 
     def describe(self) -> dict:
         """What the ingress needs to serve this model without loading it."""
@@ -171,10 +172,36 @@ class QuillReplica:
             raise RuntimeError(f"the quill engine has stopped: {self.engine.error}")
 
     def __del__(self):
+        gauges = getattr(self, "_gauges", None)
+        if gauges is not None:
+            gauges.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(5.0)
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class EngineGauges:
+    """The engine's state as Ray metrics, refreshed every second from a thread: each node's metrics agent
+    exports them (``ray start --metrics-export-port P``: ``ray_quill_num_requests_running{replica=...}``...)."""
+
+    def __init__(self, engine: AsyncEngine, replica: str, period: float = 1.0):
+        from ray.util.metrics import Gauge
+        self.engine, self.tags, self.period = engine, {"replica": replica}, period
+        # counters are exported as gauges of their running totals (Ray's Counter wants increments)
+        self.gauges = {field: Gauge(name, description=doc, tag_keys=("replica",))
+                       for name, field, doc in ENGINE_GAUGES + ENGINE_COUNTERS}
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="quill-ray-metrics", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            stats = self.engine.stats()
+            for f, gauge in self.gauges.items():
+                gauge.set(float(getattr(stats, f)), tags=self.tags)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def spec_to_dict(spec) -> dict:
