@@ -27,6 +27,8 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -
     p.add_argument("--moe-backend", default=None, help="force one MoE backend by name (grouped, reference)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context window")
     p.add_argument("--offline", action="store_true", help="resolve Hub ids from the local cache only")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars (they show on a terminal when loading or scoring takes over a second)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +49,8 @@ def build_llm(args, skip_tokenizer_init: bool = False, engine_config=None):
     return LLM(args.model, dtype=args.dtype, activation_quant=args.act_quant,
                threads=args.threads, kernel=args.kernel, moe_backend=args.moe_backend,
                max_model_len=args.max_model_len,
-               offline=args.offline, skip_tokenizer_init=skip_tokenizer_init, engine_config=engine_config)
+               offline=args.offline, skip_tokenizer_init=skip_tokenizer_init, engine_config=engine_config,
+               progress=False if args.quiet else None)
 
 
 def sampling_params(args):

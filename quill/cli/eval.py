@@ -57,7 +57,6 @@ def _add_text_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the figures as JSON (to stdout when no FILE is given)")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
 def read_text(args) -> str:

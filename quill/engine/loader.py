@@ -139,8 +139,9 @@ def build_model(checkpoint, selector=None, dtype: torch.dtype = torch.float32, a
     model = module.Model(module.ModelArgs.from_dict(checkpoint.config), ctx.dtype)
     n_slots = sum(1 for m in model.modules() if isinstance(m, (Linear, ExpertSlot)))
     meter = MemoryMeter()
+    # delay: a load done within a second shows no bar at all
     with tqdm(total=n_slots, desc="loading", unit="layer", file=sys.stderr, disable=not progress,
-              leave=False) as bar:
+              leave=False, delay=1.0) as bar:
         router = _Router(model, ctx, bar)
         for name, tensor in checkpoint.dense_tensors():
             router.dense(name, tensor)
