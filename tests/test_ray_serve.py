@@ -42,11 +42,9 @@ except ImportError:
 
 # The OpenAI-client subset of the single-server tests: the same code, now through the Ray ingress.
 from tests.test_serve import (  # noqa: E402, F401
-    BAD,
-    GREEDY,
     QUESTIONS,
-    _stream_completion,
     chat_offline,
+    streams_with_disconnects,
     test_bad_requests_are_4xx_naming_the_field,
     test_chat_greedy_equals_offline,
     test_chat_stream_equals_offline_and_reports_usage,
@@ -252,21 +250,7 @@ def test_a_chat_stays_on_its_replica(server):
 def test_many_streaming_clients_some_disconnecting_leave_the_replicas_idle(cluster, server, llm):
     """64 concurrent streams through the ingress, 10 cut mid-stream: the rest finish with their offline
     text, and every replica's engine (Ray's exported metrics) ends with nothing running or holding KV."""
-    bodies = [dict(prompt=f"{QUESTIONS[i % len(QUESTIONS)]} ({i})", max_tokens=6 + (i * 7) % 40, temperature=0)
-              for i in range(64)]
-    cut = set(range(3, 63, 6))
-    offline = llm.generate([b["prompt"] for b in bodies],
-                           [quill.SamplingParams(max_tokens=b["max_tokens"], **GREEDY) for b in bodies])
-
-    async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=300,
-                                     limits=httpx.Limits(max_connections=100)) as http:
-            return await asyncio.gather(*[_stream_completion(http, b, cut_after=2 if i in cut else None)
-                                          for i, b in enumerate(bodies)])
-
-    for i, (text, finish) in enumerate(asyncio.run(main())):
-        if i not in cut:
-            assert text == offline[i].text and finish == offline[i].finish_reason, i
+    streams_with_disconnects(server, llm)
     deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
     while True:
         generated = cluster.metrics("quill_generation_tokens")

@@ -207,9 +207,8 @@ def test_prefix_cache_second_chat_turn(client, server, llm):
     assert second.choices[0].message.content == cold.text
 
 
-def test_many_streaming_clients_some_disconnecting(server, llm):
-    """64 concurrent streams of mixed lengths, 10 cut mid-stream: the rest finish with their offline text,
-    and afterwards nothing is left running or holding KV blocks."""
+def streams_with_disconnects(server, llm) -> None:
+    """64 concurrent streams of mixed lengths, 10 cut mid-stream: the rest finish with their offline text."""
     bodies = [dict(prompt=f"{QUESTIONS[i % len(QUESTIONS)]} ({i})", max_tokens=6 + (i * 7) % 40, temperature=0)
               for i in range(64)]
     cut = set(range(3, 63, 6))  # 10 clients leave after 2 chunks
@@ -223,10 +222,15 @@ def test_many_streaming_clients_some_disconnecting(server, llm):
             return await asyncio.gather(*[_stream_completion(http, b, cut_after=2 if i in cut else None)
                                           for i, b in enumerate(bodies)])
 
-    results = asyncio.run(main())
-    for i, (text, finish) in enumerate(results):
+    for i, (text, finish) in enumerate(asyncio.run(main())):
         if i not in cut:
             assert text == offline[i].text and finish == offline[i].finish_reason, i
+
+
+def test_many_streaming_clients_some_disconnecting(server, llm):
+    """64 concurrent streams, 10 cut mid-stream: the rest finish with their offline text, and afterwards
+    nothing is left running or holding KV blocks."""
+    streams_with_disconnects(server, llm)
     deadline = time.monotonic() + 30
     while True:
         m = server.metrics()
