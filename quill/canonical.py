@@ -8,7 +8,7 @@ canonical weight loads no format; a weight is frozen once built (``with_`` copie
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -232,6 +232,25 @@ class QuantizedWeight:
     def with_(self, **changes) -> "QuantizedWeight":
         """A copy with some fields replaced (dataclasses.replace)."""
         return replace(self, **changes)
+
+    # ---- saving (the prepacked cache) ----------------------------------
+    TENSOR_FIELDS = ("codes", "scales", "zeros", "offsets", "g_idx", "bias", "super_scales", "super_offsets")
+
+    def saved(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """This weight as JSON-able facts and its tensors (:meth:`from_saved` rebuilds it)."""
+        facts = {"bits": self.bits, "group_size": self.group_size, "dtype": str(self.dtype).removeprefix("torch."),
+                 "name": self.name,
+                 "activation": None if self.activation is None else asdict(self.activation)}
+        return facts, {f: t for f in self.TENSOR_FIELDS if (t := getattr(self, f)) is not None}
+
+    @classmethod
+    def from_saved(cls, facts: dict, tensors: dict[str, torch.Tensor]) -> "QuantizedWeight":
+        dtype = getattr(torch, facts["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{facts['name']}: saved dtype '{facts['dtype']}' is not a torch dtype")
+        act = None if facts["activation"] is None else ActivationQuant(**facts["activation"])
+        return cls(bits=facts["bits"], group_size=facts["group_size"], dtype=dtype, name=facts["name"],
+                   activation=act, **{f: tensors.get(f) for f in cls.TENSOR_FIELDS}).validate()
 
     # ---- consistency -------------------------------------------------
     def validate(self) -> "QuantizedWeight":

@@ -39,6 +39,15 @@ class GenerationError(QuillError, ValueError):
     """Invalid generation input: sampling parameters, prompts, context length."""
 
 
+class CacheError(QuillError, ValueError):
+    """A prepacked cache file that cannot be used (truncated, corrupt, or made for another kernel choice);
+    it is rebuilt from the checkpoint, never used."""
+
+
+class NotCacheable(QuillError):
+    """A loaded model holds something the prepacked cache cannot save (it then loads uncached, as before)."""
+
+
 class EvalError(QuillError, ValueError):
     """Bad evaluation input: empty text, a window the model cannot hold, a bad stride, a mismatched saved base."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -21,3 +21,13 @@ class TokenizerSpec:
     add_bos_token: bool = False
     chat_template: str | None = None
     special_tokens: dict[str, str] = field(default_factory=dict)  # e.g. {"bos_token": "<s>", ...} for templates
+
+    def facts(self) -> dict:
+        """Everything but the tokenizer, as JSON-able data (saved beside ``tokenizer.to_str()``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tokenizer"}
+
+    @classmethod
+    def from_saved(cls, tokenizer_json: str, facts: dict) -> "TokenizerSpec":
+        """The spec :meth:`facts` and ``tokenizer.to_str()`` describe."""
+        from tokenizers import Tokenizer
+        return cls(Tokenizer.from_str(tokenizer_json), **{**facts, "eos_token_ids": tuple(facts["eos_token_ids"])})

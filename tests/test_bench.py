@@ -98,15 +98,22 @@ def test_llamacpp_bench_writes_a_gguf_quill_runs(tmp_path):
 def test_bench_load_against_llamacpp(tmp_path, capsys):
     from tests.llamacpp_util import llama_python
     out = tmp_path / "load.json"
-    assert main(["bench", "load", "--runs", "1", "--llama-python", llama_python(), "--json", str(out)]) == 0
+    assert main(["bench", "load", "--runs", "1", "--generate", "--llama-python", llama_python(),
+                 "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "ratio quill / llama.cpp" in text
+    assert "ratio quill / llama.cpp" in text and "ratio quill, no cache / llama.cpp" in text
     data = json.loads(out.read_text())
     (model, res), = data["models"].items()
     for mode in ("cold", "warm"):
-        for engine in ("quill", "llama.cpp"):
+        for engine in ("quill", "quill, no cache", "llama.cpp"):
             s = res[mode][engine]
             assert s["load_s"] > 0 and s["peak_mb"] >= s["rss_mb"] > 0
+        assert res[mode]["quill"]["cache_hits"] == 1  # the timed quill runs read the bench's own cache
+        assert res[mode]["quill, no cache"]["cache_hits"] == 0
     base = data["baseline"]["quill (import torch, quill)"]["rss_mb"]
     assert res["warm"]["quill"]["rss_mb"] > base  # the model is in memory on top of the runtime
+    gen = data["generate"][model]
+    assert set(gen) == {"import torch", "quill generate", "quill generate, no cache", "llama-cpp-python chat"}
+    for r in gen.values():
+        assert 0 < r["first_s"] <= r["exit_s"] and r["peak_mb"] > 0
     assert main(["bench", "load", "--model", str(tmp_path / "nope.gguf")]) == 2

@@ -47,7 +47,7 @@ def _weight(n, k, bits=4, gs=32, sym=True, act_order=False, offsets=False, scale
 
 
 def _run(qw, x, isa, int8, threads=2, bias=None):
-    handle = make_handle(pack(qw, int8), qw, isa, threads, int8)
+    handle = make_handle(pack(qw, int8), qw.name, qw.activation, isa, threads, int8)
     return handle.forward(x, bias)
 
 
@@ -355,7 +355,7 @@ def test_activation_quantizer_gathers_act_order():
 
 def test_preconditions_raise_kernel_error():
     qw = _weight(16, 64, 4, 32)
-    h = make_handle(pack(qw, False), qw, "scalar", 1, False)
+    h = make_handle(pack(qw, False), qw.name, qw.activation, "scalar", 1, False)
     with pytest.raises(KernelError, match=r"input should be a CPU tensor \[\.\.\., 64\], found float \[2, 63\]"):
         h.forward(torch.randn(2, 63), None)
     with pytest.raises(KernelError, match=r"input should be a CPU tensor"):
@@ -367,7 +367,7 @@ def test_preconditions_raise_kernel_error():
     with pytest.raises(KernelError, match="bias"):
         h.forward(torch.randn(2, 64), torch.randn(15))
     with pytest.raises(KernelError, match="unknown ISA 'sse9'"):
-        make_handle(pack(qw, False), qw, "sse9", 1, False)
+        make_handle(pack(qw, False), qw.name, qw.activation, "sse9", 1, False)
     p = pack(qw, False)
     with pytest.raises(KernelError, match="'scales' should be contiguous"):
         EXT.module.NativeLinear(p.codes, p.scales[:, :, :8], None, None, p.seg_end, None, None, 4, 16, 64,

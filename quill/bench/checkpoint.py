@@ -13,7 +13,7 @@ One safetensors shard per layer keeps memory bounded while writing.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from quill.writers.compressed_tensors import (
     scheme_config,
     to_compressed_tensors,
 )
+from quill.writers.gptq import canonical_to_gptq
 from quill.writers.rtn import quantize_rtn
 
 
@@ -58,16 +59,24 @@ def hf_config(shape: LlamaShape, quant: dict, tied: bool = True) -> dict:
 
 
 def write_llama_w4(out: Path, layers: int = 16, group_size: int = 128, seed: int = 0,
-                   shape: LlamaShape | None = None, lm_head: str = "w4") -> Path:
+                   shape: LlamaShape | None = None, lm_head: str = "w4", fmt: str = "compressed-tensors",
+                   tokenizer_from: Path | None = None) -> Path:
     """Write the checkpoint directory ``out`` (config.json, one shard per layer, index); returns ``out``.
 
     ``lm_head``: "w4" (a 4-bit untied head, the default) or "tied" (the bfloat16 embedding).
+    ``fmt``: "compressed-tensors" (pack-quantized) or "gptq" (v1 tensors, AutoGPTQ's config).
+    ``tokenizer_from``: a checkpoint whose tokenizer is written beside the weights (its vocabulary
+    size becomes the model's), so the checkpoint runs on text like a downloaded one.
     """
     if lm_head not in ("w4", "tied"):
         raise ValueError(f"lm_head '{lm_head}' is not supported; supported: w4, tied")
+    if fmt not in ("compressed-tensors", "gptq"):
+        raise ValueError(f"format '{fmt}' is not supported; supported: compressed-tensors, gptq")
     shape = shape or LlamaShape(num_hidden_layers=layers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is not None:
+        shape = replace(shape, vocab_size=_write_tokenizer(Path(tokenizer_from), out))
     g = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
     scheme = None
@@ -81,6 +90,8 @@ def write_llama_w4(out: Path, layers: int = 16, group_size: int = 128, seed: int
         w = torch.randn(n, k, generator=g) * (1.0 / k ** 0.5)
         qw = quantize_rtn(w, 4, group_size, symmetric=True, generator=g, scale_dtype=torch.bfloat16)
         qw = qw.with_(name=name)
+        if fmt == "gptq":
+            return {f"{name}.{s}": t for s, t in canonical_to_gptq(qw, write_g_idx=False).items()}
         scheme = scheme or scheme_config(qw)
         return {f"{name}.{s}": t for s, t in to_compressed_tensors(qw).items()}
 
@@ -96,7 +107,21 @@ def write_llama_w4(out: Path, layers: int = 16, group_size: int = 128, seed: int
         for module, (n, k) in shape.linears().items():
             tensors.update(quantized(f"{prefix}.{module}", n, k))
         save(tensors, f"model-layer{li:03d}.safetensors")
-    quant = quantization_config({"group_0": scheme}, ignore=[] if lm_head == "w4" else ["lm_head"])
+    if fmt == "gptq":
+        quant = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True, "desc_act": False,
+                 "checkpoint_format": "gptq", "lm_head": lm_head == "w4"}
+    else:
+        quant = quantization_config({"group_0": scheme}, ignore=[] if lm_head == "w4" else ["lm_head"])
     (out / "config.json").write_text(json.dumps(hf_config(shape, quant, tied=lm_head == "tied"), indent=1))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
+
+
+def _write_tokenizer(source: Path, out: Path) -> int:
+    """tokenizer.json and tokenizer_config.json of checkpoint ``source`` into ``out``; its vocabulary size."""
+    from quill.formats.checkpoint import open_checkpoint
+    spec = open_checkpoint(source).tokenizer_spec()
+    spec.tokenizer.save(str(out / "tokenizer.json"))
+    cfg = {**spec.special_tokens, "chat_template": spec.chat_template, "add_bos_token": spec.add_bos_token}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    return spec.tokenizer.get_vocab_size()

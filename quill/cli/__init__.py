@@ -14,20 +14,25 @@ import sys
 from quill.errors import QuillError
 
 COMMANDS = ("quill.cli.info", "quill.cli.generate", "quill.cli.chat", "quill.cli.inspect", "quill.cli.bench",
-            "quill.cli.serve", "quill.cli.eval")
+            "quill.cli.serve", "quill.cli.eval", "quill.cli.cache")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``quill`` parser; with ``command`` (a subcommand's name), only that subcommand is registered, so a
+    run imports what it uses and nothing else (``quill generate`` never imports the benchmarks)."""
     parser = argparse.ArgumentParser(prog="quill", description="CPU inference for quantized LLM checkpoints")
     parser.add_argument("-v", "--verbose", action="store_true", help="log kernel choices and loading details")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
+    chosen = [m for m in COMMANDS if m.rpartition(".")[2] == command] or COMMANDS
+    for name in chosen:
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)  # the only global option takes no value
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)

@@ -51,6 +51,10 @@ def register(sub) -> None:
     c.add_argument("--layers", type=int, default=16)
     c.add_argument("--group-size", type=int, default=128)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--format", dest="fmt", choices=("compressed-tensors", "gptq"), default="compressed-tensors",
+                   help="compressed-tensors pack-quantized (llm-compressor's W4A16) or GPTQ (v1, AutoGPTQ's)")
+    c.add_argument("--tokenizer-from", type=Path, default=None,
+                   help="write this checkpoint's tokenizer beside the weights (its vocabulary size is used)")
     c.set_defaults(func=run_checkpoint)
     md = bsub.add_parser("model", help="prefill, decode and batched decode of a checkpoint against the roofline")
     md.add_argument("checkpoint", nargs="?", type=Path, default=None,
@@ -161,7 +165,8 @@ def run_linears(args) -> int:
 def run_checkpoint(args) -> int:
     from quill.bench.checkpoint import write_llama_w4
 
-    path = write_llama_w4(args.out, layers=args.layers, group_size=args.group_size, seed=args.seed)
+    path = write_llama_w4(args.out, layers=args.layers, group_size=args.group_size, seed=args.seed, fmt=args.fmt,
+                          tokenizer_from=args.tokenizer_from)
     print(f"wrote {path}")
     return 0
 

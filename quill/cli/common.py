@@ -29,6 +29,10 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -
     p.add_argument("--offline", action="store_true", help="resolve Hub ids from the local cache only")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bars (they show on a terminal when loading or scoring takes over a second)")
+    p.add_argument("--cache-dir", default=None,
+                   help="the prepacked cache's directory (default: $QUILL_CACHE_DIR, else ~/.cache/quill)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="neither read nor write the prepacked cache (kernel layouts saved after a first load)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +54,8 @@ def build_llm(args, skip_tokenizer_init: bool = False, engine_config=None):
                threads=args.threads, kernel=args.kernel, moe_backend=args.moe_backend,
                max_model_len=args.max_model_len,
                offline=args.offline, skip_tokenizer_init=skip_tokenizer_init, engine_config=engine_config,
-               progress=False if args.quiet else None)
+               progress=False if args.quiet else None, cache=False if args.no_cache else None,
+               cache_dir=args.cache_dir)
 
 
 def sampling_params(args):

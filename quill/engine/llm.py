@@ -20,16 +20,17 @@ import torch
 
 from quill.engine.core import EngineConfig, EngineCore
 from quill.engine.hub import resolve_model
-from quill.engine.loader import LoadedModel, build_model
+from quill.engine.loader import LoadedModel
 from quill.engine.output import OutputProcessor, RequestState, StreamChunk, check_prompt_ids
 from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.scoring import PromptScores, ScoreSpec
 from quill.engine.sequence import Timings
+from quill.engine.startup import load_model
 from quill.errors import GenerationError
-from quill.formats.checkpoint import open_checkpoint
 from quill.layers import LoadContext
 from quill.options import RunOptions
 from quill.platform import Platform, detect
+from quill.prepacked.store import PrepackedCache, cache_enabled
 from quill.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -92,6 +93,9 @@ class LLM:
         offline: resolve Hub ids from the local cache only.
         progress: show a loading progress bar on stderr (default: when stderr is a terminal).
         engine_config: the engine core's batching and KV-cache sizes (``quill.engine.core.EngineConfig``).
+        cache: use the prepacked cache (default: on unless ``$QUILL_CACHE=0``): the kernel layouts are
+            saved after the first load (on a thread) and read back on later ones (``quill.prepacked``).
+        cache_dir: where (default ``$QUILL_CACHE_DIR``, else ``~/.cache/quill``).
 
     Every call runs on ``llm.engine`` (an ``EngineCore``: continuous batching over a paged KV cache
     with prefix caching), the same core ``quill serve`` drives.
@@ -102,7 +106,8 @@ class LLM:
                  moe_backend: str | None = None,
                  skip_tokenizer_init: bool = False, max_model_len: int | None = None, seed: int = 0,
                  offline: bool = False, progress: bool | None = None, platform: Platform | None = None,
-                 engine_config: EngineConfig | None = None):
+                 engine_config: EngineConfig | None = None, cache: bool | None = None,
+                 cache_dir: str | os.PathLike | None = None):
         self.options = RunOptions.parse(dtype, activation_quant, threads, kernel, moe_backend, max_model_len)
         self.platform = platform or detect()
         self.threads = self.options.threads or self.platform.physical_cores
@@ -110,19 +115,19 @@ class LLM:
         # prompts, norms on the torch path) only read the process-wide pool size
         torch.set_num_threads(self.threads)
         self.path = resolve_model(model, offline)
-        checkpoint = open_checkpoint(self.path)
         if progress is None:
             progress = _stderr_is_tty()
         ctx = LoadContext.create(self.platform, self.options.dtype, self.options.act_quant.request,
                                  self.options.kernel, self.options.moe_backend, threads=self.threads)
-        self.loaded: LoadedModel = build_model(checkpoint, progress=progress, ctx=ctx)
+        use_cache = cache_enabled() if cache is None else cache
+        self.cache = PrepackedCache(cache_dir) if use_cache else None
+        started = load_model(self.path, ctx, tokenizer=not skip_tokenizer_init, progress=progress, cache=self.cache)
+        self.loaded: LoadedModel = started.loaded
+        self.cache_hit = started.cache_hit
         self.model = self.loaded.model
-        self.tokenizer = None if skip_tokenizer_init else Tokenizer(checkpoint.tokenizer_spec())
-        release = getattr(checkpoint, "release_pages", None)  # a memory map read through once (GGUF)
-        if release is not None:
-            release()
+        self.tokenizer = None if started.tokenizer is None else Tokenizer(started.tokenizer)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
-                              else checkpoint.eos_token_ids())
+                              else started.eos_token_ids)
         self.context_length = self.model.args.context_length
         if max_model_len is not None:
             self.context_length = min(self.context_length, max_model_len)

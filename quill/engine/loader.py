@@ -25,12 +25,13 @@ from quill.canonical import QuantizedWeight
 from quill.engine.memory import LoadMemory, MemoryMeter, release_freed_memory
 from quill.errors import CheckpointError
 from quill.layers import ExpertSlot, LayerInfo, Linear, LoadContext, PostLoad, Slot
+from quill.layers.snapshot import restore_model
 from quill.models import model_module
 
 # Tensors some checkpoints carry that the model recomputes (older HF exports store rotary tables).
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
-__all__ = ["IGNORED_TENSORS", "LayerInfo", "LoadedModel", "build_model"]
+__all__ = ["IGNORED_TENSORS", "LayerInfo", "LoadedModel", "build_model", "restore_loaded"]
 
 
 @dataclass
@@ -151,3 +152,17 @@ def build_model(checkpoint, selector=None, dtype: torch.dtype = torch.float32, a
     memory = meter.finish(_largest_layer_bytes(model))
     model.eval()
     return LoadedModel(model, checkpoint, Path(where), infos, memory, ctx.dtype)
+
+
+def restore_loaded(config: dict, records: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext,
+                   checkpoint: Any, path: Path) -> LoadedModel:
+    """Build the architecture ``config`` names and fill it from a prepacked cache's slots (quill.layers.snapshot):
+    what :func:`build_model` gives, without reading the checkpoint's weights."""
+    ctx = dataclasses.replace(ctx, where=str(path))
+    module = model_module(config.get("model_type"))
+    model = module.Model(module.ModelArgs.from_dict(config), ctx.dtype)
+    meter = MemoryMeter()
+    infos = restore_model(model, records, tensors, ctx)
+    memory = meter.finish(_largest_layer_bytes(model))
+    model.eval()
+    return LoadedModel(model, checkpoint, path, infos, memory, ctx.dtype)

@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from quill.canonical import QuantizedWeight
+from quill.canonical import ActivationQuant, QuantizedWeight
+from quill.errors import KernelError
 from quill.kernels.config import LinearLayerConfig
 from quill.platform import Platform
 
@@ -44,6 +45,18 @@ class LinearKernel(ABC):
     @abstractmethod
     def apply(cls, state: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in_features] float -> y [..., out_features] in x's dtype."""
+
+    @classmethod
+    def export_state(cls, state: Any) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """``state`` as JSON-able facts and tensors (for the prepacked cache), or None when this kernel's
+        state cannot be saved (the model is then not cached)."""
+        return None
+
+    @classmethod
+    def restore_state(cls, facts: dict, tensors: dict[str, torch.Tensor], cfg: LinearLayerConfig,
+                      activation: ActivationQuant | None, name: str) -> Any:
+        """The state :meth:`export_state` described, rebuilt around ``tensors`` (already in place, not copied)."""
+        raise KernelError(f"{name}: kernel {cls.name} cannot restore a saved state")
 
     @classmethod
     def state_bytes(cls, state: Any) -> int:

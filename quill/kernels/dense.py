@@ -100,13 +100,18 @@ class NativeDenseKernel:
         return None
 
     @classmethod
-    def build(cls, half: torch.Tensor, cfg: DenseLayerConfig) -> Any:
-        """The C++ NativeDense over ``half`` [out, in] (bfloat16 / float16)."""
-        from quill import native
+    def pack(cls, half: torch.Tensor) -> torch.Tensor:
+        """``half`` [out, in] (bfloat16 / float16) -> the kernel's words int16 [NB, KP, 16, 2] (pack_dense)."""
         from quill.native.pack import pack_dense
-        dtype = "bfloat16" if half.dtype == torch.bfloat16 else "float16"
-        return native.load().module.NativeDense(pack_dense(half.contiguous()), cfg.out_features, cfg.in_features,
-                                                dtype, native.isa_for(cfg.platform), cfg.threads)
+        return pack_dense(half.contiguous())
+
+    @classmethod
+    def from_packed(cls, words: torch.Tensor, half_dtype: torch.dtype, cfg: DenseLayerConfig) -> Any:
+        """The C++ NativeDense over ``words`` (from :meth:`pack`, or read back from a prepacked cache)."""
+        from quill import native
+        dtype = "bfloat16" if half_dtype == torch.bfloat16 else "float16"
+        return native.load().module.NativeDense(words, cfg.out_features, cfg.in_features, dtype,
+                                                native.isa_for(cfg.platform), cfg.threads)
 
 
 @dataclass

@@ -5,14 +5,15 @@ This is the only object model code touches; it never sees formats or ISAs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from quill.canonical import ActivationQuant, QuantizedWeight
-from quill.errors import ConfigError, format_choices
-from quill.kernels.config import LinearLayerConfig
+from quill.errors import CacheError, ConfigError, format_choices
+from quill.kernels.config import ActKind, LinearLayerConfig
 from quill.kernels.dense import DenseLayerConfig, NativeDenseKernel, as_16bit
 from quill.kernels.selection import KernelSelector, Selection
 
@@ -48,6 +49,7 @@ class QuantLinear:
     state: Any
     bias: torch.Tensor | None
     weight_bytes: int  # packed bytes as stored in the checkpoint (for bandwidth accounting)
+    state_activation: ActivationQuant | None = None  # the input quantization the state was built for
 
     @property
     def kernel_name(self) -> str:
@@ -72,7 +74,8 @@ def build_quant_linear(
         weight = weight.single_level()
     state = sel.kernel.prepare(weight, cfg)
     bias = None if weight.bias is None else weight.bias.to(bias_dtype).contiguous()
-    return QuantLinear(weight.name, weight.in_features, weight.out_features, sel, cfg, state, bias, stored)
+    return QuantLinear(weight.name, weight.in_features, weight.out_features, sel, cfg, state, bias, stored,
+                       weight.activation)
 
 
 @dataclass
@@ -96,6 +99,8 @@ class DenseLinear:
     weight_bytes: int  # bytes as stored in the checkpoint
     native: Any = None  # quill.native NativeDense
     dtype: torch.dtype = torch.float32  # the weight's dtype as held
+    words: torch.Tensor | None = None  # int16 [NB, KP, 16, 2]: what `native` reads (kept to be saved)
+    stored: torch.dtype | None = None  # the checkpoint's dtype of the weight
 
     @property
     def kernel_name(self) -> str:
@@ -121,6 +126,70 @@ def build_dense_linear(
         cfg = DenseLayerConfig(w.shape[1], w.shape[0], weight.dtype, None if half is None else half.dtype,
                                dtype, selector.platform, selector.threads)
         if selector.dense.select(cfg, layer=name).name == "native_dense":
+            words = NativeDenseKernel.pack(half)
             return DenseLinear(name, cfg.in_features, cfg.out_features, None, b, stored,
-                               NativeDenseKernel.build(half, cfg), half.dtype)
-    return DenseLinear(name, w.shape[1], w.shape[0], w, b, stored, None, w.dtype)
+                               NativeDenseKernel.from_packed(words, half.dtype, cfg), half.dtype, words, weight.dtype)
+    return DenseLinear(name, w.shape[1], w.shape[0], w, b, stored, None, w.dtype, None, weight.dtype)
+
+
+# ---- saving a built layer and building it back (the prepacked cache) -----------------------
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise CacheError(f"saved dtype '{name}' is not one of {format_choices(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def export_linear(impl: QuantLinear | DenseLinear) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """A built layer as JSON-able facts and tensors, or None when its kernel's state cannot be saved."""
+    tensors = {} if impl.bias is None else {"bias": impl.bias}
+    if isinstance(impl, DenseLinear):
+        facts = {"type": "dense", "name": impl.name, "in": impl.in_features, "out": impl.out_features,
+                 "weight_bytes": impl.weight_bytes, "dtype": str(impl.dtype).removeprefix("torch."),
+                 "stored": str(impl.stored).removeprefix("torch."), "native": impl.native is not None}
+        tensors["weight"] = impl.words if impl.native is not None else impl.weight
+        return facts, tensors
+    saved = impl.selection.kernel.export_state(impl.state)
+    if saved is None:
+        return None
+    state, state_tensors = saved
+    cfg = {f.name: getattr(impl.config, f.name) for f in dataclasses.fields(impl.config)
+           if f.name not in ("platform", "threads")}
+    cfg["act"] = cfg["act"].value
+    act = impl.state_activation
+    facts = {"type": "quant", "name": impl.name, "kernel": impl.kernel_name, "config": cfg, "state": state,
+             "activation": None if act is None else dataclasses.asdict(act), "weight_bytes": impl.weight_bytes}
+    tensors.update({f"state.{k}": v for k, v in state_tensors.items()})
+    return facts, tensors
+
+
+def restore_linear(facts: dict, tensors: dict[str, torch.Tensor], selector: KernelSelector,
+                   dtype: torch.dtype) -> QuantLinear | DenseLinear:
+    """The layer :func:`export_linear` saved, around ``tensors`` as they are; a :class:`CacheError` when the
+    kernel chosen now for it is not the one saved (the cache is then rebuilt)."""
+    bias = tensors.get("bias")
+    name = facts["name"]
+    if facts["type"] == "dense":
+        held = _dtype(facts["dtype"])
+        if not facts["native"]:
+            return DenseLinear(name, facts["in"], facts["out"], tensors["weight"], bias, facts["weight_bytes"],
+                               None, held, None, _dtype(facts["stored"]))
+        cfg = DenseLayerConfig(facts["in"], facts["out"], _dtype(facts["stored"]), held, dtype, selector.platform,
+                               selector.threads)
+        if selector.dense.select(cfg, layer=name).name != "native_dense":
+            raise CacheError(f"{name}: saved for native_dense, which is not the dense kernel chosen now")
+        words = tensors["weight"]
+        return DenseLinear(name, facts["in"], facts["out"], None, bias, facts["weight_bytes"],
+                           NativeDenseKernel.from_packed(words, held, cfg), held, words, _dtype(facts["stored"]))
+    cfg = LinearLayerConfig(**{**facts["config"], "act": ActKind(facts["config"]["act"])},
+                            platform=selector.platform, threads=selector.threads)
+    sel = selector.select(cfg, layer=name)
+    if sel.name != facts["kernel"]:
+        raise CacheError(f"{name}: saved for kernel {facts['kernel']}, but {sel.name} is chosen now")
+    act = None if facts["activation"] is None else ActivationQuant(**facts["activation"])
+    state_tensors = {k.removeprefix("state."): v for k, v in tensors.items() if k.startswith("state.")}
+    state = sel.kernel.restore_state(facts["state"], state_tensors, cfg, act, name)
+    return QuantLinear(name, cfg.in_features, cfg.out_features, sel, cfg, state, bias, facts["weight_bytes"], act)

@@ -32,12 +32,17 @@ from typing import Any, ClassVar
 import torch
 
 from quill import native
-from quill.canonical import QuantizedWeight
+from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.errors import KernelError
 from quill.kernels.base import LinearKernel
 from quill.kernels.config import ActKind, LinearLayerConfig
 from quill.native.pack import PackedWeight, pack
 from quill.platform import Platform
+
+# What a saved PackedWeight holds (the prepacked cache): its tensors, and the facts beside them.
+PACKED_TENSORS = ("codes", "scales", "zeros", "offsets", "seg_end", "src", "wsum", "hplane", "super_scales",
+                  "super_offsets")
+PACKED_FACTS = ("bits", "out_features", "in_features", "zconst")
 
 
 @dataclass
@@ -50,12 +55,12 @@ class NativeState:
         self.handle.set_threads(n)
 
 
-def make_handle(packed: PackedWeight, weight: QuantizedWeight, isa: str, threads: int, int8: bool) -> Any:
-    """The C++ NativeLinear over ``packed``; ``isa`` is 'avx512', 'avx2' or 'scalar'."""
+def make_handle(packed: PackedWeight, name: str, act: ActivationQuant | None, isa: str, threads: int,
+                int8: bool) -> Any:
+    """The C++ NativeLinear over ``packed`` for layer ``name``; ``isa`` is 'avx512', 'avx2' or 'scalar'."""
     ext = native.load()
     if ext.module is None:
-        raise KernelError(f"{weight.name}: native kernels unavailable: {ext.error}")
-    act = weight.activation
+        raise KernelError(f"{name}: native kernels unavailable: {ext.error}")
     static = act is not None and not act.dynamic
     return ext.module.NativeLinear(
         packed.codes, packed.scales, packed.zeros, packed.offsets, packed.seg_end, packed.src, packed.wsum,
@@ -113,8 +118,28 @@ class _NativeKernel(LinearKernel):
         if isa is None:
             raise KernelError(f"{weight.name}: {cls.name} needs {native.isa_requirement()}")
         packed = pack(weight.widened(max(weight.bits, 4)), cls.int8)  # 2/3-bit codes run as 4-bit
-        handle = make_handle(packed, weight, isa, cfg.threads, cls.int8)
+        handle = make_handle(packed, weight.name, weight.activation, isa, cfg.threads, cls.int8)
         return NativeState(packed, handle, isa)
+
+    @classmethod
+    def export_state(cls, state: NativeState) -> tuple[dict, dict[str, torch.Tensor]]:
+        p = state.packed
+        facts = {f: getattr(p, f) for f in PACKED_FACTS}
+        tensors = {f: t for f in PACKED_TENSORS if (t := getattr(p, f)) is not None}
+        return facts, tensors
+
+    @classmethod
+    def restore_state(cls, facts: dict, tensors: dict[str, torch.Tensor], cfg: LinearLayerConfig,
+                      activation: ActivationQuant | None, name: str) -> NativeState:
+        isa = native.isa_for(cfg.platform)
+        if isa is None:
+            raise KernelError(f"{name}: {cls.name} needs {native.isa_requirement()}")
+        unknown = set(tensors) - set(PACKED_TENSORS)
+        if unknown or set(facts) != set(PACKED_FACTS):
+            raise KernelError(f"{name}: a saved {cls.name} state has fields {sorted(facts)} and tensors "
+                              f"{sorted(tensors)}; expected {list(PACKED_FACTS)} and some of {list(PACKED_TENSORS)}")
+        packed = PackedWeight(**{f: tensors.get(f) for f in PACKED_TENSORS}, **facts)
+        return NativeState(packed, make_handle(packed, name, activation, isa, cfg.threads, cls.int8), isa)
 
     @classmethod
     def apply(cls, state: NativeState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,6 +6,7 @@ every slot; only this package talks to the kernel and MoE selectors.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,18 @@ class LoadContext:
                       moe_selector: MoESelector | None = None, where: str = "checkpoint") -> "LoadContext":
         """Around an existing kernel selector (the MoE selector defaults to the default policy on its platform)."""
         return cls(selector, moe_selector or MoESelector(selector.platform), activation, dtype, where)
+
+    def choice(self) -> dict:
+        """What decides every layer's kernel and layout, as JSON-able data (the prepacked cache's key):
+        the kernel and MoE policies, the priority lists if overridden, activation quantization, compute
+        dtype, the native ISA variant and a digest of the CPU's flags."""
+        def policy(sel):
+            return {"force": sel.policy.force, "disabled": sorted(sel.policy.disabled),
+                    "priorities": None if sel.priorities is None else list(sel.priorities)}
+        flags = hashlib.blake2b(" ".join(sorted(self.platform.flags)).encode(), digest_size=8).hexdigest()
+        return {"kernels": policy(self.selector), "moe": policy(self.moe_selector), "activation": self.activation,
+                "dtype": str(self.dtype).removeprefix("torch."), "isa": self.native_isa,
+                "vendor": self.platform.vendor, "cpu_flags": flags}
 
     @property
     def platform(self) -> Platform:

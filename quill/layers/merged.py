@@ -42,6 +42,10 @@ class MergedLinear:
             return self.impl(x).split(self.sizes, dim=-1)
         return tuple(p(x) for p in self.parts)
 
+    def view(self, index: int) -> "_PartView":
+        """What part ``index`` runs when called alone: its rows of the merged kernel."""
+        return _PartView(self, index)
+
     def offer(self, part, name: str, weight, ctx: LoadContext) -> None:
         """Part ``part`` has loaded ``weight`` (a QuantizedWeight, or a dense (weight, bias)); build when complete."""
         self._offers[part.group_index] = (name, weight)
@@ -59,14 +63,14 @@ class MergedLinear:
             self.impl = build_quant_linear(stacked, ctx.selector, ctx.activation, bias_dtype=ctx.dtype)
             for part, name, w in zip(self.parts, names, weights):
                 info = quant_info(name, self.impl, "quantized", rows=w.out_features)
-                part.set_built(_PartView(self, part.group_index), info)
+                part.set_built(self.view(part.group_index), info)
         elif all(isinstance(w, tuple) for w in weights) and len({w.dtype for w, _ in weights}) == 1 and (
                 len({b is None for _, b in weights}) == 1):
             w = torch.cat([w for w, _ in weights])
             b = None if weights[0][1] is None else torch.cat([b for _, b in weights])
             self.impl = build_dense_linear(f"{names[0].rpartition('.')[0]}.{label}", w, b, ctx.dtype, ctx.selector)
             for part, name, (pw, _) in zip(self.parts, names, weights):
-                part.set_built(_PartView(self, part.group_index), dense_info(name, self.impl, rows=pw.shape[0]))
+                part.set_built(self.view(part.group_index), dense_info(name, self.impl, rows=pw.shape[0]))
         else:
             for part, name, w in zip(self.parts, names, weights):
                 part.build_alone(name, w, ctx)

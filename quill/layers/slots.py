@@ -12,14 +12,15 @@ weight loaders.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
 from quill.canonical import QuantizedWeight
-from quill.errors import CheckpointError
-from quill.kernels import build_dense_linear, build_quant_linear, fused
+from quill.errors import CacheError, CheckpointError, NotCacheable
+from quill.kernels import DenseLinear, build_dense_linear, build_quant_linear, export_linear, fused, restore_linear
 from quill.layers.context import LayerInfo, LoadContext
 
 
@@ -49,6 +50,24 @@ class Slot:
     def info(self, name: str) -> LayerInfo | None:
         """What ``quill inspect`` shows about this slot, or None for slots it does not list."""
         return None
+
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What this slot built, as JSON-able facts and tensors (the prepacked cache, quill.layers.snapshot)."""
+        raise NotCacheable(f"{name}: {type(self).__name__} layers are not saved in the prepacked cache")
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        """Become what :meth:`save` described, around ``tensors`` as they are."""
+        raise CacheError(f"{name}: {type(self).__name__} layers cannot be restored from the prepacked cache")
+
+
+def saved_info(info: LayerInfo | None) -> dict | None:
+    return None if info is None else dataclasses.asdict(info)
+
+
+def restored_info(facts: dict | None) -> LayerInfo | None:
+    if facts is None:
+        return None
+    return LayerInfo(**{**facts, "refusals": tuple(tuple(r) for r in facts["refusals"])})
 
 
 def checked(ctx: LoadContext, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -171,6 +190,45 @@ class Linear(nn.Module, Slot):
             raise CheckpointError(f"{ctx.where}: the checkpoint has no quantized layer or tensor for '{name}' "
                                   f"(expected '{name}.weight')")
 
+    @property
+    def tied_to_table(self) -> bool:
+        """An lm_head running the embedding's own float table (shares its storage: rebuilt by tying)."""
+        return (self._info is not None and self._info.kind == "tied" and isinstance(self.impl, DenseLinear)
+                and self.impl.native is None)
+
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        facts: dict = {"info": saved_info(self._info)}
+        if self.tied_to_table:
+            return {**facts, "tied": True}, {}
+        if self.group is not None and self.group.impl is not None:  # one part of a merged kernel
+            facts["part"] = self.group_index
+            if self.group_index:
+                return facts, {}
+            impl = self.group.impl  # saved once, with the first part
+        else:
+            impl = self.impl
+        saved = export_linear(impl)
+        if saved is None:
+            raise NotCacheable(f"{name}: kernel {impl.kernel_name} does not save its state")
+        facts["impl"], tensors = saved
+        return facts, tensors
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        info = restored_info(facts["info"])
+        if facts.get("tied"):
+            return  # tied by the caller once the embedding is back
+        impl = restore_linear(facts["impl"], tensors, ctx.selector, ctx.dtype) if "impl" in facts else None
+        if "part" not in facts:
+            self.impl, self._info = impl, info
+            return
+        if self.group is None or facts["part"] != self.group_index:
+            raise CacheError(f"{name}: saved as part {facts['part']} of a merged kernel, which this model "
+                             "does not build")
+        if impl is not None:
+            self.group.impl = impl
+        self._offered = True
+        self.set_built(self.group.view(self.group_index), info)
+
     def info(self, name: str) -> LayerInfo | None:
         return self._info
 
@@ -230,7 +288,7 @@ class Embedding(nn.Module, Slot):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight: torch.Tensor | None = None  # dense, compute dtype
+        self.weight: torch.Tensor | None = None  # dense, as the checkpoint stores it (a memory map, not a copy)
         self.quantized: QuantizedWeight | None = None
         self._info: LayerInfo | None = None
 
@@ -248,10 +306,24 @@ class Embedding(nn.Module, Slot):
         if attr != "weight":
             return False
         shape = (self.num_embeddings, self.embedding_dim)
-        self.weight = checked(ctx, f"{name}.weight", tensor, shape).to(ctx.dtype)
+        self.weight = checked(ctx, f"{name}.weight", tensor, shape)  # as stored: rows convert on lookup
         self._info = LayerInfo(name, "embedding", f"dense {dtype_name(self.weight.dtype)} {shape[0]}x{shape[1]}",
                                None, None, None, "lookup", (), tensor.numel() * tensor.element_size(), tensor.numel())
         return True
+
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        if self.weight is not None:
+            return {"info": saved_info(self._info)}, {"weight": self.weight}
+        facts, tensors = self.quantized.saved()
+        return {"info": saved_info(self._info), "quantized": facts}, tensors
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        self._info = restored_info(facts["info"])
+        if "quantized" in facts:
+            self.quantized = QuantizedWeight.from_saved(facts["quantized"], tensors)
+            check_qshape(ctx, name, self.quantized, self.num_embeddings, self.embedding_dim)
+        else:
+            self.weight = checked(ctx, f"{name}.weight", tensors["weight"], (self.num_embeddings, self.embedding_dim))
 
     def load_quantized(self, name: str, weight: QuantizedWeight, ctx: LoadContext) -> bool:
         check_qshape(ctx, name, weight, self.num_embeddings, self.embedding_dim)
@@ -288,3 +360,9 @@ class RMSNorm(nn.Module, Slot):
             return False
         self.weight = checked(ctx, f"{name}.weight", tensor, (self.dim,)).to(ctx.dtype)
         return True
+
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        return {}, {"weight": self.weight}
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        self.weight = checked(ctx, f"{name}.weight", tensors["weight"], (self.dim,))

@@ -1,0 +1,169 @@
+"""One prepacked cache file: safetensors with a checksum, written whole and renamed, read whole into place.
+
+A plain safetensors file (any safetensors reader opens it) whose ``__metadata__`` holds
+quill's facts (``quill``: JSON) and the tokenizer (``tokenizer``: its JSON), and whose
+``quill`` facts carry an XXH3-128 checksum of the data section.  Tensors are laid out
+largest alignment first (the power of two dividing their size, up to 64), after a header
+padded to 64 bytes, so every kernel array starts on a cache line and the data section
+is memory-mapped whole: the tensors are views of the page cache's pages, not copies.  A file that is truncated,
+whose header does not parse, or whose checksum differs raises :class:`CacheError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import mmap
+import os
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from quill.errors import CacheError
+
+ALIGN = 64
+_CHUNK = 64 << 20  # bytes per read/write call
+_MAX_HEADER = 256 << 20
+_MADV_HUGEPAGE, _MADV_POPULATE_READ = 14, 22  # linux/mman.h (the mmap module names only some)
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous ``t`` (kept alive by the caller), without a copy."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+
+
+def _alignment(nbytes: int) -> int:
+    return ALIGN if nbytes == 0 else min(ALIGN, nbytes & -nbytes)
+
+
+@dataclass
+class Layout:
+    """Where every tensor goes: the header JSON and the tensors in file order."""
+
+    header: bytes  # padded so the data section starts on a multiple of ALIGN
+    order: list[tuple[str, torch.Tensor]]
+
+
+def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Layout:
+    for name, t in tensors.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise CacheError(f"tensor '{name}': dtype {t.dtype} cannot be saved; supported: "
+                             f"{', '.join(DTYPE_NAMES.values())}")
+    # Largest alignment first: every offset is then a multiple of the alignment of what follows.
+    order = sorted(((n, t.contiguous()) for n, t in tensors.items()),
+                   key=lambda item: (-_alignment(item[1].numel() * item[1].element_size()), item[0]))
+    entries, offset = {}, 0
+    for name, t in order:
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)  # safetensors allows trailing spaces in the header
+    return Layout(text, order)
+
+
+def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], facts: dict) -> int:
+    """Write ``tensors`` to ``path`` (via a temporary name in the same directory, then an atomic rename).
+
+    ``facts`` go under ``__metadata__['quill']`` with the data's checksum added; returns the file size.
+    Tensors must stay unchanged while this runs (it may run on a background thread).
+    """
+    order = _layout(tensors, {}).order
+    h = xxhash.xxh3_128()
+    for _, t in order:
+        h.update(_bytes(t))
+    meta = {**metadata, "quill": json.dumps({**facts, "checksum": h.hexdigest()}, separators=(",", ":"))}
+    layout = _layout(dict(order), meta)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(layout.header)))
+            f.write(layout.header)
+            for _, t in layout.order:
+                view = _bytes(t)
+                for start in range(0, len(view), _CHUNK):
+                    f.write(view[start:start + _CHUNK])
+        size = tmp.stat().st_size
+        os.replace(tmp, path)  # readers see no file or a whole one, never a torn one
+        return size
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class Header:
+    """A cache file's header: quill's facts, the other metadata, and where each tensor lies."""
+
+    facts: dict
+    metadata: dict[str, str]
+    entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]  # name -> (dtype, shape, begin, end)
+    data_start: int
+    data_len: int
+
+
+def read_header(path: Path) -> Header:
+    """Parse and check ``path``'s header against its size (a CacheError names what is wrong)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CacheError(f"{path}: truncated ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CacheError(f"{path}: truncated or corrupt: header of {n} bytes, file of {size}")
+        try:
+            header = json.loads(f.read(n))
+            metadata = header.pop("__metadata__")
+            facts = json.loads(metadata["quill"])
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise CacheError(f"{path}: header is not a prepacked cache header ({type(e).__name__}: {e})") from None
+    entries, end_max = {}, 0
+    for name, e in header.items():
+        try:
+            dtype, shape, (b, end) = DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CacheError(f"{path}: tensor '{name}' has a malformed entry {e}") from None
+        if end - b != math.prod(shape) * torch.empty((), dtype=dtype).element_size() or b < 0:
+            raise CacheError(f"{path}: tensor '{name}': offsets [{b}, {end}] do not fit {e['dtype']} {list(shape)}")
+        entries[name] = (dtype, shape, b, end)
+        end_max = max(end_max, end)
+    if 8 + n + end_max != size:
+        raise CacheError(f"{path}: truncated or corrupt: data ends at byte {8 + n + end_max}, file has {size}")
+    return Header(facts, metadata, entries, 8 + n, end_max)
+
+
+def map_data(path: Path, header: Header) -> dict[str, torch.Tensor]:
+    """Every tensor of ``path`` as a view of one private memory map, after checking the data's checksum.
+
+    The kernels read the page cache's own pages (no copy; written ones would be copied, never
+    the file).  Mapping and hashing release the GIL: callers may run this on a thread.
+    """
+    if header.data_len == 0:
+        return {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape, _, _) in header.entries.items()}
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    for advice in (_MADV_HUGEPAGE,):  # best effort: 2 MiB mappings where the page cache
+        try:                                              # has them, page tables filled in one call
+            mm.madvise(advice)
+        except OSError:
+            pass
+    view = memoryview(mm)[header.data_start:header.data_start + header.data_len]
+    try:
+        if xxhash.xxh3_128(view).hexdigest() != header.facts.get("checksum"):
+            raise CacheError(f"{path}: corrupt: the data's checksum differs from the one written")
+    finally:
+        view.release()
+    buf = torch.frombuffer(mm, dtype=torch.uint8, offset=header.data_start, count=header.data_len)
+    return {name: buf[b:e].view(dtype).view(shape) for name, (dtype, shape, b, e) in header.entries.items()}
