@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,23 @@ def test_hit_gives_the_outputs_of_a_load_from_the_checkpoint(case, q4_k_m, tmp_p
             chat = [{"role": "user", "content": "hi"}]
             assert hit.tokenizer.apply_chat_template(chat) == plain.tokenizer.apply_chat_template(chat)
     assert "prepacked cache" in hit.loaded.checkpoint.describe()
+
+
+def test_writing_the_cache_never_holds_up_the_first_answer(tmp_path, monkeypatch):
+    import quill.prepacked.store as store
+    gate, real = threading.Event(), store.write_file
+
+    def held_write(*args, **kw):
+        assert gate.wait(120), "the test never released the writer"
+        return real(*args, **kw)
+    monkeypatch.setattr(store, "write_file", held_write)
+    llm = quill.LLM(str(default_model_path()), threads=2, progress=False, cache=True, cache_dir=tmp_path)
+    answer = _answer(llm)  # answered while the cache file is still being written
+    assert _files(tmp_path) == []
+    gate.set()
+    llm.cache.wait()
+    assert len(_files(tmp_path)) == 1
+    assert _answer(_load(default_model_path(), tmp_path)) == answer
 
 
 def test_the_cache_file_is_a_checked_safetensors_file_of_kernel_layouts(tmp_path):
