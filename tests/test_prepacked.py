@@ -18,7 +18,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 from fixture_util import fixture_path
 from llamacpp_util import quantize
 
@@ -279,11 +278,26 @@ def test_the_cache_directory_defaults(monkeypatch, tmp_path):
     assert PrepackedCache(tmp_path / "given").directory == tmp_path / "given"
 
 
-def test_outputs_match_after_the_bytes_are_mapped_not_copied(tmp_path):
-    _load(default_model_path(), tmp_path)
+def _mapped_rss_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split()[0] and len(line.split()) >= 5:
+            ours = line.split()[-1] == str(path)
+        elif ours and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_the_kernels_read_the_mapped_file_and_embedding_rows_come_on_demand(tmp_path):
+    want = _answer(_load(default_model_path(), tmp_path))
     llm = _load(default_model_path(), tmp_path)
     (path,) = _files(tmp_path)
-    maps = Path("/proc/self/maps").read_text()
-    assert str(path) in maps  # the kernels read the cache file's pages
+    header = read_header(path)
+    table = sum(e - b for n, (_, _, b, e) in header.entries.items() if n.startswith("model.embed_tokens:"))
+    assert table > 20 << 20  # the default model's Q8_0 embedding, in canonical form
+    resident = _mapped_rss_kib(path) * 1024
+    assert 0 < resident < header.data_len - table // 2  # the kernels' pages, not the table's
     head = llm.model.lm_head.impl.state.packed.codes
-    assert isinstance(head, torch.Tensor) and head.is_contiguous()
+    assert head.is_contiguous() and path.stat().st_size > head.numel()
+    assert _answer(llm) == want  # rows looked up after their pages were let go read the file again

@@ -155,14 +155,15 @@ def build_model(checkpoint, selector=None, dtype: torch.dtype = torch.float32, a
 
 
 def restore_loaded(config: dict, records: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext,
-                   checkpoint: Any, path: Path) -> LoadedModel:
+                   checkpoint: Any, path: Path, sparse=None) -> LoadedModel:
     """Build the architecture ``config`` names and fill it from a prepacked cache's slots (quill.layers.snapshot):
-    what :func:`build_model` gives, without reading the checkpoint's weights."""
+    what :func:`build_model` gives, without reading the checkpoint's weights.  ``sparse(tensor)`` is called
+    for the tables a model reads a few rows at a time (embeddings)."""
     ctx = dataclasses.replace(ctx, where=str(path))
     module = model_module(config.get("model_type"))
     model = module.Model(module.ModelArgs.from_dict(config), ctx.dtype)
     meter = MemoryMeter()
-    infos = restore_model(model, records, tensors, ctx)
+    infos = restore_model(model, records, tensors, ctx, sparse)
     memory = meter.finish(_largest_layer_bytes(model))
     model.eval()
     return LoadedModel(model, checkpoint, path, infos, memory, ctx.dtype)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quill.engine.loader import LoadedModel, build_model, restore_loaded
+from quill.engine.memory import release_freed_memory
 from quill.errors import NotCacheable, QuillError
 from quill.formats.checkpoint import open_checkpoint
 from quill.layers import LoadContext
@@ -71,7 +72,9 @@ def load_model(path: Path, ctx: LoadContext, *, tokenizer: bool, progress: bool,
                cache: PrepackedCache | None) -> Started:
     """The model at ``path`` under ``ctx``'s kernel choice; ``tokenizer``: also its tokenizer."""
     with _collector_paused():
-        return _load(path, ctx, tokenizer, progress, cache)
+        started = _load(path, ctx, tokenizer, progress, cache)
+    release_freed_memory()  # parsing (the tokenizer's JSON above all) leaves freed heap the OS can have back
+    return started
 
 
 def _load(path: Path, ctx: LoadContext, tokenizer: bool, progress: bool, cache: PrepackedCache | None) -> Started:
@@ -112,7 +115,9 @@ def _from_cache(cache: PrepackedCache, key: CacheKey, path: Path, ctx: LoadConte
             spec = (TokenizerSpec.from_saved(saved, facts["tokenizer"]) if saved is not None
                     else open_checkpoint(path).tokenizer_spec())
         source = CachedCheckpoint(path, facts["config"], facts["description"], pending.path)
-        loaded = restore_loaded(facts["config"], facts["records"], pending.tensors(), ctx, source, path)
+        data = pending.data()
+        loaded = restore_loaded(facts["config"], facts["records"], data.tensors, ctx, source, path,
+                                sparse=data.drop_pages)
         return Started(loaded, spec, tuple(facts["eos_token_ids"]), True)
     except (QuillError, KeyError, TypeError, ValueError) as e:  # anything wrong with the file: rebuild it
         pending.settle()

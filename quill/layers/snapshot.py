@@ -11,6 +11,7 @@ their own state (``LinearKernel.export_state``); a slot or kernel that cannot ra
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,9 +38,11 @@ def save_model(model: nn.Module) -> tuple[dict[str, dict], dict[str, torch.Tenso
 
 
 def restore_model(model: nn.Module, records: dict[str, dict], tensors: dict[str, torch.Tensor],
-                  ctx: LoadContext) -> list[LayerInfo]:
+                  ctx: LoadContext, sparse: Callable[[torch.Tensor], None] | None = None) -> list[LayerInfo]:
     """Fill a freshly built ``model`` from :func:`save_model`'s output; the layers' infos, as a load gives.
 
+    ``sparse(tensor)`` is called for every tensor of a slot that reads a few rows at a time (an embedding
+    table; a memory-mapped source can then let its pages go until rows are looked up).
     A CacheError when the saved slots are not this model's, or a kernel chosen now differs from the saved one.
     """
     slots = _slots(model)
@@ -53,6 +56,9 @@ def restore_model(model: nn.Module, records: dict[str, dict], tensors: dict[str,
         by_slot[name][field] = t
     for name, slot in slots.items():
         slot.restore(name, records[name], by_slot.get(name, {}), ctx)
+        if sparse is not None and isinstance(slot, Embedding):
+            for t in by_slot.get(name, {}).values():
+                sparse(t)
     for name, slot in slots.items():
         if records[name].get("tied"):
             embedding = slots.get("model.embed_tokens")

@@ -29,7 +29,7 @@ from quill.errors import CacheError
 ALIGN = 64
 _CHUNK = 64 << 20  # bytes per read/write call
 _MAX_HEADER = 256 << 20
-_MADV_HUGEPAGE, _MADV_POPULATE_READ = 14, 22  # linux/mman.h (the mmap module names only some)
+_MADV_HUGEPAGE = 14  # linux/mman.h (the mmap module does not name it everywhere)
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -144,21 +144,44 @@ def read_header(path: Path) -> Header:
     return Header(facts, metadata, entries, 8 + n, end_max)
 
 
-def map_data(path: Path, header: Header) -> dict[str, torch.Tensor]:
+@dataclass
+class MappedData:
+    """A cache file's tensors, views of one private memory map of it."""
+
+    tensors: dict[str, torch.Tensor]
+    mapping: mmap.mmap | None
+    base: int = 0  # the mapping's address
+
+    def drop_pages(self, t: torch.Tensor) -> None:
+        """Unmap the whole pages under ``t`` from this process (the page cache keeps them, a read maps them
+        again): for tables read a few rows at a time, so only rows in use stay resident.  Tensors outside
+        this mapping are left alone."""
+        if self.mapping is None:
+            return
+        a = t.data_ptr() - self.base
+        b = a + t.numel() * t.element_size()
+        if a < 0 or b > len(self.mapping):
+            return
+        a, b = -(-a // mmap.PAGESIZE) * mmap.PAGESIZE, b // mmap.PAGESIZE * mmap.PAGESIZE
+        if b > a:
+            self.mapping.madvise(mmap.MADV_DONTNEED, a, b - a)  # unwritten private pages: the file's again
+
+
+def map_data(path: Path, header: Header) -> MappedData:
     """Every tensor of ``path`` as a view of one private memory map, after checking the data's checksum.
 
     The kernels read the page cache's own pages (no copy; written ones would be copied, never
     the file).  Mapping and hashing release the GIL: callers may run this on a thread.
     """
     if header.data_len == 0:
-        return {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape, _, _) in header.entries.items()}
+        return MappedData({name: torch.empty(shape, dtype=dtype)
+                           for name, (dtype, shape, _, _) in header.entries.items()}, None)
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    for advice in (_MADV_HUGEPAGE,):  # best effort: 2 MiB mappings where the page cache
-        try:                                              # has them, page tables filled in one call
-            mm.madvise(advice)
-        except OSError:
-            pass
+    try:  # best effort: 2 MiB mappings where the page cache holds large folios
+        mm.madvise(_MADV_HUGEPAGE)
+    except OSError:
+        pass
     view = memoryview(mm)[header.data_start:header.data_start + header.data_len]
     try:
         if xxhash.xxh3_128(view).hexdigest() != header.facts.get("checksum"):
@@ -166,4 +189,5 @@ def map_data(path: Path, header: Header) -> dict[str, torch.Tensor]:
     finally:
         view.release()
     buf = torch.frombuffer(mm, dtype=torch.uint8, offset=header.data_start, count=header.data_len)
-    return {name: buf[b:e].view(dtype).view(shape) for name, (dtype, shape, b, e) in header.entries.items()}
+    tensors = {name: buf[b:e].view(dtype).view(shape) for name, (dtype, shape, b, e) in header.entries.items()}
+    return MappedData(tensors, mm, buf.data_ptr() - header.data_start)

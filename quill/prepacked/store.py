@@ -29,7 +29,7 @@ import xxhash
 
 from quill.errors import CacheError
 from quill.prepacked import digest as digests
-from quill.prepacked.file import Header, map_data, read_header, write_file
+from quill.prepacked.file import Header, MappedData, map_data, read_header, write_file
 
 log = logging.getLogger("quill.prepacked")
 
@@ -108,7 +108,7 @@ class PendingRead:
     def tokenizer_json(self) -> str | None:
         return self.header.metadata.get("tokenizer")
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def data(self) -> MappedData:
         """Wait for the data; a CacheError when it is truncated or its checksum differs."""
         return self._future.result()
 
