@@ -62,6 +62,10 @@ CASES = {
     "mixed-bits": (lambda q: fixture_path("ar-mixed-llama"), {}),
     "act-order": (lambda q: fixture_path("ct-w4a16-actorder-llama"), {"skip_tokenizer_init": True}),
     "w8a8-static-bias": (lambda q: fixture_path("ct-w8a8-static-qwen2"), {"skip_tokenizer_init": True}),
+    "moe-qwen3": (lambda q: fixture_path("ct-w4a16-qwen3moe"), {"skip_tokenizer_init": True}),
+    "moe-mixtral": (lambda q: fixture_path("ct-w4a16-mixtral"), {"skip_tokenizer_init": True}),
+    "moe-gptq-w4a8": (lambda q: fixture_path("ar-autogptq-qwen3moe"), {"skip_tokenizer_init": True,
+                                                                       "activation_quant": "int8"}),
 }
 
 
@@ -208,11 +212,11 @@ def test_a_kernel_that_does_not_save_its_state_loads_uncached(tmp_path):
     assert _answer(llm) == _answer(_load(default_model_path(), None, kernel="torch"))
 
 
-def test_a_mixture_of_experts_model_loads_uncached(tmp_path):
+def test_an_moe_backend_that_does_not_save_its_state_loads_uncached(tmp_path):
     model = fixture_path("ct-w4a16-qwen3moe")
-    llm = _load(model, tmp_path, skip_tokenizer_init=True)
+    llm = _load(model, tmp_path, skip_tokenizer_init=True, moe_backend="reference")
     assert not llm.cache_hit and _files(tmp_path) == []
-    assert _answer(llm) == _answer(_load(model, None, skip_tokenizer_init=True))
+    assert _answer(llm) == _answer(_load(model, None, skip_tokenizer_init=True, moe_backend="reference"))
 
 
 CHILD = """

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from quill.canonical import QuantizedWeight
-from quill.errors import CheckpointError, ModelError
+from quill.errors import CacheError, CheckpointError, ModelError, NotCacheable
 from quill.kernels import LinearLayerConfig
 from quill.layers.context import LayerInfo, LoadContext
-from quill.layers.slots import PostLoad, Slot, check_qshape, checked, checked_bias, linear
-from quill.moe import DenseWeight, ExpertWeights, FusedMoE, build_fused_moe, route
+from quill.layers.slots import PostLoad, Saved, Slot, check_qshape, checked, checked_bias, linear
+from quill.moe import DenseWeight, ExpertWeights, FusedMoE, build_fused_moe, export_fused_moe, restore_fused_moe, route
 from quill.moe.experts import Proj
 
 
@@ -87,6 +87,14 @@ class ExpertSlot(nn.Module, Slot):
         w, self.weight = self.weight, None
         return w
 
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Only what ``quill inspect`` shows: the weights live in the block's saved MoE layer."""
+        return {"kernel": self.kernel_name, "refusals": self.refusals, "facts": self.facts}, {}
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        self.kernel_name, self.facts, self.loaded = facts["kernel"], facts["facts"], True
+        self.refusals = tuple(tuple(r) for r in facts["refusals"])
+
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.kernel_name}"
 
@@ -115,7 +123,7 @@ class ExpertMLP(nn.Module):
         return tuple(getattr(self, n) for n in self.names)
 
 
-class SparseMoeBlock(nn.Module, PostLoad):
+class SparseMoeBlock(nn.Module, PostLoad, Saved):
     """Router (``gate``) and routed experts: softmax, top-k, optional renormalization, fused experts.
 
     ``round_weights``: cast the routing weights to the model dtype before
@@ -150,6 +158,18 @@ class SparseMoeBlock(nn.Module, PostLoad):
         for ex in self.experts:
             for s in ex.slots():
                 s.kernel_name, s.refusals = f"moe:{self.fused.backend_name}", self.fused.selection.refusals
+
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        saved = export_fused_moe(self.fused) if self.fused is not None else None
+        if saved is None:
+            raise NotCacheable(f"{name}: MoE backend {self.fused and self.fused.backend_name} does not save its state")
+        return saved
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        if len(facts["expert_bytes"]) != len(self.experts):
+            raise CacheError(f"{name}: saved with {len(facts['expert_bytes'])} experts, the model has "
+                             f"{len(self.experts)}")
+        self.fused = restore_fused_moe(facts, tensors, ctx.moe_selector, ctx.selector, ctx.dtype)
 
     def post_load(self) -> None:
         """Every expert arrived (the block was built when the last did), or a CheckpointError saying which not."""

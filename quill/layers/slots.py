@@ -24,7 +24,19 @@ from quill.kernels import DenseLinear, build_dense_linear, build_quant_linear, e
 from quill.layers.context import LayerInfo, LoadContext
 
 
-class Slot:
+class Saved:
+    """A module whose built state the prepacked cache saves and restores (quill.layers.snapshot)."""
+
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What this module built, as JSON-able facts and tensors; NotCacheable when it cannot be saved."""
+        raise NotCacheable(f"{name}: {type(self).__name__} layers are not saved in the prepacked cache")
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        """Become what :meth:`save` described, around ``tensors`` as they are."""
+        raise CacheError(f"{name}: {type(self).__name__} layers cannot be restored from the prepacked cache")
+
+
+class Slot(Saved):
     """A module filled from the checkpoint by name (mixed into an ``nn.Module``)."""
 
     def load_tensor(self, name: str, attr: str, tensor: torch.Tensor, ctx: LoadContext) -> bool:
@@ -51,13 +63,6 @@ class Slot:
         """What ``quill inspect`` shows about this slot, or None for slots it does not list."""
         return None
 
-    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
-        """What this slot built, as JSON-able facts and tensors (the prepacked cache, quill.layers.snapshot)."""
-        raise NotCacheable(f"{name}: {type(self).__name__} layers are not saved in the prepacked cache")
-
-    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
-        """Become what :meth:`save` described, around ``tensors`` as they are."""
-        raise CacheError(f"{name}: {type(self).__name__} layers cannot be restored from the prepacked cache")
 
 
 def saved_info(info: LayerInfo | None) -> dict | None:

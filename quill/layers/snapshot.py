@@ -18,13 +18,14 @@ from torch import nn
 
 from quill.errors import CacheError
 from quill.layers.context import LayerInfo, LoadContext
-from quill.layers.slots import Embedding, Linear, PostLoad, Slot
+from quill.layers.slots import Embedding, Linear, PostLoad, Saved, Slot
 
 SEPARATOR = ":"
 
 
-def _slots(model: nn.Module) -> dict[str, Slot]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, Slot)}
+def _slots(model: nn.Module) -> dict[str, Saved]:
+    """Every module that saves its state (slots, MoE blocks), parents before their children."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, Saved)}
 
 
 def save_model(model: nn.Module) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
@@ -66,9 +67,10 @@ def restore_model(model: nn.Module, records: dict[str, dict], tensors: dict[str,
                 raise CacheError(f"{name}: saved as tied to the embedding, which this model does not have")
             slot.tie(embedding, ctx)
     for name, slot in slots.items():
-        slot.check_filled(name, ctx)
+        if isinstance(slot, Slot):
+            slot.check_filled(name, ctx)
     for m in model.modules():
         if isinstance(m, PostLoad):
             m.post_load()
-    infos = (slot.info(name) for name, slot in slots.items())
+    infos = (slot.info(name) for name, slot in slots.items() if isinstance(slot, Slot))
     return [i for i in infos if i is not None]

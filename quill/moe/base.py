@@ -44,6 +44,18 @@ class MoEBackend(ABC):
         """Repack/stack the experts once (after loading); return the layer state."""
 
     @classmethod
+    def export_state(cls, state: Any, export_linear: Callable) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """``state`` as JSON-able facts and tensors (the prepacked cache; ``export_linear`` saves one built
+        linear), or None when it cannot be saved."""
+        return None
+
+    @classmethod
+    def restore_state(cls, facts: dict, tensors: dict[str, torch.Tensor], cfg: MoELayerConfig,
+                      restore_linear: Callable[[dict, dict[str, torch.Tensor]], Any]) -> Any:
+        """The state :meth:`export_state` described, around ``tensors`` as they are."""
+        raise NotImplementedError(f"MoE backend {cls.name} does not restore a saved state")
+
+    @classmethod
     @abstractmethod
     def apply(cls, state: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] float, topk_ids int64 [T, k], topk_weights float32 [T, k] -> y [T, H] in x's dtype.

@@ -29,6 +29,7 @@ from quill.moe.config import HIDDEN_ACTS, MoELayerConfig
 from quill.moe.experts import ExpertWeights, stack_gate_up
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
+_PARTS = ("gate_up", "gate", "up", "down")  # GroupedExpert's linears, as saved
 
 
 @dataclass
@@ -78,6 +79,37 @@ class GroupedBackend(MoEBackend):
         if stacked is not None:
             return GroupedExpert(make_linear(stacked), None, None, down, ex.gate.out_features)
         return GroupedExpert(None, make_linear(ex.gate), make_linear(ex.up), down, ex.gate.out_features)
+
+    @classmethod
+    def export_state(cls, state: GroupedState, export_linear: Callable) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        experts, tensors = [], {}
+        for e, ex in enumerate(state.experts):
+            parts = {}
+            for part in _PARTS:
+                fn = getattr(ex, part)
+                if fn is None:
+                    continue
+                saved = export_linear(fn)
+                if saved is None:
+                    return None
+                parts[part] = saved[0]
+                tensors.update({f"{e}.{part}.{k}": t for k, t in saved[1].items()})
+            experts.append({"intermediate": ex.intermediate, **parts})
+        return {"experts": experts, "top_k": state.top_k}, tensors
+
+    @classmethod
+    def restore_state(cls, facts: dict, tensors: dict[str, torch.Tensor], cfg: MoELayerConfig,
+                      restore_linear: Callable) -> GroupedState:
+        by_part: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            e, part, field = key.split(".", 2)
+            by_part.setdefault(f"{e}.{part}", {})[field] = t
+        experts = []
+        for e, ex in enumerate(facts["experts"]):
+            built = {part: restore_linear(ex[part], by_part.get(f"{e}.{part}", {})) if part in ex else None
+                     for part in _PARTS}
+            experts.append(GroupedExpert(**built, intermediate=ex["intermediate"]))
+        return GroupedState(experts, HIDDEN_ACTS[cfg.hidden_act], facts["top_k"])
 
     @classmethod
     def apply(cls, state: GroupedState, x: torch.Tensor, topk_ids: torch.Tensor,

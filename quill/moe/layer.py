@@ -12,14 +12,22 @@ This is the only MoE object model code touches; it never sees formats, ISAs or b
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from quill.canonical import QuantizedWeight
-from quill.errors import KernelError
-from quill.kernels import KernelSelector, build_dense_linear, build_quant_linear, resolve_activation
+from quill.errors import CacheError, KernelError
+from quill.kernels import (
+    ActKind,
+    KernelSelector,
+    build_dense_linear,
+    build_quant_linear,
+    export_linear,
+    resolve_activation,
+    restore_linear,
+)
 from quill.kernels.priority import Selection
 from quill.moe.config import MoELayerConfig
 from quill.moe.experts import DenseWeight, ExpertWeights, Proj, check_experts
@@ -94,3 +102,29 @@ def build_fused_moe(
     sel = moe_selector.select(cfg, layer=name)
     state = sel.kernel.prepare(experts, cfg, linear_factory(linear_selector, dtype))
     return FusedMoE(name, cfg, sel, state, [ex.storage_bytes() for ex in experts])
+
+
+def export_fused_moe(moe: FusedMoE) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """A built MoE layer as JSON-able facts and tensors (the prepacked cache), or None when its backend
+    cannot save its state."""
+    saved = moe.selection.kernel.export_state(moe.state, export_linear)
+    if saved is None:
+        return None
+    cfg = {f.name: getattr(moe.config, f.name) for f in fields(moe.config) if f.name != "platform"}
+    cfg["act"] = cfg["act"].value
+    facts = {"name": moe.name, "backend": moe.backend_name, "config": cfg, "state": saved[0],
+             "expert_bytes": moe.expert_bytes}
+    return facts, saved[1]
+
+
+def restore_fused_moe(facts: dict, tensors: dict[str, torch.Tensor], moe_selector: MoESelector,
+                      linear_selector: KernelSelector, dtype: torch.dtype) -> FusedMoE:
+    """The layer :func:`export_fused_moe` saved; a CacheError when another backend is chosen for it now."""
+    cfg = MoELayerConfig(**{**facts["config"], "act": ActKind(facts["config"]["act"])},
+                         platform=moe_selector.platform)
+    sel = moe_selector.select(cfg, layer=facts["name"])
+    if sel.name != facts["backend"]:
+        raise CacheError(f"{facts['name']}: saved for MoE backend {facts['backend']}, but {sel.name} is chosen now")
+    state = sel.kernel.restore_state(facts["state"], tensors, cfg,
+                                     lambda f, t: restore_linear(f, t, linear_selector, dtype))
+    return FusedMoE(facts["name"], cfg, sel, state, list(facts["expert_bytes"]))
