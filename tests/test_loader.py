@@ -112,14 +112,15 @@ def test_threads_default_to_physical_cores(saved):
 
 
 def test_peak_load_memory_within_bound(tmp_path):
-    """bf16 on disk -> float32 in memory: every tensor is converted, one at a time, and nothing is held twice."""
+    """bf16 on disk -> float32 in memory: every layer is converted, one at a time, and nothing is held twice."""
     hf = hf_model("llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4, vocab_size=2048,
                   num_attention_heads=8, num_key_value_heads=4, seed=42)
     d = save_hf_dir(hf, tmp_path / "big", tokenizer=False, dtype=torch.bfloat16)
     del hf
     loaded = load(d)
     m = loaded.memory
-    params = sum(i.num_weights for i in loaded.layers) + 2 * 256 * 4 + 256  # linears + norms
+    # linears + norms; the embedding stays bf16 as stored (a view of the file's map, rows converted on lookup)
+    params = sum(i.num_weights for i in loaded.layers if i.kind != "embedding") + 2 * 256 * 4 + 256
     assert m.resident >= 0.8 * params * 4  # the float32 model really is resident
     assert m.within_bound, m
     assert reset_peak() == m.peak_reset

@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,6 @@ class Started:
     tokenizer: TokenizerSpec | None
     eos_token_ids: tuple[int, ...]  # the checkpoint's own (a run without a tokenizer uses them)
     cache_hit: bool = False
-    cache_writer: threading.Thread | None = None  # the cache file being written after a miss
 
 
 @dataclass(frozen=True)
@@ -90,8 +88,9 @@ def _load(path: Path, ctx: LoadContext, tokenizer: bool, progress: bool, cache: 
     release = getattr(checkpoint, "release_pages", None)  # a memory map read through once (GGUF)
     if release is not None:
         release()
-    writer = _save(cache, key, loaded, checkpoint, spec, eos) if key is not None else None
-    return Started(loaded, spec, eos, False, writer)
+    if key is not None:
+        _save(cache, key, loaded, checkpoint, spec, eos)  # written on a thread (PrepackedCache.wait joins it)
+    return Started(loaded, spec, eos)
 
 
 def _key(cache: PrepackedCache, path: Path, ctx: LoadContext) -> CacheKey | None:
@@ -126,7 +125,7 @@ def _from_cache(cache: PrepackedCache, key: CacheKey, path: Path, ctx: LoadConte
 
 
 def _save(cache: PrepackedCache, key: CacheKey, loaded: LoadedModel, checkpoint, spec: TokenizerSpec | None,
-          eos: tuple[int, ...]) -> threading.Thread | None:
+          eos: tuple[int, ...]) -> None:
     def export():
         records, tensors = save_model(loaded.model)
         facts = {"source": str(loaded.path), "description": checkpoint.describe(),
@@ -136,7 +135,6 @@ def _save(cache: PrepackedCache, key: CacheKey, loaded: LoadedModel, checkpoint,
         json.dumps(facts)  # JSON-able now, or not cached (the write runs on a thread)
         return facts, tensors, {} if spec is None else {"tokenizer": spec.tokenizer.to_str()}
     try:
-        return cache.save(key, export)
+        cache.save(key, export)
     except (NotCacheable, TypeError, ValueError, OSError) as e:
         log.info("prepacked cache: %s not cached (%s)", loaded.path, e)
-        return None

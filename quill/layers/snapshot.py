@@ -1,11 +1,12 @@
 """A loaded model's slots as facts and tensors, and back: what the prepacked cache saves.
 
 After a load every slot holds what it built (a kernel's repacked state, a norm's weight,
-a quantized embedding in canonical form).  :func:`save_model` collects that, slot by slot,
-as JSON-able facts and tensors named ``<slot>:<field>``; :func:`restore_model` hands each
-slot its part again, so a later load skips format conversion and repacking.  Kernels save
-their own state (``LinearKernel.export_state``); a slot or kernel that cannot raises
-:class:`NotCacheable` and the model is simply not cached.
+a quantized embedding in canonical form), and every MoE block its backend's state.
+:func:`save_model` collects that, module by module (``Saved``), as JSON-able facts and
+tensors named ``<module>:<field>``; :func:`restore_model` hands each module its part again,
+so a later load skips format conversion and repacking.  Kernels and MoE backends save their
+own state (``export_state``); one that cannot raises :class:`NotCacheable` and the model is
+simply not cached.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from quill.layers.slots import Embedding, Linear, PostLoad, Saved, Slot
 SEPARATOR = ":"
 
 
-def _slots(model: nn.Module) -> dict[str, Saved]:
+def _saved(model: nn.Module) -> dict[str, Saved]:
     """Every module that saves its state (slots, MoE blocks), parents before their children."""
     return {n: m for n, m in model.named_modules() if isinstance(m, Saved)}
 
@@ -32,7 +33,7 @@ def save_model(model: nn.Module) -> tuple[dict[str, dict], dict[str, torch.Tenso
     """({slot: facts}, {"<slot>:<field>": tensor}) of a loaded model; NotCacheable when a slot cannot be saved."""
     records: dict[str, dict] = {}
     tensors: dict[str, torch.Tensor] = {}
-    for name, slot in _slots(model).items():
+    for name, slot in _saved(model).items():
         records[name], own = slot.save(name)
         tensors.update({f"{name}{SEPARATOR}{k}": t for k, t in own.items()})
     return records, tensors
@@ -46,7 +47,7 @@ def restore_model(model: nn.Module, records: dict[str, dict], tensors: dict[str,
     table; a memory-mapped source can then let its pages go until rows are looked up).
     A CacheError when the saved slots are not this model's, or a kernel chosen now differs from the saved one.
     """
-    slots = _slots(model)
+    slots = _saved(model)
     if set(records) != set(slots):
         extra, missing = sorted(set(records) - set(slots)), sorted(set(slots) - set(records))
         raise CacheError(f"saved slots do not match the {model.args.model_type} model: "

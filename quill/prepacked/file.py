@@ -48,30 +48,26 @@ def _alignment(nbytes: int) -> int:
     return ALIGN if nbytes == 0 else min(ALIGN, nbytes & -nbytes)
 
 
-@dataclass
-class Layout:
-    """Where every tensor goes: the header JSON and the tensors in file order."""
-
-    header: bytes  # padded so the data section starts on a multiple of ALIGN
-    order: list[tuple[str, torch.Tensor]]
-
-
-def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Layout:
+def _order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors in file order, contiguous: largest alignment first, so every offset is a multiple of
+    the alignment of what follows."""
     for name, t in tensors.items():
         if t.dtype not in DTYPE_NAMES:
             raise CacheError(f"tensor '{name}': dtype {t.dtype} cannot be saved; supported: "
                              f"{', '.join(DTYPE_NAMES.values())}")
-    # Largest alignment first: every offset is then a multiple of the alignment of what follows.
-    order = sorted(((n, t.contiguous()) for n, t in tensors.items()),
-                   key=lambda item: (-_alignment(item[1].numel() * item[1].element_size()), item[0]))
+    return sorted(((n, t.contiguous()) for n, t in tensors.items()),
+                  key=lambda item: (-_alignment(item[1].numel() * item[1].element_size()), item[0]))
+
+
+def _header(order: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
+    """The header JSON, padded so the data section starts on a multiple of ALIGN."""
     entries, offset = {}, 0
     for name, t in order:
         n = t.numel() * t.element_size()
         entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     text = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % ALIGN)  # safetensors allows trailing spaces in the header
-    return Layout(text, order)
+    return text + b" " * (-(8 + len(text)) % ALIGN)  # safetensors allows trailing spaces in the header
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], facts: dict) -> int:
@@ -80,18 +76,18 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
     ``facts`` go under ``__metadata__['quill']`` with the data's checksum added; returns the file size.
     Tensors must stay unchanged while this runs (it may run on a background thread).
     """
-    order = _layout(tensors, {}).order
+    order = _order(tensors)
     h = xxhash.xxh3_128()
     for _, t in order:
         h.update(_bytes(t))
-    meta = {**metadata, "quill": json.dumps({**facts, "checksum": h.hexdigest()}, separators=(",", ":"))}
-    layout = _layout(dict(order), meta)
+    header = _header(order, {**metadata, "quill": json.dumps({**facts, "checksum": h.hexdigest()},
+                                                             separators=(",", ":"))})
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(layout.header)))
-            f.write(layout.header)
-            for _, t in layout.order:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            for _, t in order:
                 view = _bytes(t)
                 for start in range(0, len(view), _CHUNK):
                     f.write(view[start:start + _CHUNK])
@@ -135,7 +131,7 @@ def read_header(path: Path) -> Header:
             dtype, shape, (b, end) = DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CacheError(f"{path}: tensor '{name}' has a malformed entry {e}") from None
-        if end - b != math.prod(shape) * torch.empty((), dtype=dtype).element_size() or b < 0:
+        if end - b != math.prod(shape) * dtype.itemsize or b < 0:
             raise CacheError(f"{path}: tensor '{name}': offsets [{b}, {end}] do not fit {e['dtype']} {list(shape)}")
         entries[name] = (dtype, shape, b, end)
         end_max = max(end_max, end)

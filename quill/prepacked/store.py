@@ -153,13 +153,14 @@ class PrepackedCache:
         path.unlink(missing_ok=True)
 
     def save(self, key: CacheKey, export: Callable[[], tuple[dict, dict[str, torch.Tensor], dict[str, str]]]) -> \
-            threading.Thread | None:
+            threading.Thread:
         """Write the model ``export()`` describes as the file of ``key``, on a thread (the caller goes on).
 
         ``export`` runs here, on the caller's thread: (facts, tensors, metadata).  The thread is not a
         daemon, so a short-lived process finishes writing before it exits.
         """
         facts, tensors, metadata = export()
+        tensors = {k: t.contiguous() for k, t in tensors.items()}  # torch work stays on the loading thread
         self.files_dir.mkdir(parents=True, exist_ok=True)
         facts = {**facts, "key": json.loads(key.choice), "digest": key.digest, "created": time.time()}
         thread = threading.Thread(target=self._write, args=(self.path(key), tensors, metadata, facts),
