@@ -25,17 +25,13 @@ import torch
 import xxhash
 
 from quill.errors import CacheError
+from quill.formats.safetensors_io import DTYPES
 
 ALIGN = 64
 _CHUNK = 64 << 20  # bytes per read/write call
 _MAX_HEADER = 256 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h (the mmap module does not name it everywhere)
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}  # safetensors' names, the readers' table
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

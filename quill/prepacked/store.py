@@ -180,8 +180,10 @@ class PrepackedCache:
     def _prune(self, written: Path, facts: dict) -> None:
         """Delete the files this one supersedes: the same checkpoint path and kernel choice, made from other
         content of the checkpoint or by another quill build (never read again)."""
+        build = build_id()
+
         def choice(f: dict) -> dict:
-            return {k: v for k, v in f.get("key", {}).items() if k not in build_id()}
+            return {k: v for k, v in f.get("key", {}).items() if k not in build}
         for path in self.files_dir.glob(f"*{SUFFIX}"):
             if path == written:
                 continue
