@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from torch import nn
 from quill.engine.block_manager import BlockManager
 from quill.engine.kv_cache import PagedKVCache, StepLayout
 from quill.engine.memory import available_ram
+from quill.engine.native_step import build_native_step
 from quill.engine.sampling import Logprob, SamplingParams, process_logits, sample_token, token_logprobs
 from quill.engine.scheduler import Scheduler
 from quill.engine.scoring import PromptScores, ScoreAccumulator, ScoreSpec
@@ -41,6 +43,9 @@ class EngineConfig:
     kv_cache_fraction: float = 0.2  # used when kv_cache_memory is None
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
+    # all-decode steps run every decoder layer in one native call when the model allows
+    # (quill.engine.native_step); False keeps the Python layers (the same bits, slower)
+    native_step: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -126,6 +131,8 @@ class EngineCore:
         num_blocks = max(2, self._pool_bytes(per_block) // per_block)
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, self.config.block_size,
                                   args.num_key_value_heads, args.head_dim, model.dtype, isa)
+        self.native_step, self.native_step_reason = (
+            build_native_step(model, self.cache) if self.config.native_step else (None, "disabled"))
         self.blocks = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         # what a prompt must satisfy here (checkable anywhere, e.g. by a Ray ingress that holds no model)
         self.limits = PromptLimits(self.vocab, context_length, self.config.block_size, num_blocks)
@@ -227,8 +234,12 @@ class EngineCore:
             rows[seq] = list(range(len(want), len(want) + len(picked)))
             want += picked
         layout = StepLayout.build(pieces, self.blocks.block_size)
-        ctx = ForwardContext(torch.tensor([positions]), None, self.cache.views(layout),
-                             logits_indices=torch.tensor(want, dtype=torch.int64))
+        if self.native_step is not None and not layout.prefills:  # every token a decode
+            ctx = ForwardContext(torch.tensor([positions]), None, None, torch.tensor(want, dtype=torch.int64),
+                                 layers=partial(self.native_step, layout))
+        else:
+            ctx = ForwardContext(torch.tensor([positions]), None, self.cache.views(layout),
+                                 logits_indices=torch.tensor(want, dtype=torch.int64))
         logits = self.model(torch.tensor([tokens]), ctx)[0]  # [N, V] float32
         return logits, rows
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,6 +55,9 @@ class ForwardContext:
     mask: torch.Tensor | None
     caches: Sequence[LayerCache] | None = None
     logits_indices: torch.Tensor | None = None  # int64 [N]: the only flattened positions that need logits
+    # runs every decoder layer at once in place of the model's loop: layers(h, rope) -> h (the engine's
+    # native decode step, quill.engine.native_step); None: the model's own layers run
+    layers: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
 
     @classmethod
     def causal(cls, batch: int, length: int) -> "ForwardContext":

@@ -174,8 +174,11 @@ class Model(nn.Module):
         """
         h = self.model.embed_tokens(tokens, self.dtype)  # [B, T, E]
         rope = self.rotary(ctx.positions, self.dtype)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, ctx.mask, ctx.layer_cache(i))
+        if ctx.layers is not None:
+            h = ctx.layers(h, rope)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, rope, ctx.mask, ctx.layer_cache(i))
         if ctx.logits_indices is not None:
             h = h.reshape(-1, h.shape[-1])[ctx.logits_indices][None]  # [1, N, E]
         elif not all_logits:

@@ -23,6 +23,7 @@
 #include "common.h"
 #include "hugepage.h"
 #include "isa.h"
+#include "linear_op.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -78,7 +79,7 @@ T* scratch(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
-class NativeLinear {
+class NativeLinear final : public LinearOp {
  public:
   NativeLinear(at::Tensor codes, at::Tensor scales, std::optional<at::Tensor> zeros, std::optional<at::Tensor> offsets,
                at::Tensor seg_end, std::optional<at::Tensor> src, std::optional<at::Tensor> wsum, int64_t bits,
@@ -157,6 +158,8 @@ class NativeLinear {
   }
   int64_t threads() const { return threads_; }
   std::string isa() const { return isa_; }
+
+  at::Tensor run(const at::Tensor& x, const std::optional<at::Tensor>& bias) override { return forward(x, bias); }
 
   // x [..., K] float32 / bfloat16 / float16 -> y [..., N] of x's dtype (+ bias [N])
   at::Tensor forward(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {
@@ -419,7 +422,9 @@ PYBIND11_MODULE(_quill_native, m) {
     }
   });
   m.doc() = "quill native CPU linear kernels (W4A16, W8A16, W4A8, W8A8)";
-  py::class_<NativeLinear>(m, "NativeLinear")
+  // the base the fused decode step (step.cpp) holds layers' linears by
+  py::class_<quill::LinearOp>(m, "LinearOp");
+  py::class_<NativeLinear, quill::LinearOp>(m, "NativeLinear")
       .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, at::Tensor,
                     std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t, int64_t, int64_t, std::string,
                     std::string, bool, bool, double, double, int64_t, std::optional<at::Tensor>,
@@ -448,6 +453,7 @@ PYBIND11_MODULE(_quill_native, m) {
   quill::register_ops(m);
   quill::register_dense(m);
   quill::register_attention(m);
+  quill::register_step(m);
   m.def("huge_page_copy", &quill::huge_page_copy, py::arg("t"));
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),

@@ -12,6 +12,7 @@
 
 #include "dense.h"
 #include "isa.h"
+#include "linear_op.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -33,7 +34,7 @@ DenseGemm gemm_for(const std::string& isa) {
   return dense_gemm_scalar();
 }
 
-class NativeDense {
+class NativeDense final : public LinearOp {
  public:
   // words: int16 [NB, KP, 16, 2] (dense.h), the bit patterns of `dtype` ("bfloat16" or "float16")
   NativeDense(at::Tensor words, int64_t n, int64_t k, std::string dtype, std::string isa, int64_t threads)
@@ -60,6 +61,8 @@ class NativeDense {
   }
   int64_t threads() const { return threads_; }
   std::string isa() const { return isa_; }
+
+  at::Tensor run(const at::Tensor& x, const std::optional<at::Tensor>& bias) override { return forward(x, bias); }
 
   // x [..., K] float32 / bfloat16 / float16 -> y [..., N] of x's dtype (+ bias [N])
   at::Tensor forward(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) const {
@@ -115,7 +118,7 @@ class NativeDense {
 
 void register_dense(pybind11::module_& m) {
   namespace py = pybind11;
-  py::class_<NativeDense>(m, "NativeDense")
+  py::class_<NativeDense, LinearOp>(m, "NativeDense")
       .def(py::init<at::Tensor, int64_t, int64_t, std::string, std::string, int64_t>(), py::arg("words"),
            py::arg("n"), py::arg("k"), py::arg("dtype"), py::arg("isa"), py::arg("threads") = 1)
       .def("forward", &NativeDense::forward, py::arg("x"), py::arg("bias") = py::none(),

@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <stdexcept>
+#include <string>
 
 namespace quill {
 
@@ -16,9 +17,13 @@ struct OpFailure : std::runtime_error {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);  // [..., D] -> [..., D]
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);        // in place, [B, T, H, D]
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);               // same shape
+// attention.cpp: q [B, H, 1, D] float32 through a paged pool's slot tables [B, S] -> [B, H, 1, D]
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& slots, const at::Tensor& lens, double scale, const std::string& isa);
 
 void register_ops(pybind11::module_& m);
 void register_dense(pybind11::module_& m);      // dense.cpp: NativeDense
 void register_attention(pybind11::module_& m);  // attention.cpp: decode_attention
+void register_step(pybind11::module_& m);       // step.cpp: DecoderStep
 
 }  // namespace quill

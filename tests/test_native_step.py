@@ -1,0 +1,116 @@
+"""The native decode step (quill.engine.native_step, quill/native/csrc/step.cpp): every decoder layer of
+an all-decode step in one call gives the Python layers' bits (tokens and log-probabilities, batched
+sequences of different lengths arriving at different steps), on every dense real-tool fixture, the
+default model, int8 activations and q/k/v that cannot share a kernel; models it cannot run say why;
+bad inputs are named errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quill
+import quill.default_model as default_model
+from quill import native
+from quill.engine.core import EngineConfig, EngineCore
+from quill.errors import KernelError
+from tests.fixture_util import fixture_path
+from tests.llamacpp_util import quantize
+from tests.test_fixture_models import DENSE
+
+pytestmark = pytest.mark.skipif(native.load().module is None, reason="native kernels not built")
+
+PROMPTS = [[5, 17, 99, 42, 8], list(range(20, 57)), [7] * 3, list(range(100, 119)), [250, 3, 9, 77, 31, 64, 12]]
+ARRIVALS = {0: [0, 1], 2: [2], 5: [3], 9: [4]}  # step -> prompts arriving then
+
+
+def run(llm, native_step: bool, max_tokens: int = 10, prompts=PROMPTS) -> dict:
+    """request -> (tokens, top-3 log-probabilities per token) from a fresh engine over ``llm``'s model."""
+    core = EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                      EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, native_step=native_step),
+                      isa=llm.engine.cache.isa)
+    assert (core.native_step is not None) == native_step, core.native_step_reason
+    params = quill.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
+    out: dict[str, tuple[list, list]] = {}
+    arrivals, step = dict(ARRIVALS), 0
+    while core.has_unfinished_requests() or arrivals:
+        for i in arrivals.pop(step, []):
+            if i < len(prompts):
+                core.add_request(str(i), prompts[i], params)
+        for o in core.step():
+            toks, lps = out.setdefault(o.request_id, ([], []))
+            toks.extend(o.new_token_ids)
+            lps.extend(sorted((k, v.logprob) for k, v in d.items()) for d in o.logprobs)
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_fixture_models_give_the_python_layers_bits(name):
+    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True)
+    fast = run(llm, True)
+    assert fast == run(llm, False)
+    assert len(fast) == len(PROMPTS) and all(len(t) == 10 for t, _ in fast.values())
+
+
+@pytest.mark.parametrize("activation", [None, "int8"])
+def test_default_model_gives_the_python_layers_bits(activation):
+    llm = quill.LLM(default_model.default_model_path(), activation_quant=activation)
+    assert run(llm, True, 24) == run(llm, False, 24)
+
+
+def test_a_k_quant_mix_whose_parts_cannot_share_a_kernel(tmp_path):
+    """llama.cpp's Q4_K_M of the default model holds q/k/v and gate/up at different types in some layers
+    (its 576-wide rows fall back to Q5_0 / Q5_1 / Q8_0): the step calls those parts one by one."""
+    path = quantize(default_model.default_model_path(), tmp_path / "smol-q4_k_m.gguf", "Q4_K_M")
+    llm = quill.LLM(str(path))
+    layers = llm.model.model.layers
+    assert any(layer.self_attn.qkv.impl is None or layer.mlp.gate_up.impl is None for layer in layers)
+    assert any(layer.self_attn.qkv.impl is not None for layer in layers)
+    assert run(llm, True, 16) == run(llm, False, 16)
+
+
+def test_models_it_cannot_run_say_why():
+    name = str(fixture_path("ct-w4a16-sym-g128-llama"))
+    cases = {
+        "layer 0: q_proj+k_proj+v_proj runs kernel reference, not a native one": dict(kernel="reference"),
+        "compute dtype torch.bfloat16 (the step runs float32)": dict(dtype="bfloat16"),
+    }
+    for reason, kw in cases.items():
+        llm = quill.LLM(name, **kw, skip_tokenizer_init=True)
+        assert llm.engine.native_step is None and llm.engine.native_step_reason == reason
+    moe = quill.LLM(str(fixture_path("ct-w4a16-mixtral")), skip_tokenizer_init=True)
+    assert moe.engine.native_step is None and "layer 0" in moe.engine.native_step_reason
+    off = quill.LLM(name, engine_config=EngineConfig(native_step=False), skip_tokenizer_init=True)
+    assert off.engine.native_step is None and off.engine.native_step_reason == "disabled"
+
+
+def test_bad_inputs_are_named_errors():
+    llm = quill.LLM(str(fixture_path("ct-w4a16-sym-g128-llama")), skip_tokenizer_init=True)
+    step = llm.engine.native_step.handle
+    args = llm.model.args
+    e, d, t = args.hidden_size, args.head_dim, 2
+    pool_rows = llm.engine.cache.keys[0].shape[0]
+    h = torch.zeros(t, e)
+    cos = sin = torch.zeros(1, t, d)
+    ctx, lens = torch.zeros(t, 1, dtype=torch.int64), torch.ones(t, dtype=torch.int64)
+    good_slots = torch.zeros(t, dtype=torch.int64)
+    with pytest.raises(KernelError, match="'h' should be contiguous float32"):
+        step.forward(torch.zeros(t, e + 1), cos, sin, good_slots, ctx, lens)
+    with pytest.raises(KernelError, match="'cos' should be"):
+        step.forward(h, torch.zeros(t, d), sin, good_slots, ctx, lens)
+    with pytest.raises(KernelError, match=f"token 1 writes pool row {pool_rows}; the pool has {pool_rows}"):
+        step.forward(h, cos, sin, torch.tensor([0, pool_rows]), ctx, lens)
+    with pytest.raises(KernelError, match="sequence 0 has length 2"):
+        step.forward(h, cos, sin, good_slots, ctx, torch.tensor([2, 1]))
+    layer = llm.model.model.layers[0]
+    with pytest.raises(KernelError, match="'input_layernorm' should be contiguous float32"):
+        step.add_layer(torch.zeros(e + 1), 1e-6, layer.post_attention_layernorm.weight, 1e-6, [], [], None, None,
+                       [], [], None, None, None, None, 0.0, llm.engine.cache.keys[0], llm.engine.cache.values[0])
+    with pytest.raises(KernelError, match="q/k/v: expected 1 merged or 3 separate linears"):
+        step.add_layer(layer.input_layernorm.weight, 1e-6, layer.post_attention_layernorm.weight, 1e-6,
+                       [layer.self_attn.qkv.impl.state.handle] * 2, [None, None],
+                       layer.self_attn.o_proj.impl.state.handle, None, [], [],
+                       layer.mlp.down_proj.impl.state.handle, None, None, None, 0.0,
+                       llm.engine.cache.keys[0], llm.engine.cache.values[0])
+    assert step.num_layers == args.num_hidden_layers  # the failed additions added nothing
