@@ -24,12 +24,14 @@ PROMPTS = [[5, 17, 99, 42, 8], list(range(20, 57)), [7] * 3, list(range(100, 119
 ARRIVALS = {0: [0, 1], 2: [2], 5: [3], 9: [4]}  # step -> prompts arriving then
 
 
-def run(llm, native_step: bool, max_tokens: int = 10, prompts=PROMPTS) -> dict:
+def run(llm, native_step: bool, max_tokens: int = 10, prompts=PROMPTS, team: bool = True) -> dict:
     """request -> (tokens, top-3 log-probabilities per token) from a fresh engine over ``llm``'s model."""
     core = EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
                       EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, native_step=native_step),
                       isa=llm.engine.cache.isa)
     assert (core.native_step is not None) == native_step, core.native_step_reason
+    if native_step:
+        core.native_step.team = team
     params = quill.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
     out: dict[str, tuple[list, list]] = {}
     arrivals, step = dict(ARRIVALS), 0
@@ -53,10 +55,32 @@ def test_fixture_models_give_the_python_layers_bits(name):
     assert len(fast) == len(PROMPTS) and all(len(t) == 10 for t, _ in fast.values())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("activation", [None, "int8"])
-def test_default_model_gives_the_python_layers_bits(activation):
-    llm = quill.LLM(default_model.default_model_path(), activation_quant=activation)
-    assert run(llm, True, 24) == run(llm, False, 24)
+def test_default_model_gives_the_python_layers_bits(activation, threads):
+    llm = quill.LLM(default_model.default_model_path(), activation_quant=activation, threads=threads)
+    python = run(llm, False, 24)
+    assert run(llm, True, 24) == python
+    assert run(llm, True, 24, team=False) == python  # each op splitting its own work
+
+
+def test_many_sequences_at_once():
+    """16 sequences decoding together (the team splits tokens, row blocks and attention pairs)."""
+    llm = quill.LLM(str(fixture_path("ct-w4a16-sym-channel-qwen3")), skip_tokenizer_init=True)
+    prompts = [[(7 * i + j) % 300 + 5 for j in range(3 + i)] for i in range(16)]
+    outs = []
+    for native_step in (True, False):
+        core = EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                          EngineConfig(max_num_seqs=16, native_step=native_step), isa=llm.engine.cache.isa)
+        params = quill.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+        for i, p in enumerate(prompts):
+            core.add_request(str(i), p, params)
+        got: dict[str, list] = {}
+        while core.has_unfinished_requests():
+            for o in core.step():
+                got.setdefault(o.request_id, []).append((o.new_token_ids, sorted(o.logprobs[0].items())))
+        outs.append(got)
+    assert outs[0] == outs[1] and len(outs[0]) == 16
 
 
 def test_a_k_quant_mix_whose_parts_cannot_share_a_kernel(tmp_path):

@@ -37,12 +37,14 @@ class NativeDecodeStep:
 
     def __init__(self, handle) -> None:
         self.handle = handle  # quill.native DecoderStep
+        # one parallel region for the whole step (step.cpp); False: each op splits its own work (same bits)
+        self.team = True
 
     def __call__(self, layout: StepLayout, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """h [1, T, E] (T decode tokens, one per sequence), rope cos/sin [1, T, D] -> [1, T, E]."""
         cos, sin = rope
         out = self.handle.forward(h[0].contiguous(), cos.contiguous(), sin.contiguous(), layout.slots,
-                                  layout.decode_slots, layout.decode_lens)
+                                  layout.decode_slots, layout.decode_lens, self.team)
         return out[None]
 
 

@@ -27,13 +27,6 @@ template <class... A>
   throw OpFailure(s.str());
 }
 
-AttnHead head_for(const std::string& isa) {
-  const std::string problem = isa_problem(isa);
-  if (!problem.empty()) fail(problem);
-  if (isa == "avx512") return attn_head_avx512();
-  if (isa == "avx2") return attn_head_avx2();
-  return attn_head_scalar();
-}
 
 // k or v as [B, Hkv, S, D] float32 with a contiguous last dimension (else a contiguous copy)
 at::Tensor rows_view(const at::Tensor& t, const char* name, int64_t b, int64_t d) {
@@ -57,6 +50,14 @@ void launch(const AttnArgs& a, AttnHead head) {
 }
 
 }  // namespace
+
+AttnHead head_for(const std::string& isa) {
+  const std::string problem = isa_problem(isa);
+  if (!problem.empty()) fail(problem);
+  if (isa == "avx512") return attn_head_avx512();
+  if (isa == "avx2") return attn_head_avx2();
+  return attn_head_scalar();
+}
 
 // q [B, H, 1, D], k and v [B, Hkv, S, D] float32, mask bool [B or 1, 1, 1, S] or None -> [B, H, 1, D]
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace quill {
 
@@ -43,5 +44,6 @@ using AttnHead = void (*)(const AttnArgs&, int64_t b, int64_t kv_head, float* sc
 AttnHead attn_head_scalar();
 AttnHead attn_head_avx2();
 AttnHead attn_head_avx512();
+AttnHead head_for(const std::string& isa);  // attention.cpp: the variant of a checked ISA name (else OpFailure)
 
 }  // namespace quill

@@ -156,10 +156,69 @@ class NativeLinear final : public LinearOp {
     if (t < 1) fail("native kernel: threads must be at least 1, found ", t);
     threads_ = int(t);
   }
-  int64_t threads() const { return threads_; }
+  int64_t threads() const override { return threads_; }
   std::string isa() const { return isa_; }
+  int64_t in_features() const override { return k_; }
+  int64_t out_features() const override { return w_.n; }
 
   at::Tensor run(const at::Tensor& x, const std::optional<at::Tensor>& bias) override { return forward(x, bias); }
+
+  // The team call (linear_op.h).  Scratch: the activations' stream [M, Kp (x3 split)] int8, their
+  // segment sums, scales, and (act-order) the gathered floats [M, Kp], as run_split / run_int8 hold them.
+  int64_t team_scratch(int64_t m) const override {
+    const int64_t per_token = int8_ ? kp_ : kp_ * (src_ ? 4 + SPLIT_PARTS : SPLIT_PARTS);
+    if (block_tokens(per_token, m) < m) return -1;  // run() cuts such calls into token blocks
+    const TeamScratch t = team_layout(m);
+    return t.end;
+  }
+
+  void team_prepare(const float* x, int64_t m, void* scratch, int tid, int nt) const override {
+    int64_t b, e;
+    team_share(m, tid, nt, b, e);
+    if (b == e) return;
+    const TeamScratch t = team_layout(m);
+    char* base = static_cast<char*>(scratch);
+    RawX in{x, DType::F32, k_, src_ ? src_->data_ptr<int64_t>() : nullptr, kp_, w_.seg_end, w_.nseg,
+            chunk_k(w_.bits)};
+    if (int8_) {
+      float* sz = reinterpret_cast<float*>(base + t.scale);
+      table_.quantize(in, aq_, reinterpret_cast<int8_t*>(base), reinterpret_cast<int32_t*>(base + t.qsum), sz,
+                      sz + m, int(b), int(e));
+      return;
+    }
+    auto* xs = reinterpret_cast<int8_t*>(base);
+    auto* qsum = reinterpret_cast<int32_t*>(base + t.qsum);
+    auto* xscale = reinterpret_cast<float*>(base + t.scale);
+    if (!src_) return table_.quantize_split(in, xs, qsum, xscale, int(b), int(e));
+    float* gathered = reinterpret_cast<float*>(base + t.gathered);
+    gather_stream(in, gathered, int(b), int(e));
+    RawX g = in;
+    g.x = gathered;
+    g.k = kp_;
+    g.src = nullptr;
+    table_.quantize_split(g, xs, qsum, xscale, int(b), int(e));
+  }
+
+  void team_gemm(const float* x, const void* scratch, int64_t m, float* y, int64_t ldy, const float* bias,
+                         int tid, int nt) const override {
+    const int lt = std::min<int>(threads_, nt);  // the layer's own thread setting caps its share of the team
+    if (tid >= lt) return;
+    int64_t b, e;
+    team_share(w_.nb, tid, lt, b, e);
+    if (b == e) return;
+    const TeamScratch t = team_layout(m);
+    const char* base = static_cast<const char*>(scratch);
+    Weights w = w_;
+    w.bias = bias;
+    const Out o{y, ldy, DType::F32};
+    const auto* q = reinterpret_cast<const int8_t*>(base);
+    const auto* qsum = reinterpret_cast<const int32_t*>(base + t.qsum);
+    const auto* sc = reinterpret_cast<const float*>(base + t.scale);
+    if (int8_)
+      table_.gemm_i8(w, I8Acts{q, qsum, sc, sc + m, kp_, int32_t(m), !aq_.symmetric}, o, int(b), int(e));
+    else
+      table_.gemm_split(w, SplitActs{q, qsum, sc, kp_ * SPLIT_PARTS, int32_t(m)}, o, int(b), int(e));
+  }
 
   // x [..., K] float32 / bfloat16 / float16 -> y [..., N] of x's dtype (+ bias [N])
   at::Tensor forward(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) {
@@ -297,6 +356,20 @@ class NativeLinear final : public LinearOp {
       });
       gemm(w, I8Acts{q, qsum, sz, sz + mm, kp_, int32_t(mm), !aq_.symmetric}, bo, table_.gemm_i8);
     });
+  }
+
+  // Byte offsets of the team call's scratch parts (the stream first, at 0).
+  struct TeamScratch {
+    int64_t qsum, scale, gathered, end;
+  };
+  TeamScratch team_layout(int64_t m) const {
+    TeamScratch t{};
+    const int64_t stream = m * kp_ * (int8_ ? 1 : SPLIT_PARTS);  // int8 [M, Kp (x3)]
+    t.qsum = align64(stream);
+    t.scale = t.qsum + align64(m * w_.nseg * (int8_ ? 1 : 2) * 4);  // int32 [M, S (x2)]
+    t.gathered = t.scale + align64((int8_ ? 2 * m : m * w_.nseg) * 4);  // float [2M] or [M, S]
+    t.end = t.gathered + (src_ && !int8_ ? align64(m * kp_ * 4) : 0);  // float [M, Kp]
+    return t;
   }
 
   at::Tensor codes_, scales_;

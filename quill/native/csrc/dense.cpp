@@ -59,10 +59,45 @@ class NativeDense final : public LinearOp {
     if (t < 1) fail("native dense: threads must be at least 1, found ", t);
     threads_ = int(t);
   }
-  int64_t threads() const { return threads_; }
+  int64_t threads() const override { return threads_; }
   std::string isa() const { return isa_; }
+  int64_t in_features() const override { return k_; }
+  int64_t out_features() const override { return w_.n; }
 
   at::Tensor run(const at::Tensor& x, const std::optional<at::Tensor>& bias) override { return forward(x, bias); }
+
+  // The team call (linear_op.h).  Scratch: x as float32 [M, 2 * KP] when K is odd (the last pair
+  // padded with 0, as forward pads it), else none.
+  int64_t team_scratch(int64_t m) const override {
+    if (m > MAX_BLOCK_TOKENS) return -1;
+    return 2 * w_.kp == k_ ? 0 : align64(m * 2 * w_.kp * 4);
+  }
+
+  void team_prepare(const float* x, int64_t m, void* scratch, int tid, int nt) const override {
+    const int64_t ld = 2 * w_.kp;
+    if (ld == k_) return;
+    int64_t b, e;
+    team_share(m, tid, nt, b, e);
+    float* out = static_cast<float*>(scratch);
+    for (int64_t r = b; r < e; ++r) {
+      std::copy(x + r * k_, x + (r + 1) * k_, out + r * ld);
+      std::fill(out + r * ld + k_, out + (r + 1) * ld, 0.0f);
+    }
+  }
+
+  void team_gemm(const float* x, const void* scratch, int64_t m, float* y, int64_t ldy, const float* bias,
+                         int tid, int nt) const override {
+    const int lt = std::min<int>(threads_, nt);
+    if (tid >= lt) return;
+    int64_t b, e;
+    team_share(w_.nb, tid, lt, b, e);
+    if (b == e) return;
+    DenseWeights w = w_;
+    w.bias = bias;
+    const int64_t ld = 2 * w_.kp;
+    const DenseActs a{ld == k_ ? x : static_cast<const float*>(scratch), ld, int32_t(m)};
+    gemm_(w, a, Out{y, ldy, DType::F32}, int(b), int(e));
+  }
 
   // x [..., K] float32 / bfloat16 / float16 -> y [..., N] of x's dtype (+ bias [N])
   at::Tensor forward(const at::Tensor& x_in, const std::optional<at::Tensor>& bias_in) const {

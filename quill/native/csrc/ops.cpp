@@ -146,6 +146,18 @@ void dispatch(at::ScalarType t, const F& f) {
 
 }  // namespace
 
+void rms_norm_f32(const float* x, const float* w, float* y, int64_t d, float eps, int64_t r0, int64_t r1) {
+  rms_norm_rows(x, w, y, d, eps, r0, r1);
+}
+
+void rope_f32(float* x, const float* cos, const float* sin, int64_t heads, int64_t d, int64_t t0, int64_t t1) {
+  rope_rows(x, cos, sin, heads, d, t0, t1);
+}
+
+void silu_mul_f32(const float* g, const float* u, float* y, int64_t i0, int64_t i1) {
+  silu_mul_range(g, u, y, i0, i1);
+}
+
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   check_float(x_in, "rms_norm", "x");
   check_float(w_in, "rms_norm", "weight");

@@ -13,10 +13,14 @@
 // Every token is a decode token (one new token per sequence): h [T, E], position cos/sin
 // [1, T, D], the pool slot each token's k/v is written to [T], and each sequence's context
 // slots [T, S] and length [T] as the paged attention reads them.  float32 only.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <omp.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <sstream>
@@ -24,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention.h"
 #include "linear_op.h"
 #include "ops.h"
 
@@ -47,8 +52,21 @@ void expect_f32(const at::Tensor& t, std::vector<int64_t> shape, const char* wha
 struct Proj {
   LinearOp* op = nullptr;
   std::optional<at::Tensor> bias;
+  at::Tensor bias_f32;  // float32 [N] (the team call's), undefined without a bias
   at::Tensor operator()(const at::Tensor& x) const { return op->run(x, bias); }  // [T, K] -> [T, N]
+  const float* bias_ptr() const { return bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr; }
 };
+
+Proj make_proj(LinearOp* op, std::optional<at::Tensor> bias, const char* what, int64_t k, int64_t n) {
+  if (op->in_features() != k || op->out_features() != n)
+    fail(what, ": the linear is [", op->out_features(), ", ", op->in_features(), "], expected [", n, ", ", k, "]");
+  Proj p{op, bias, {}};
+  if (bias) {
+    p.bias_f32 = bias->to(at::kFloat).contiguous();
+    if (p.bias_f32.dim() != 1 || p.bias_f32.size(0) != n) fail(what, ": bias ", bias->sizes(), ", expected [", n, "]");
+  }
+  return p;
+}
 
 struct Layer {
   at::Tensor ln1, ln2;  // [E]
@@ -62,15 +80,18 @@ struct Layer {
   at::Tensor k_pool, v_pool;  // [N, Hkv, D]
 };
 
+// One merged linear over every width, or one linear per width.
 std::vector<Proj> projs(const std::vector<LinearOp*>& ops, const std::vector<std::optional<at::Tensor>>& biases,
-                        size_t merged, size_t apart, const char* what) {
-  if ((ops.size() != merged && ops.size() != apart) || biases.size() != ops.size())
-    fail(what, ": expected ", merged, " merged or ", apart, " separate linears with as many biases, found ",
-         ops.size(), " and ", biases.size());
+                        int64_t k, const std::vector<int64_t>& widths, const char* what) {
+  if ((ops.size() != 1 && ops.size() != widths.size()) || biases.size() != ops.size())
+    fail(what, ": expected 1 merged or ", widths.size(), " separate linears with as many biases, found ", ops.size(),
+         " and ", biases.size());
+  int64_t total = 0;
+  for (int64_t w : widths) total += w;
   std::vector<Proj> out;
   for (size_t i = 0; i < ops.size(); ++i) {
     if (ops[i] == nullptr) fail(what, ": linear ", i, " is None");
-    out.push_back({ops[i], biases[i]});
+    out.push_back(make_proj(ops[i], biases[i], what, k, ops.size() == 1 ? total : widths[i]));
   }
   return out;
 }
@@ -125,10 +146,10 @@ class DecoderStep {
     if (o == nullptr || down == nullptr) fail("o_proj and down_proj are required");
     Layer l;
     l.ln1 = std::move(ln1), l.ln2 = std::move(ln2), l.eps1 = eps1, l.eps2 = eps2;
-    l.qkv = projs(qkv, qkv_bias, 1, 3, "q/k/v");
-    l.o = {o, std::move(o_bias)};
-    l.gate_up = projs(gate_up, gate_up_bias, 1, 2, "gate/up");
-    l.down = {down, std::move(down_bias)};
+    l.qkv = projs(qkv, qkv_bias, e_, {h_ * d_, hkv_ * d_, hkv_ * d_}, "q/k/v");
+    l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d_, e_);
+    l.gate_up = projs(gate_up, gate_up_bias, e_, {i_, i_}, "gate/up");
+    l.down = make_proj(down, std::move(down_bias), "down_proj", i_, e_);
     l.q_norm = std::move(q_norm), l.k_norm = std::move(k_norm), l.qk_eps = qk_eps;
     l.k_pool = std::move(k_pool), l.v_pool = std::move(v_pool);
     layers_.push_back(std::move(l));
@@ -136,9 +157,11 @@ class DecoderStep {
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
-  // h [T, E]; cos, sin [1, T, D]; slots int64 [T]; ctx_slots int64 [T, S]; lens int64 [T] -> [T, E]
+  // h [T, E]; cos, sin [1, T, D]; slots int64 [T]; ctx_slots int64 [T, S]; lens int64 [T] -> [T, E].
+  // team: run the step inside one parallel region (below); false, or when a linear cannot take T
+  // tokens in one call, runs the ops one after another (each splitting its own work) -- the same bits.
   at::Tensor forward(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                     const at::Tensor& ctx_slots, const at::Tensor& lens) const {
+                     const at::Tensor& ctx_slots, const at::Tensor& lens, bool team) const {
     if (h_in.dim() != 2) fail("'h' should be float32 [T, ", e_, "], found ", h_in.sizes());
     const int64_t t = h_in.size(0);
     expect_f32(h_in, {t, e_}, "h");
@@ -151,6 +174,7 @@ class DecoderStep {
       for (int64_t i = 0; i < t; ++i)
         if (sl[i] < 0 || sl[i] >= l.k_pool.size(0))
           fail("token ", i, " writes pool row ", sl[i], "; the pool has ", l.k_pool.size(0));
+    if (team && team_scratch(t) >= 0) return forward_team(h_in, cos, sin, sl, ctx_slots, lens);
     at::Tensor h = h_in;
     for (const Layer& l : layers_) {
       h = at::add(h, attention(l, rms_norm(h, l.ln1, l.eps1), cos, sin, sl, ctx_slots, lens));
@@ -160,6 +184,25 @@ class DecoderStep {
   }
 
  private:
+  // Scratch bytes every linear's team call of T tokens fits in, or -1 if one cannot take T at once.
+  int64_t team_scratch(int64_t t) const {
+    int64_t most = 0;
+    for (const Layer& l : layers_) {
+      std::vector<const Proj*> ps = {&l.o, &l.down};
+      for (const Proj& p : l.qkv) ps.push_back(&p);
+      for (const Proj& p : l.gate_up) ps.push_back(&p);
+      for (const Proj* p : ps) {
+        const int64_t b = p->op->team_scratch(t);
+        if (b < 0) return -1;
+        most = std::max(most, b);
+      }
+    }
+    return most;
+  }
+
+  at::Tensor forward_team(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, const int64_t* slots,
+                          const at::Tensor& ctx_slots, const at::Tensor& lens) const;
+
   // x [T, E] -> [T, E]
   at::Tensor attention(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const int64_t* slots, const at::Tensor& ctx_slots, const at::Tensor& lens) const {
@@ -197,6 +240,146 @@ class DecoderStep {
   std::vector<Layer> layers_;
 };
 
+
+// ---- the team path ------------------------------------------------------------------------------
+//
+// Why: each linear and op of the ops path splits its own work across torch's OpenMP pool, and a
+// fork/join wakes the pool (~10 us here), so layers under ~256 KiB ran on one thread (most of a
+// small model's).  Here one parallel region runs the whole step: every thread walks the same
+// layers, each op takes its share (tokens, row blocks, (sequence, KV head) pairs, elements), and a
+// barrier separates dependent ops.  Nothing is allocated and no exception can be thrown inside.
+// Each op runs the arithmetic of its ops-path twin on the same values, so the bits are the same.
+
+void barrier() {
+#pragma omp barrier
+}
+
+// float32 buffers of one step, carved from one allocation
+struct TeamBufs {
+  float *h, *xn, *proj, *q, *k, *attn, *o, *gu, *act;
+};
+
+// y [T, sum widths] (rows ldy apart) = the group's linears of x [T, K]; every thread calls it
+void team_linears(const Proj* ps, size_t n, const float* x, int64_t t, float* y, int64_t ldy, char* scratch,
+                  int tid, int nt) {
+  int64_t col = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const Proj& p = ps[i];
+    p.op->team_prepare(x, t, scratch, tid, nt);
+    barrier();
+    p.op->team_gemm(x, scratch, t, y + col, ldy, p.bias_ptr(), tid, nt);
+    barrier();  // the scratch is the next call's
+    col += p.op->out_features();
+  }
+}
+
+at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
+                                     const int64_t* slots, const at::Tensor& ctx_slots, const at::Tensor& lens) const {
+  const int64_t t = h_in.size(0), kvd = hkv_ * d_, wqkv = h_ * d_ + 2 * kvd;
+  // the context tables, checked as paged_decode_attention checks them
+  if (ctx_slots.scalar_type() != at::kLong || ctx_slots.dim() != 2 || ctx_slots.size(0) != t || !ctx_slots.is_contiguous())
+    fail("'ctx_slots' should be contiguous int64 [", t, ", S], found ", ctx_slots.dtype(), " ", ctx_slots.sizes());
+  if (lens.scalar_type() != at::kLong || lens.sizes() != at::IntArrayRef({t}) || !lens.is_contiguous())
+    fail("'lens' should be contiguous int64 [", t, "], found ", lens.dtype(), " ", lens.sizes());
+  const int64_t s = ctx_slots.size(1);
+  const int64_t* cs = ctx_slots.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (const Layer& l : layers_)
+    for (int64_t b = 0; b < t; ++b) {
+      if (ln[b] < 1 || ln[b] > s) fail("sequence ", b, " has length ", ln[b], "; expected 1..", s);
+      for (int64_t i = 0; i < ln[b]; ++i)
+        if (cs[b * s + i] < 0 || cs[b * s + i] >= l.k_pool.size(0))
+          fail("sequence ", b, " position ", i, " names pool row ", cs[b * s + i], "; the pool has ", l.k_pool.size(0));
+    }
+  const AttnHead head = head_for(isa_);
+  int threads = 1;
+  for (const Layer& l : layers_) threads = std::max<int>(threads, int(l.o.op->threads()));
+  threads = std::max(1, std::min(threads, at::get_num_threads()));
+  const int64_t g = h_ / hkv_, attn_floats = align64(g * (s + d_) * 4) / 4;  // per thread
+  // [T, E] h, xn, o; [T, wqkv] proj; [T, H D] q, attn; [T, Hkv D] k; [T, 2 I] gu; [T, I] act; attention scratch
+  const int64_t sizes[] = {t * e_, t * e_, t * wqkv, t * h_ * d_, t * kvd, t * h_ * d_, t * e_, 2 * t * i_, t * i_};
+  int64_t total = threads * attn_floats;
+  for (int64_t n : sizes) total += align64(n * 4) / 4;
+  at::Tensor mem = at::empty({total}, h_in.options());
+  at::Tensor scratch_mem = at::empty({std::max<int64_t>(team_scratch(t), 64)}, h_in.options().dtype(at::kByte));
+  float* at_ = mem.data_ptr<float>();
+  float* parts[9];
+  for (int i = 0; i < 9; ++i) {
+    parts[i] = at_;
+    at_ += align64(sizes[i] * 4) / 4;
+  }
+  float* attn_scratch = at_;
+  const TeamBufs bu{parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], parts[6], parts[7], parts[8]};
+  std::copy(h_in.data_ptr<float>(), h_in.data_ptr<float>() + t * e_, bu.h);
+  char* scratch = static_cast<char*>(scratch_mem.data_ptr());
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  AttnArgs a;
+  a.q = bu.q, a.out = bu.attn;
+  a.kh = a.vh = d_, a.ks = a.vs = kvd;
+  a.slots = cs, a.lens = ln, a.slot_b = s;
+  a.b = t, a.h = h_, a.hkv = hkv_, a.s = s, a.d = d_;
+  a.scale = float(scale_);
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t r0, r1;  // this thread's tokens
+    team_share(t, tid, nt, r0, r1);
+    float* my_attn = attn_scratch + tid * attn_floats;
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& l = layers_[li];
+      for (int64_t r = r0; r < r1; ++r) {  // the previous layer's MLP residual, then this layer's norm
+        if (li > 0)
+          for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
+        rms_norm_f32(bu.h, l.ln1.data_ptr<float>(), bu.xn, e_, float(l.eps1), r, r + 1);
+      }
+      barrier();
+      team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, wqkv, scratch, tid, nt);
+      for (int64_t r = r0; r < r1; ++r) {  // q, k out of the projections (normed: Qwen3), rotated; k, v stored
+        float* q = bu.q + r * h_ * d_;
+        float* k = bu.k + r * kvd;
+        const float* row = bu.proj + r * wqkv;
+        std::copy(row, row + h_ * d_, q);
+        std::copy(row + h_ * d_, row + h_ * d_ + kvd, k);
+        if (l.q_norm) {
+          rms_norm_f32(q, l.q_norm->data_ptr<float>(), q, d_, float(l.qk_eps), 0, h_);
+          rms_norm_f32(k, l.k_norm->data_ptr<float>(), k, d_, float(l.qk_eps), 0, hkv_);
+        }
+        rope_f32(bu.q, cp, sp, h_, d_, r, r + 1);
+        rope_f32(bu.k, cp, sp, hkv_, d_, r, r + 1);
+        std::copy(k, k + kvd, l.k_pool.data_ptr<float>() + slots[r] * kvd);
+        std::copy(row + h_ * d_ + kvd, row + wqkv, l.v_pool.data_ptr<float>() + slots[r] * kvd);
+      }
+      barrier();
+      AttnArgs la = a;
+      la.k = l.k_pool.data_ptr<float>(), la.v = l.v_pool.data_ptr<float>();
+      int64_t p0, p1;
+      team_share(t * hkv_, tid, nt, p0, p1);
+      for (int64_t p = p0; p < p1; ++p) head(la, p / hkv_, p % hkv_, my_attn);
+      barrier();
+      team_linears(&l.o, 1, bu.attn, t, bu.o, e_, scratch, tid, nt);
+      for (int64_t r = r0; r < r1; ++r) {  // the attention residual, then the MLP's norm
+        for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
+        rms_norm_f32(bu.h, l.ln2.data_ptr<float>(), bu.xn, e_, float(l.eps2), r, r + 1);
+      }
+      barrier();
+      team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * i_, scratch, tid, nt);
+      int64_t e0, e1;  // this thread's elements of [T, I]
+      team_share(t * i_, tid, nt, e0, e1);
+      for (int64_t r = e0 / i_; r < t && r * i_ < e1; ++r) {
+        const int64_t b = std::max(e0, r * i_) - r * i_, e = std::min(e1, (r + 1) * i_) - r * i_;
+        silu_mul_f32(bu.gu + r * 2 * i_, bu.gu + r * 2 * i_ + i_, bu.act + r * i_, b, e);
+      }
+      barrier();
+      team_linears(&l.down, 1, bu.act, t, bu.o, e_, scratch, tid, nt);
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
+  }
+  return mem.narrow(0, 0, t * e_).view({t, e_});
+}
+
 }  // namespace
 
 void register_step(pybind11::module_& m) {
@@ -212,7 +395,7 @@ void register_step(pybind11::module_& m) {
            py::arg("qk_eps"), py::arg("k_pool"), py::arg("v_pool"))
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
       .def("forward", &DecoderStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
-           py::arg("ctx_slots"), py::arg("lens"), py::call_guard<py::gil_scoped_release>());
+           py::arg("ctx_slots"), py::arg("lens"), py::arg("team") = true, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill
