@@ -75,9 +75,20 @@ class Suite:
     results: list[Result] = field(default_factory=list)
     accuracy: list[dict] = field(default_factory=list)
 
+    def peak(self) -> tuple[float, str]:
+        """The highest all-thread read any probe of this run measured (the native streaming read and
+        torch.sum, at the start and before each shape), and which probe it was: the roofline every
+        %BW uses (a low probe on a shared host would flatter the kernels)."""
+        b = self.bandwidth
+        probes = [(b.torch_sum_all, "torch.sum at the start")]
+        if b.native_all is not None:
+            probes.append((b.native_all, "quill's streaming read at the start"))
+        probes += [(v, f"the best probe before shape {n}x{k}") for (n, k), v in self.shape_bandwidth.items()]
+        return max(probes, key=lambda t: t[0])
+
     def bandwidth_for(self, r: Result) -> float:
-        """The read bandwidth measured closest in time to ``r`` (the machine may be shared)."""
-        return self.shape_bandwidth.get((r.n, r.k), self.bandwidth.best_all)
+        """The roofline of ``r``: :meth:`peak`, the same for every result of the run."""
+        return self.peak()[0]
 
 
 def quantized_weight(n: int, k: int, bits: int, seed: int = 0) -> QuantizedWeight:

@@ -35,6 +35,9 @@ struct AttnArgs {
   int64_t mask_b = 0;            // mask row stride: S, or 0 when one row serves every sequence
   int64_t b = 0, h = 0, hkv = 0, s = 0, d = 0;
   float scale = 1.0f;
+  // Query heads [g_begin, g_end) of each KV head's group (g_end < 0: all G).  Each query head's
+  // result depends only on its own scores, so a group split across calls gives the same bits.
+  int64_t g_begin = 0, g_end = -1;
 };
 
 // One (sequence, KV head); scratch holds G * (S + D) floats.  A paged call gives the same bits

@@ -92,19 +92,20 @@ void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, flo
   // Paged: S is this sequence's length, rows come through its slot table (masked padding
   // past the length would add exact zeros to the same lanes: the bits do not change).
   const int64_t G = a.h / a.hkv, S = a.slots ? a.lens[b] : a.s, D = DC ? DC : a.d;
-  const float* __restrict q = a.q + (b * a.h + kvh * G) * D;  // [G, D]
+  const int64_t g0 = a.g_begin, NG = (a.g_end < 0 ? G : a.g_end) - g0;  // this call's query heads
+  const float* __restrict q = a.q + (b * a.h + kvh * G + g0) * D;  // [NG, D]
   const int64_t* rows = a.slots ? a.slots + b * a.slot_b : nullptr;  // [S] pool rows
   const T* kbase = k + (rows ? 0 : b * a.kb) + kvh * a.kh;     // [S, D], rows ks apart
   const T* vbase = v + (rows ? 0 : b * a.vb) + kvh * a.vh;     // [S, D], rows vs apart
   const uint8_t* mask = a.mask ? a.mask + b * a.mask_b : nullptr;  // [S]
-  float* __restrict scores = scratch;       // [G, S]
-  float* __restrict acc = scratch + G * S;  // [G, D]
+  float* __restrict scores = scratch;        // [NG, S]
+  float* __restrict acc = scratch + NG * S;  // [NG, D]
   for (int64_t s = 0; s < S; ++s) {  // each K row once, for all G query heads
     const T* __restrict krow = kbase + (rows ? rows[s] : s) * a.ks;
     const bool on = !mask || mask[s];
-    for (int64_t g = 0; g < G; ++g) scores[g * S + s] = on ? dot(q + g * D, krow, D) * a.scale : kMasked;
+    for (int64_t g = 0; g < NG; ++g) scores[g * S + s] = on ? dot(q + g * D, krow, D) * a.scale : kMasked;
   }
-  for (int64_t g = 0; g < G; ++g) {  // p = exp(score - max): 0 at masked positions (kMasked - max < -87)
+  for (int64_t g = 0; g < NG; ++g) {  // p = exp(score - max): 0 at masked positions (kMasked - max < -87)
     float* __restrict sc = scores + g * S;
     const float mx = max(sc, S);
     const bool none = mx == kMasked;  // every position masked
@@ -115,16 +116,16 @@ void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, flo
   for (int64_t s = 0; s < S; ++s) {  // each V row once
     if (mask && !mask[s]) continue;
     const T* __restrict vrow = vbase + (rows ? rows[s] : s) * a.vs;
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < NG; ++g) {
       const float w = scores[g * S + s];
       float* __restrict o = acc + g * D;
       for (int64_t i = 0; i < D; ++i) o[i] += w * widen(vrow[i]);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {  // a fully masked row (quill's cache never builds one): zeros
+  for (int64_t g = 0; g < NG; ++g) {  // a fully masked row (quill's cache never builds one): zeros
     const float total = sum(scores + g * S, S);
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    float* __restrict out = a.out + (b * a.h + kvh * G + g) * D;
+    float* __restrict out = a.out + (b * a.h + kvh * G + g0 + g) * D;
     const float* __restrict o = acc + g * D;
     for (int64_t i = 0; i < D; ++i) out[i] = o[i] * inv;
   }

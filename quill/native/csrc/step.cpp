@@ -354,9 +354,13 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
       barrier();
       AttnArgs la = a;
       la.k = l.k_pool.data_ptr<float>(), la.v = l.v_pool.data_ptr<float>();
-      int64_t p0, p1;
-      team_share(t * hkv_, tid, nt, p0, p1);
-      for (int64_t p = p0; p < p1; ++p) head(la, p / hkv_, p % hkv_, my_attn);
+      int64_t q0, q1;  // this thread's query heads of [T, H], in (token, KV head, query head) order
+      team_share(t * h_, tid, nt, q0, q1);
+      for (int64_t p = q0 / g; p * g < q1; ++p) {  // (token, KV head) pairs, each for its share of heads
+        la.g_begin = std::max(q0, p * g) - p * g;
+        la.g_end = std::min(q1, (p + 1) * g) - p * g;
+        head(la, p / hkv_, p % hkv_, my_attn);
+      }
       barrier();
       team_linears(&l.o, 1, bu.attn, t, bu.o, e_, scratch, tid, nt);
       for (int64_t r = r0; r < r1; ++r) {  // the attention residual, then the MLP's norm
