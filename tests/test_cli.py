@@ -6,6 +6,7 @@ import re
 import pytest
 
 import quill
+from quill import native
 from quill.cli import main
 from quill.default_model import default_model_path
 from tests.fixture_util import fixture_names, fixture_path
@@ -69,6 +70,8 @@ def test_inspect_reports_layers_kernels_and_memory(capsys, monkeypatch):
     assert rows["model.layers.1.mlp.gate_proj"][1:6] == ["dense", "-", "-", "-", "dense"]
     assert out.count("skipped torch: disabled by QUILL_DISABLED_KERNELS") == 12
     assert "bits per weight" in out
+    # its q/k/v are of different bits (built one by one)
+    assert "decode step: the model's Python layers (layer 0: q_proj runs kernel reference, not a native one)" in out
     # The line's form; whether a 0.6 MiB fixture stays "within" depends on what else the test process
     # allocates meanwhile (a fresh-clone suite run measured a +31.7 MiB transient here; the bound itself
     # is checked on real loads in tests/test_loader.py and tests/test_default_model.py).
@@ -84,6 +87,11 @@ def test_errors_are_reported_not_raised(capsys, tmp_path):
 
 
 def _inspect_rows(capsys, model: str) -> dict[str, list[str]]:
+    return _inspect(capsys, model)[0]
+
+
+def _inspect(capsys, model: str) -> tuple[dict[str, list[str]], str]:
+    """quill inspect's layer rows by name, and its whole output."""
     assert main(["inspect", model]) == 0
     out = capsys.readouterr().out
     header = next(i for i, line in enumerate(out.splitlines()) if line.startswith("layer "))
@@ -93,7 +101,7 @@ def _inspect_rows(capsys, model: str) -> dict[str, list[str]]:
             break
         if not line.startswith(" "):  # indented lines explain refusals of the row above
             rows[line.split()[0]] = line.split()
-    return rows
+    return rows, out
 
 
 @pytest.mark.parametrize("name", fixture_names())
@@ -114,12 +122,14 @@ def test_inspect_names_a_kernel_for_every_layer_of_every_fixture(capsys, name):
 def test_inspect_default_model_names_a_kernel_for_every_layer(capsys):
     from quill.kernels.selection import KERNELS
 
-    rows = _inspect_rows(capsys, str(default_model_path()))
+    rows, out = _inspect(capsys, str(default_model_path()))
     quantized = [r for r in rows.values() if r[1] == "quantized"]
     assert len(quantized) == 30 * 7  # every projection of the 30 blocks
     assert all(r[5] in KERNELS for r in quantized)
     assert rows["model.embed_tokens"][1:6] == ["embedding", "8", "32", "yes", "lookup"]  # Q8_0, tied
     assert rows["lm_head"][1] == "tied" and rows["lm_head"][5] in KERNELS  # the Q8_0 weight through a kernel
+    if native.load().module is not None:
+        assert "decode step: native: every decoder layer in one call" in out
 
 
 def test_min_tokens_and_ignore_eos_flags(model_dir, llm, capsys):

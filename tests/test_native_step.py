@@ -138,3 +138,14 @@ def test_bad_inputs_are_named_errors():
                        layer.mlp.down_proj.impl.state.handle, None, None, None, 0.0,
                        llm.engine.cache.keys[0], llm.engine.cache.values[0])
     assert step.num_layers == args.num_hidden_layers  # the failed additions added nothing
+
+
+def test_a_model_stepped_on_another_thread_than_it_was_loaded_on():
+    """libgomp throttles its spinning once two threads have started parallel work; the step's own
+    barrier keeps working (and the bits are the same)."""
+    import concurrent.futures
+    llm = quill.LLM(default_model.default_model_path())
+    here = run(llm, True, 12)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as ex:
+        there = ex.submit(run, llm, True, 12).result(timeout=300)
+    assert there == here == run(llm, False, 12)

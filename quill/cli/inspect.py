@@ -26,6 +26,7 @@ def report(llm) -> str:
         f"context {llm.context_length}, tied embeddings {'yes' if args.tie_word_embeddings else 'no'}",
         f"cpu:        {llm.platform.microarch} ({llm.platform.isa_level}), {llm.threads} threads, "
         f"compute {str(loaded.dtype).removeprefix('torch.')}",
+        f"decode step: {_step(llm.engine)}",
         "",
         f"{'layer':<44} {'kind':<9} {'bits':>4} {'group':>6} {'sym':>4}  {'kernel':<12} weights",
     ]
@@ -48,6 +49,13 @@ def report(llm) -> str:
         f"{'within' if m.within_bound else 'OVER'}" + ("" if m.peak_reset else " (peak includes pre-load use)"),
     ]
     return "\n".join(lines)
+
+
+def _step(engine) -> str:
+    """How a decode step runs its layers (quill.engine.native_step), or why not in one native call."""
+    if engine.native_step is not None:
+        return "native: every decoder layer in one call"
+    return f"the model's Python layers ({engine.native_step_reason})"
 
 
 def _collapse_experts(layers):

@@ -17,10 +17,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <immintrin.h>
 #include <omp.h>
+#include <sched.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <sstream>
@@ -250,9 +253,34 @@ class DecoderStep {
 // barrier separates dependent ops.  Nothing is allocated and no exception can be thrown inside.
 // Each op runs the arithmetic of its ops-path twin on the same values, so the bits are the same.
 
-void barrier() {
-#pragma omp barrier
-}
+// A spinning barrier of the team.  libgomp's own barrier sleeps on a futex as soon as it
+// throttles its spinning -- which it does whenever the process holds more OpenMP threads than
+// CPUs, e.g. once a second thread has started parallel work (a model loaded on one thread and
+// stepped on another): ~420 barriers per token then cost ~10 ms.  This one spins (pausing),
+// and yields the CPU only after a long wait, so an oversubscribed machine still makes progress.
+class SpinBarrier {
+ public:
+  void set_size(int n) { n_ = n; }
+  void wait() {
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {  // the last one in releases the rest
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < (1 << 16))
+        _mm_pause();
+      else
+        sched_yield();
+    }
+  }
+
+ private:
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<int> gen_{0};
+  int n_ = 1;
+};
 
 // float32 buffers of one step, carved from one allocation
 struct TeamBufs {
@@ -261,14 +289,14 @@ struct TeamBufs {
 
 // y [T, sum widths] (rows ldy apart) = the group's linears of x [T, K]; every thread calls it
 void team_linears(const Proj* ps, size_t n, const float* x, int64_t t, float* y, int64_t ldy, char* scratch,
-                  int tid, int nt) {
+                  int tid, int nt, SpinBarrier& bar) {
   int64_t col = 0;
   for (size_t i = 0; i < n; ++i) {
     const Proj& p = ps[i];
     p.op->team_prepare(x, t, scratch, tid, nt);
-    barrier();
+    bar.wait();
     p.op->team_gemm(x, scratch, t, y + col, ldy, p.bias_ptr(), tid, nt);
-    barrier();  // the scratch is the next call's
+    bar.wait();  // the scratch is the next call's
     col += p.op->out_features();
   }
 }
@@ -321,9 +349,12 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
   a.b = t, a.h = h_, a.hkv = hkv_, a.s = s, a.d = d_;
   a.scale = float(scale_);
 
+  SpinBarrier bar;
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+    bar.set_size(nt);  // (the end of `single` is a barrier)
     int64_t r0, r1;  // this thread's tokens
     team_share(t, tid, nt, r0, r1);
     float* my_attn = attn_scratch + tid * attn_floats;
@@ -334,8 +365,8 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
           for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
         rms_norm_f32(bu.h, l.ln1.data_ptr<float>(), bu.xn, e_, float(l.eps1), r, r + 1);
       }
-      barrier();
-      team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, wqkv, scratch, tid, nt);
+      bar.wait();
+      team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, wqkv, scratch, tid, nt, bar);
       for (int64_t r = r0; r < r1; ++r) {  // q, k out of the projections (normed: Qwen3), rotated; k, v stored
         float* q = bu.q + r * h_ * d_;
         float* k = bu.k + r * kvd;
@@ -351,7 +382,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
         std::copy(k, k + kvd, l.k_pool.data_ptr<float>() + slots[r] * kvd);
         std::copy(row + h_ * d_ + kvd, row + wqkv, l.v_pool.data_ptr<float>() + slots[r] * kvd);
       }
-      barrier();
+      bar.wait();
       AttnArgs la = a;
       la.k = l.k_pool.data_ptr<float>(), la.v = l.v_pool.data_ptr<float>();
       int64_t q0, q1;  // this thread's query heads of [T, H], in (token, KV head, query head) order
@@ -361,22 +392,22 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
         la.g_end = std::min(q1, (p + 1) * g) - p * g;
         head(la, p / hkv_, p % hkv_, my_attn);
       }
-      barrier();
-      team_linears(&l.o, 1, bu.attn, t, bu.o, e_, scratch, tid, nt);
+      bar.wait();
+      team_linears(&l.o, 1, bu.attn, t, bu.o, e_, scratch, tid, nt, bar);
       for (int64_t r = r0; r < r1; ++r) {  // the attention residual, then the MLP's norm
         for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
         rms_norm_f32(bu.h, l.ln2.data_ptr<float>(), bu.xn, e_, float(l.eps2), r, r + 1);
       }
-      barrier();
-      team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * i_, scratch, tid, nt);
+      bar.wait();
+      team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * i_, scratch, tid, nt, bar);
       int64_t e0, e1;  // this thread's elements of [T, I]
       team_share(t * i_, tid, nt, e0, e1);
       for (int64_t r = e0 / i_; r < t && r * i_ < e1; ++r) {
         const int64_t b = std::max(e0, r * i_) - r * i_, e = std::min(e1, (r + 1) * i_) - r * i_;
         silu_mul_f32(bu.gu + r * 2 * i_, bu.gu + r * 2 * i_ + i_, bu.act + r * i_, b, e);
       }
-      barrier();
-      team_linears(&l.down, 1, bu.act, t, bu.o, e_, scratch, tid, nt);
+      bar.wait();
+      team_linears(&l.down, 1, bu.act, t, bu.o, e_, scratch, tid, nt, bar);
     }
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
