@@ -3,8 +3,8 @@
 Plain g++, outside pip (pip's build isolation would pull a CUDA torch).  Every
 ISA variant is its own translation unit with its own ``-m`` flags and no
 ``-march=native``, so one build runs on any x86-64 and the ISA is picked at
-load.  Only the binding files (``binding.cpp``, ``ops.cpp``, ``dense.cpp``, ``attention.cpp``,
-``step.cpp``) see torch headers (the slow ones);
+load.  Only the binding files (``binding.cpp``, ``linear.cpp``, ``ops.cpp``, ``dense.cpp``,
+``attention.cpp``, ``step.cpp``) see torch headers (the slow ones);
 the kernels are plain C++.  Objects are rebuilt when a source or header is newer.
 
 On failure the log goes to ``quill/native/_build/build.log``, a one-line reason
@@ -47,13 +47,14 @@ SOURCES: dict[str, list[str]] = {
     "attention_avx2.cpp": AVX2,
     "attention_avx512.cpp": AVX512,
     "binding.cpp": [],
+    "linear.cpp": [],
     "ops.cpp": [],
     "dense.cpp": [],
     "attention.cpp": [],
     "step.cpp": [],
 }
 # the slow ones: they see torch headers
-TORCH_SOURCES = ("binding.cpp", "ops.cpp", "dense.cpp", "attention.cpp", "step.cpp")
+TORCH_SOURCES = ("binding.cpp", "linear.cpp", "ops.cpp", "dense.cpp", "attention.cpp", "step.cpp")
 
 
 def extension_path() -> Path:

@@ -154,6 +154,7 @@ class DecoderStep {
     l.gate_up = projs(gate_up, gate_up_bias, e_, {i_, i_}, "gate/up");
     l.down = make_proj(down, std::move(down_bias), "down_proj", i_, e_);
     l.q_norm = std::move(q_norm), l.k_norm = std::move(k_norm), l.qk_eps = qk_eps;
+    rows_ = layers_.empty() ? k_pool.size(0) : std::min(rows_, k_pool.size(0));
     l.k_pool = std::move(k_pool), l.v_pool = std::move(v_pool);
     layers_.push_back(std::move(l));
   }
@@ -173,10 +174,8 @@ class DecoderStep {
     if (slots.scalar_type() != at::kLong || slots.sizes() != at::IntArrayRef({t}) || !slots.is_contiguous())
       fail("'slots' should be contiguous int64 [", t, "], found ", slots.dtype(), " ", slots.sizes());
     const int64_t* sl = slots.data_ptr<int64_t>();
-    for (const Layer& l : layers_)
-      for (int64_t i = 0; i < t; ++i)
-        if (sl[i] < 0 || sl[i] >= l.k_pool.size(0))
-          fail("token ", i, " writes pool row ", sl[i], "; the pool has ", l.k_pool.size(0));
+    for (int64_t i = 0; i < t; ++i)  // against the smallest pool of the layers
+      if (sl[i] < 0 || sl[i] >= rows_) fail("token ", i, " writes pool row ", sl[i], "; the pool has ", rows_);
     if (team && team_scratch(t) >= 0) return forward_team(h_in, cos, sin, sl, ctx_slots, lens);
     at::Tensor h = h_in;
     for (const Layer& l : layers_) {
@@ -241,6 +240,7 @@ class DecoderStep {
   double scale_;
   std::string isa_;
   std::vector<Layer> layers_;
+  int64_t rows_ = 0;  // pool rows of the smallest layer pool (the tables are checked against it)
 };
 
 
@@ -312,13 +312,12 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
   const int64_t s = ctx_slots.size(1);
   const int64_t* cs = ctx_slots.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
-  for (const Layer& l : layers_)
-    for (int64_t b = 0; b < t; ++b) {
-      if (ln[b] < 1 || ln[b] > s) fail("sequence ", b, " has length ", ln[b], "; expected 1..", s);
-      for (int64_t i = 0; i < ln[b]; ++i)
-        if (cs[b * s + i] < 0 || cs[b * s + i] >= l.k_pool.size(0))
-          fail("sequence ", b, " position ", i, " names pool row ", cs[b * s + i], "; the pool has ", l.k_pool.size(0));
-    }
+  for (int64_t b = 0; b < t; ++b) {
+    if (ln[b] < 1 || ln[b] > s) fail("sequence ", b, " has length ", ln[b], "; expected 1..", s);
+    for (int64_t i = 0; i < ln[b]; ++i)
+      if (cs[b * s + i] < 0 || cs[b * s + i] >= rows_)
+        fail("sequence ", b, " position ", i, " names pool row ", cs[b * s + i], "; the pool has ", rows_);
+  }
   const AttnHead head = head_for(isa_);
   int threads = 1;
   for (const Layer& l : layers_) threads = std::max<int>(threads, int(l.o.op->threads()));
