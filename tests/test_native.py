@@ -73,6 +73,10 @@ WEIGHTS = [
     (5, 32, False, False, True, torch.float16, 16, 96),    # GGUF Q5_1
     (6, 16, True, True, False, torch.float16, 35, 160),    # 6-bit (2-bit plane) with act-order
     (6, -1, False, False, False, torch.bfloat16, 7, 203),  # 6-bit asym per-channel, odd K
+    (3, 32, True, False, False, torch.float16, 37, 256),   # 3-bit (2-bit pairs + third-bit plane)
+    (3, 64, False, True, False, torch.bfloat16, 18, 256),  # 3-bit asym act-order
+    (2, 16, False, False, True, torch.float16, 21, 160),   # 2-bit with float offsets
+    (2, -1, True, False, False, torch.float32, 5, 203),    # 2-bit per-channel, odd K
 ]
 WEIGHT_IDS = [f"w{b}-g{g}-{'sym' if s else 'asym'}{'-ao' if a else ''}{'-off' if o else ''}-{n}x{k}"
               for b, g, s, a, o, _, n, k in WEIGHTS]
@@ -116,8 +120,9 @@ def test_int8_kernels_bit_exact_and_match_reference(spec, act):
 
 # GGUF types from random blocks (tests/gguf_util.py): K-quants have two-level scales, read as stored
 # (int8 per group x f16 per super-block) and bit for bit what the flattened float32 scales give.
-# Stored bits per weight: Q2_K 2.625, Q3_K 3.4375 (run as 4-bit codes), Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625.
-KQ_BPW = {"Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q5_0": 5.5, "Q5_1": 6.0}
+# Stored bits per weight: Q2_K 2.625, Q3_K 3.4375 (2-bit pairs + a third-bit plane, sub-scales packed
+# in 4 / 6 bits), Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625.
+KQ_BPW = {"Q2_K": 2.625, "Q3_K": 3.4375, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q5_0": 5.5, "Q5_1": 6.0}
 
 
 def _gguf_weight(type_name: str, n: int, k: int):
@@ -134,15 +139,16 @@ def _gguf_weight(type_name: str, n: int, k: int):
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 def test_gguf_types_bit_exact_and_match_reference(type_name, int8):
     qw = _gguf_weight(type_name, 37, 512)
-    run = qw.widened(max(qw.bits, 4))
-    if int8:
-        run = run.with_(activation=ActivationQuant())
+    run = qw.with_(activation=ActivationQuant()) if int8 else qw
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
-    outs = {isa: _run(run, x, isa, int8=int8) for isa in _variants()}
+    outs = {isa: _run(run, x, isa, int8=int8) for isa in _variants()}  # 2/3-bit: at their stored bits
     for isa, y in outs.items():
         assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin"
     flat = _run(run.single_level(), x, "scalar", int8=int8)  # one float32 scale per group
     assert torch.equal(outs["scalar"], flat)
+    if qw.bits < 4:  # the same exact sums as the 4-bit layout of the same codes (the w4 fallback)
+        for isa in _variants():
+            assert torch.equal(_run(run.widened(4), x, isa, int8=int8), outs["scalar"]), isa
     if int8:
         want = fake_quantize_activations(x, run.activation) @ qw.dequantize().T
         assert sqnr(outs["scalar"], want) >= 40, sqnr(outs["scalar"], want)
@@ -178,7 +184,7 @@ def test_every_m_and_thread_count(m):
             assert torch.equal(_run(qa, x, isa, True, threads), base)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("gs", [128, -1, 40])
 def test_long_inputs_run_in_token_and_k_blocks(gs, bits):
     # K = 8192: the activation block of the split stream holds 30 tokens and the int8 one 60, so
@@ -388,6 +394,8 @@ from quill.platform import Platform  # noqa: E402
     (4, "int8", None, "native_w4a8"),
     (8, "int8", None, "native_w8a8"),
     (8, None, ActivationQuant(dynamic=False, scale=0.02), "native_w8a8"),  # a W8A8 checkpoint's own
+    (3, None, None, "native_w3a16"),  # 2/3-bit codes at their stored bits
+    (2, "int8", None, "native_w3a8"),
 ])
 def test_selection_picks_native_on_this_cpu(bits, activation, weight_act, expected):
     qw = _weight(32, 64, bits, 32).with_(activation=weight_act)

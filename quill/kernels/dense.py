@@ -37,7 +37,7 @@ _POLICY = "the linear kernel policy (QUILL_KERNEL / QUILL_DISABLED_KERNELS)"
 DENSE_KERNELS = Registry("dense kernel", DENSE_KERNELS_BY_NAME, DENSE_PRIORITIES, _POLICY, _POLICY, "quill.kernels")
 
 # The native dense kernel goes with the native float-activation linear kernels.
-NATIVE_FLOAT_KERNELS = ("native_w4a16", "native_w6a16", "native_w8a16")
+NATIVE_FLOAT_KERNELS = ("native_w3a16", "native_w4a16", "native_w6a16", "native_w8a16")
 
 
 def as_16bit(w: torch.Tensor, rows: int = 4096) -> torch.Tensor | None:

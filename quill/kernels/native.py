@@ -1,10 +1,12 @@
 """Native CPU kernels (quill/native): W4A16, W6A16, W8A16, W4A8, W6A8, W8A8 at the memory-bandwidth limit.
 
-Six registered kernels share one implementation, differing in the code width
-they accept (``native_w4*``: 2-4 bit codes, run as 4-bit; ``native_w6*``: 5-6 bit
-codes, 4-bit nibbles plus a high-bit plane; ``native_w8*``: 8-bit) and in their
-activations.  All read two-level scales (GGUF K-quants) as stored: an int8 per
-group times a float per super-block.
+Eight registered kernels share one implementation, differing in the code width
+they accept (``native_w3*``: 2-3 bit codes at their stored bits, 2-bit pairs plus a
+plane of third bits; ``native_w4*``: 4-bit, and 2-3 bit widened to 4 when the
+``w3`` kernels are disabled; ``native_w6*``: 5-6 bit codes, 4-bit nibbles plus a
+high-bit plane; ``native_w8*``: 8-bit) and in their activations.  All read
+two-level scales (GGUF K-quants) as stored: an integer per group (int8, or 4 / 6
+bits packed for Q2_K / Q3_K) times a float per super-block.
 
 * ``native_w4a16`` / ``native_w6a16`` / ``native_w8a16``: float activations (float32, bfloat16,
   float16), entered as a 24-bit fixed-point image per 128-wide segment
@@ -42,7 +44,7 @@ from quill.platform import Platform
 # What a saved PackedWeight holds (the prepacked cache): its tensors, and the facts beside them.
 PACKED_TENSORS = ("codes", "scales", "zeros", "offsets", "seg_end", "src", "wsum", "hplane", "super_scales",
                   "super_offsets")
-PACKED_FACTS = ("bits", "out_features", "in_features", "zconst")
+PACKED_FACTS = ("bits", "out_features", "in_features", "zconst", "sub_bits", "sub_bias")
 
 
 @dataclass
@@ -69,16 +71,19 @@ def make_handle(packed: PackedWeight, name: str, act: ActivationQuant | None, is
         act_scale=float(act.scale) if static else 0.0,
         act_zero=float(act.zero_point or 0) if static else 0.0, threads=threads, hplane=packed.hplane,
         super_scales=packed.super_scales, super_offsets=packed.super_offsets,
-        zconst=None if packed.zconst is None else float(packed.zconst))
+        zconst=None if packed.zconst is None else float(packed.zconst), sub_bits=packed.sub_bits,
+        sub_bias=packed.sub_bias)
 
 
 # Native code widths and the stored widths each runs (exactly: same codes, zero spelt out).
+# 3: 2-bit pair blocks, plus a plane of third bits for 3-bit codes (stored bits).
+# 4: 4-bit nibble blocks; 2/3-bit codes widened (the fallback when the w3 kernels are off).
 # 6: 4-bit nibble blocks plus a high-bit plane (1 bit for 5-bit codes, 2 for 6-bit).
-_WIDENS = {4: (2, 3, 4), 6: (5, 6), 8: (8,)}
+_WIDENS = {3: (2, 3), 4: (2, 3, 4), 6: (5, 6), 8: (8,)}
 
 
 def native_width(bits: int) -> int | None:
-    """The native code width that runs ``bits``-bit weights, or None."""
+    """The native code width that runs ``bits``-bit weights first (its own bits where it can), or None."""
     return next((w for w, stored in _WIDENS.items() if bits in stored), None)
 
 
@@ -103,7 +108,7 @@ class _NativeKernel(LinearKernel):
 
     @classmethod
     def can_implement(cls, cfg: LinearLayerConfig) -> str | None:
-        if native_width(cfg.bits) != cls.bits:
+        if cfg.bits not in _WIDENS[cls.bits]:
             return f"runs {'/'.join(map(str, _WIDENS[cls.bits]))}-bit codes, found {cfg.bits}-bit"
         if cls.int8 and cfg.act == ActKind.FLOAT:
             return ("activations are float; int8 activations run only when the checkpoint or "
@@ -117,7 +122,8 @@ class _NativeKernel(LinearKernel):
         isa = native.isa_for(cfg.platform)
         if isa is None:
             raise KernelError(f"{weight.name}: {cls.name} needs {native.isa_requirement()}")
-        packed = pack(weight.widened(max(weight.bits, 4)), cls.int8)  # 2/3-bit codes run as 4-bit
+        # native_w4*: 2/3-bit codes widened to 4; every other kernel packs the stored bits
+        packed = pack(weight.widened(4) if cls.bits == 4 and weight.bits < 4 else weight, cls.int8)
         handle = make_handle(packed, weight.name, weight.activation, isa, cfg.threads, cls.int8)
         return NativeState(packed, handle, isa)
 
@@ -148,6 +154,16 @@ class _NativeKernel(LinearKernel):
     @classmethod
     def state_bytes(cls, state: NativeState) -> int:
         return sum(t.numel() * t.element_size() for t in vars(state.packed).values() if isinstance(t, torch.Tensor))
+
+
+class NativeW3A16Kernel(_NativeKernel):
+    name = "native_w3a16"
+    bits, int8 = 3, False
+
+
+class NativeW3A8Kernel(_NativeKernel):
+    name = "native_w3a8"
+    bits, int8 = 3, True
 
 
 class NativeW4A16Kernel(_NativeKernel):

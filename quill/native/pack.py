@@ -2,11 +2,13 @@
 
 The layout is described in ``csrc/common.h``.  In short: output rows in blocks
 of 16 (one per SIMD lane), input columns reordered into a *stream* (act-order
-groups made contiguous, every segment padded with zeros to whole chunks of 8
-(4-6 bit) or 4 (8-bit) positions), one 64-byte block per chunk and row block
-(5/6-bit codes: their low 4 bits, with a high-bit plane of 16 or 32 bytes beside
-it), and one scale (zero, offset) per segment and row, or for two-level scales an
-int8 per segment and a float per super-block.  Done once, after loading.
+groups made contiguous, every segment padded with zeros to whole chunks of 16
+(2/3-bit), 8 (4-6 bit) or 4 (8-bit) positions), one 64-byte block per chunk and
+row block (5/6-bit codes: their low 4 bits, with a high-bit plane of 16 or 32 bytes
+beside it; 3-bit codes: their low 2 bits, with a 32-byte plane of third bits), and
+one scale (zero, offset) per segment and row, or for two-level scales an integer per
+segment (int8, or packed in 4 / 6 bits for 2/3-bit codes, as GGUF Q2_K / Q3_K store
+them) and a float per super-block.  Done once, after loading.
 """
 
 from __future__ import annotations
@@ -28,17 +30,22 @@ BLOCK_BYTES = 64
 # positions.  Float activations: every segment has its own activation scale (the
 # fixed-point image, csrc/common.h SplitActs), so pieces of 128 bound its error to a
 # 128-wide neighbourhood and keep sums of 8-bit codes within int32.
-INT8_MAX_SEGMENT = {8: 32768, 6: 1 << 20, 5: 1 << 20, 4: 1 << 20}
+INT8_MAX_SEGMENT = {8: 32768, 6: 1 << 20, 5: 1 << 20, 4: 1 << 20, 3: 1 << 20, 2: 1 << 20}
 FLOAT_MAX_SEGMENT = 128
 
 
 def chunk_k(bits: int) -> int:
-    return 4 if bits == 8 else 8
+    return 4 if bits == 8 else (16 if bits <= 3 else 8)
 
 
 def plane_bytes(bits: int) -> int:
     """Bytes of the high-bit plane per chunk and row block (csrc/common.h)."""
-    return 16 * (bits - 4) if bits in (5, 6) else 0
+    return 32 if bits == 3 else (16 * (bits - 4) if bits in (5, 6) else 0)
+
+
+def sub_rows(sub_bits: int, nseg: int) -> int:
+    """Rows of packed sub-values per row block (csrc/common.h): 4 bits: ceil(S / 2), 6 bits: 3 ceil(S / 4)."""
+    return -(-nseg // 2) if sub_bits == 4 else 3 * -(-nseg // 4)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,8 @@ class PackedWeight:
     super_scales: torch.Tensor | None = None  # float [NB, S / GPS, 16] (two-level)
     super_offsets: torch.Tensor | None = None  # float [NB, S / GPS, 16] (two-level)
     zconst: int | None = None  # the one zero point when zeros is None (None: 2**(bits-1))
+    sub_bits: int = 8  # two-level sub-values: int8 [NB, S, 16], or packed 4 / 6 bits uint8 [NB, SR, 16]
+    sub_bias: int = 0  # packed sub-values: value = stored - sub_bias
 
 
 def _per_lane(t: torch.Tensor, nb: int) -> torch.Tensor:
@@ -132,7 +141,14 @@ def _stream_codes(w: QuantizedWeight, order: StreamOrder, nb: int) -> torch.Tens
 
 def _codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """[NB, 16, KC, CK] stream codes -> a [NB, KC, 16 lanes, 4 bytes] view of the blocks (made contiguous
-    by the caller); 5/6-bit codes give their low 4 bits (the rest goes to the high plane)."""
+    by the caller); 5/6-bit codes give their low 4 bits, 3-bit codes their low 2 (the rest goes to the
+    high plane)."""
+    if bits <= 3:  # byte b of a lane: positions 4j + b at bits 2j, j < 4
+        low = q & 3 if bits == 3 else q
+        out = low[..., 0:4].clone()
+        for j in range(1, 4):
+            out.bitwise_or_(low[..., 4 * j:4 * j + 4] << (2 * j))
+        return out.permute(0, 2, 1, 3)
     if bits != 8:  # byte b of a lane: positions b (low nibble) and b + 4 (high nibble)
         low = q & 0x0F if bits > 4 else q
         hi = low[..., 4:] << 4
@@ -140,9 +156,24 @@ def _codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     return q.permute(0, 2, 1, 3)  # [NB, KC, 16, 4]
 
 
+def _third_plane(q: torch.Tensor) -> torch.Tensor:
+    """[NB, 16, KC, 16] 3-bit stream codes -> the plane of third bits uint8 [NB, KC, 32] (csrc/common.h):
+    lane r's bit of position 4j + b in byte 4 * (r % 8) + b at bit 4 * (r / 8) + j."""
+    nb, _, kc, _ = q.shape
+    high = (q >> 2).permute(0, 2, 1, 3).reshape(nb, kc, 2, 8, 4, 4)  # [NB, KC, r / 8, r % 8, j, b]
+    plane = torch.zeros(nb, kc, 8, 4, dtype=torch.uint8)
+    for half in range(2):
+        for j in range(4):
+            plane.bitwise_or_(high[:, :, half, :, j, :] << (4 * half + j))
+    return plane.reshape(nb, kc, 32)
+
+
 def _high_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
     """[NB, 16, KC, 8] stream codes -> the high-bit plane uint8 [NB, KC, 16 * (bits - 4)] (csrc/common.h):
-    lane r's high bits of position 4n + b in byte 4 * (r % R) + b at bit HB * (2 * (r / R) + n), R = 4 * HB."""
+    lane r's high bits of position 4n + b in byte 4 * (r % R) + b at bit HB * (2 * (r / R) + n), R = 4 * HB.
+    3-bit codes: :func:`_third_plane`."""
+    if bits == 3:
+        return _third_plane(q)
     hb = bits - 4
     rows = 4 * hb
     nb, _, kc, _ = q.shape
@@ -179,6 +210,34 @@ def _levels(w: QuantizedWeight, order: StreamOrder) -> tuple:
     return scales, offsets, None, None
 
 
+def _sub_packing(bits: int, subs: list[torch.Tensor]) -> tuple[int, int]:
+    """(sub_bits, sub_bias) for two-level sub-values ``subs`` (int8): 2/3-bit codes pack them in 4 or
+    6 bits when every value fits (Q2_K's 0..15, Q3_K's -32..31), so they cost the file's bits."""
+    if bits > 3:
+        return 8, 0
+    lo, hi = min(int(t.min()) for t in subs), max(int(t.max()) for t in subs)
+    for sub_bits, bias in ((4, 0), (6, 0), (6, 32)):
+        if lo + bias >= 0 and hi + bias < (1 << sub_bits):
+            return sub_bits, bias
+    return 8, 0
+
+
+def _pack_subs(v: torch.Tensor, sub_bits: int, bias: int) -> torch.Tensor:
+    """int8 [NB, S, 16] sub-values -> uint8 [NB, SR, 16] of ``sub_bits``-bit u = v + bias (csrc/common.h)."""
+    nb, nseg, _ = v.shape
+    per = 2 if sub_bits == 4 else 4
+    u = (v.to(torch.int16) + bias).to(torch.uint8)
+    if nseg % per:
+        u = torch.cat([u, u.new_zeros(nb, per - nseg % per, LANES)], dim=1)
+    u = u.view(nb, -1, per, LANES)
+    if sub_bits == 4:
+        return (u[:, :, 0] | (u[:, :, 1] << 4)).contiguous()
+    lo, hi = u & 15, u >> 4
+    rows = (lo[:, :, 0] | (lo[:, :, 1] << 4), lo[:, :, 2] | (lo[:, :, 3] << 4),
+            hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6))
+    return torch.stack(rows, dim=2).view(nb, -1, LANES)
+
+
 def _row_sums(w: QuantizedWeight, rows: int = 1024) -> torch.Tensor:
     """float32 [N]: sums of the dequantized rows, computed in float64 a slice of rows at a time."""
     return torch.cat([
@@ -200,9 +259,9 @@ def _zeros(w: QuantizedWeight, order: StreamOrder, nb: int) -> tuple[torch.Tenso
 
 
 def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
-    """Repack ``w`` (4-, 5-, 6- or 8-bit) for the native kernels; ``int8_activations`` selects the int8 limits."""
+    """Repack ``w`` (2- to 6- or 8-bit) for the native kernels; ``int8_activations`` selects the int8 limits."""
     if w.bits not in INT8_MAX_SEGMENT:
-        raise KernelError(f"{w.name}: native kernels run 4-, 5-, 6- and 8-bit codes, found {w.bits}-bit")
+        raise KernelError(f"{w.name}: native kernels run 2-, 3-, 4-, 5-, 6- and 8-bit codes, found {w.bits}-bit")
     if w.out_features == 0 or w.in_features == 0:
         raise KernelError(f"{w.name}: empty weight [{w.out_features}, {w.in_features}]")
     order = stream_order(w, INT8_MAX_SEGMENT[w.bits] if int8_activations else FLOAT_MAX_SEGMENT)
@@ -222,16 +281,26 @@ def pack(w: QuantizedWeight, int8_activations: bool) -> PackedWeight:
     hplane = place(_high_plane(q, w.bits)) if plane_bytes(w.bits) else None
     del q
 
-    def segs(t):
-        return None if t is None else place(_per_segment(t, order, nb))
+    sub_bits, sub_bias = 8, 0
+    if super_scales is not None:
+        sub_bits, sub_bias = _sub_packing(w.bits, [t for t in (scales, offsets if super_offsets is not None else None)
+                                                   if t is not None])
+
+    def segs(t, packed=False):
+        if t is None:
+            return None
+        v = _per_segment(t, order, nb)
+        return place(_pack_subs(v, sub_bits, sub_bias) if packed and sub_bits != 8 else v)
 
     def supers(t):
         return None if t is None else place(_per_lane(t, nb))  # [N, S'] -> [NB, S', 16]
     return PackedWeight(
-        codes=codes, scales=segs(scales), zeros=None if zeros is None else place(zeros), offsets=segs(offsets),
+        codes=codes, scales=segs(scales, super_scales is not None), zeros=None if zeros is None else place(zeros),
+        offsets=segs(offsets, super_offsets is not None),
         seg_end=order.seg_end, src=order.src, wsum=wsum, bits=w.bits,
         out_features=w.out_features, in_features=w.in_features, hplane=hplane,
         super_scales=supers(super_scales), super_offsets=supers(super_offsets), zconst=zconst,
+        sub_bits=sub_bits, sub_bias=sub_bias,
     )
 
 

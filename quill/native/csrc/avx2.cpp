@@ -6,6 +6,7 @@
 // int16 pairs (no saturation: codes are split into nibbles, so |pair| <= 2 * 15 *
 // 128), vpmaddwd widens them to int32 exactly, weighting each pair sum (the high
 // nibble of 8-bit codes by 16, the mid part of split float activations by 256).
+// 2/3-bit codes are four 2-bit byte vectors per chunk (positions 16c + 4j .. +3).
 // int8 activations (W4A8, W8A8) are one part; float activations (W4A16, W8A16) are
 // their split fixed-point image (common.h SplitActs), three parts.
 #include <immintrin.h>
@@ -29,11 +30,34 @@ inline __m256 load8(const void* p, DType t, int64_t i) {
   }
 }
 
-// One level: 8 stored values at i.  Two levels: super * int8 sub-values (level_at).
+inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+
+// (v >> n) & mask per int32 lane, n not a compile-time constant.
+inline __m256i bits_at(__m256i v, int n, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi32(mask));
+}
+
+// Lanes 8h..8h+7's integer sub-values of segment s (sub_value).
+inline __m256i sub8(const void* sub, const Weights& w, int nb, int s, int h) {
+  if (w.sub_bits == 8)
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(sub) + seg_index(w, nb, s, 8 * h))));
+  const uint8_t* p = static_cast<const uint8_t*>(sub) + int64_t(nb) * sub_rows(w.sub_bits, w.nseg) * LANES + 8 * h;
+  __m256i u;
+  if (w.sub_bits == 4) {
+    u = bits_at(u8x8(p + (s / 2) * LANES), 4 * (s & 1), 15);
+  } else {
+    const int g = s / 4, j = s & 3;
+    u = _mm256_or_si256(bits_at(u8x8(p + (3 * g + j / 2) * LANES), 4 * (j & 1), 15),
+                        _mm256_slli_epi32(bits_at(u8x8(p + (3 * g + 2) * LANES), 2 * j, 3), 4));
+  }
+  return _mm256_sub_epi32(u, _mm256_set1_epi32(w.sub_bias));
+}
+
+// One level: 8 stored values at i.  Two levels: super * integer sub-values (level_at).
 inline __m256 level8(const void* sub, const void* sup, const Weights& w, int nb, int s, int h, int64_t i) {
   if (!sup) return load8(sub, w.scale_dtype, i);
-  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(sub) + i));
-  return _mm256_mul_ps(load8(sup, w.scale_dtype, super_index(w, nb, s, 8 * h)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+  return _mm256_mul_ps(load8(sup, w.scale_dtype, super_index(w, nb, s, 8 * h)), _mm256_cvtepi32_ps(sub8(sub, w, nb, s, h)));
 }
 
 inline __m256 scale8(const Weights& w, int nb, int s, int h, int64_t i) { return level8(w.scales, w.super_scales, w, nb, s, h, i); }
@@ -102,6 +126,25 @@ inline void add_high_bits(const uint8_t* plane, int h, __m256i& lo, __m256i& hi)
   hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(v, _mm256_slli_epi16(m, HB)), 4 - HB));
 }
 
+// 2/3-bit codes (common.h): the 2-bit pairs of half h's 32 bytes as 4 byte vectors (q[j]:
+// positions 16c + 4j .. +3 of lanes 8h..8h+7), the third bit's plane ORed in for 3-bit.
+template <int BITS>
+inline void unpack_low(__m256i v, const uint8_t* plane, int h, __m256i q[4]) {
+  const __m256i m3 = _mm256_set1_epi8(3);
+  q[0] = _mm256_and_si256(v, m3);
+  q[1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
+  q[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
+  q[3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
+  if constexpr (BITS == 3) {  // lanes 8h + r in byte row r at bit 4h + j: move bit j to bit 2
+    const __m256i p = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)), _mm_cvtsi32_si128(4 * h));
+    const __m256i m4 = _mm256_set1_epi8(4);
+    q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(p, 2), m4));
+    q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(p, 1), m4));
+    q[2] = _mm256_or_si256(q[2], _mm256_and_si256(p, m4));
+    q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi16(p, 1), m4));
+  }
+}
+
 inline const int8_t* stream_of(const I8Acts& a) { return a.q; }
 inline const int8_t* stream_of(const SplitActs& a) { return a.x; }
 
@@ -131,6 +174,20 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
       _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * h));
+        if constexpr (BITS <= 3) {  // codes < 8: 4 pair sums of 2 * 7 * 128 stay within int16
+          __m256i q[4];
+          unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(3) : nullptr, h, q);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* x = stream_of(a) + (m0 + m) * a.ld + int64_t(c) * STRIDE;
+            for (int p = 0; p < PARTS; ++p) {
+              const int8_t* xp = x + p * CK;
+              const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(xp)), _mm256_maddubs_epi16(q[1], bcast4(xp + 4)));
+              const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(xp + 8)), _mm256_maddubs_epi16(q[3], bcast4(xp + 12)));
+              acc[m][h][dest[p]] = _mm256_add_epi32(acc[m][h][dest[p]], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), wt[p][0]));
+            }
+          }
+          continue;
+        }
         __m256i lo = _mm256_and_si256(v, low);
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         if constexpr (BITS == 5 || BITS == 6)
@@ -188,6 +245,8 @@ void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
 template <int PARTS, class Acts>
 void run_bits(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   switch (w.bits) {
+    case 2: return run<2, PARTS>(w, a, o, nb0, nb1);
+    case 3: return run<3, PARTS>(w, a, o, nb0, nb1);
     case 4: return run<4, PARTS>(w, a, o, nb0, nb1);
     case 5: return run<5, PARTS>(w, a, o, nb0, nb1);
     case 6: return run<6, PARTS>(w, a, o, nb0, nb1);

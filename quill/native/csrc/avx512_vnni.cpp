@@ -7,7 +7,8 @@
 // positions) with 4 signed activation bytes broadcast to every lane, and adds
 // the 4 products to lane r in int32, exactly.  4-bit blocks give two such byte
 // vectors (low and high nibbles, positions 8c..8c+3 and 8c+4..8c+7); 8-bit
-// blocks are one (positions 4c..4c+3) and need no unpacking at all.
+// blocks are one (positions 4c..4c+3) and need no unpacking at all; 2/3-bit blocks give
+// four (2-bit pairs, positions 16c + 4j .. +3, j < 4, plus the third bit's plane).
 #include <immintrin.h>
 
 #include "kblock.h"
@@ -33,6 +34,7 @@ inline __m512i bcast4(const int8_t* p) {
 template <int BITS, int MT, int RB>
 void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
   constexpr int PARTS = SPLIT_PARTS, CK = chunk_k(BITS), STRIDE = PARTS * CK;
+  constexpr int NSUB = CK / 4;  // byte vectors per chunk: 1 (8-bit), 2 (4-6 bit), 4 (2/3-bit)
   constexpr int CHAINS = RB * MT * PARTS;
   constexpr int NA = CHAINS == 1 ? 4 : (CHAINS <= 6 ? 2 : 1);
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -64,12 +66,14 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
   // one chunk into accumulator set PAR (0 or 1: chunk parity)
   auto chunk = [&](int c, auto par) {
     constexpr int P = decltype(par)::value;
-    __m512i q[RB][2];
+    __m512i q[RB][4];
     for (int r = 0; r < RB; ++r) {
       const uint8_t* p = blocks[r] + int64_t(c) * BLOCK_BYTES;
       _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T1);
       const __m512i v = _mm512_loadu_si512(p);
-      if (BITS != 8) {
+      if constexpr (BITS <= 3) {
+        v512::unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb + r) * w.kc + c) * plane_bytes(3) : nullptr, q[r]);
+      } else if (BITS != 8) {
         q[r][0] = _mm512_and_si512(v, low);
         q[r][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         if constexpr (BITS == 5 || BITS == 6)
@@ -81,10 +85,11 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = xs[m] + int64_t(c) * STRIDE;
       for (int p = 0; p < PARTS; ++p)
-        for (int h = 0; h < (BITS != 8 ? 2 : 1); ++h) {
+        for (int h = 0; h < NSUB; ++h) {
           const __m512i xb = bcast4(x + p * CK + 4 * h);
-          constexpr int NI = NA;  // accumulator index: nibble h, then parity
-          const int i = BITS != 8 ? (NI >= 2 ? h + (NI == 4 ? 2 * P : 0) : 0) : (NI >= 2 ? P : 0);
+          constexpr int NI = NA;  // accumulator index: nibble h, then parity (2/3-bit: sub-vector h)
+          const int i = BITS <= 3 ? (NI == 4 ? h : (NI == 2 ? (h & 1) : 0))
+                                  : BITS != 8 ? (NI >= 2 ? h + (NI == 4 ? 2 * P : 0) : 0) : (NI >= 2 ? P : 0);
           for (int r = 0; r < RB; ++r) acc[r][m][p][i] = _mm512_dpbusd_epi32(acc[r][m][p][i], q[r][h], xb);
         }
     }
@@ -147,6 +152,8 @@ void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int 
 
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
   switch (w.bits) {
+    case 2: return run_split<2>(w, a, o, nb0, nb1);
+    case 3: return run_split<3>(w, a, o, nb0, nb1);
     case 4: return run_split<4>(w, a, o, nb0, nb1);
     case 5: return run_split<5>(w, a, o, nb0, nb1);
     case 6: return run_split<6>(w, a, o, nb0, nb1);
@@ -180,7 +187,15 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
         const int cc = c + h, base = (NA == 4 ? 2 * h : 0);
         _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(cc) * BLOCK_BYTES + PREFETCH_BYTES), _MM_HINT_T1);
         const __m512i v = _mm512_loadu_si512(blocks + int64_t(cc) * BLOCK_BYTES);
-        if (BITS != 8) {
+        if constexpr (BITS <= 3) {
+          __m512i q[4];
+          v512::unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + cc) * plane_bytes(3) : nullptr, q);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* x = xs[m] + int64_t(cc) * CK;
+            for (int j = 0; j < 4; ++j)
+              acc[m][base + (j & 1)] = _mm512_dpbusd_epi32(acc[m][base + (j & 1)], q[j], bcast4(x + 4 * j));
+          }
+        } else if (BITS != 8) {
           __m512i lo = _mm512_and_si512(v, low);
           __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           if constexpr (BITS == 5 || BITS == 6)
@@ -235,6 +250,8 @@ void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
 
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   switch (w.bits) {
+    case 2: return run_i8<2>(w, a, o, nb0, nb1);
+    case 3: return run_i8<3>(w, a, o, nb0, nb1);
     case 4: return run_i8<4>(w, a, o, nb0, nb1);
     case 5: return run_i8<5>(w, a, o, nb0, nb1);
     case 6: return run_i8<6>(w, a, o, nb0, nb1);

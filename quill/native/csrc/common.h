@@ -16,6 +16,10 @@
 //     of HB = bits - 4 bits per code, PLANE_BYTES(bits) = 16 * HB bytes per chunk:
 //     lane r's high bits sit in byte 4 * (r % R) + b, R = 4 * HB rows of bytes, at bit
 //     HB * (2 * (r / R) + n) for position 8c + 4n + b (n = 0: low nibble's, 1: high's).
+//   2/3-bit, chunk = 16 positions: byte 4*r + b = sum_j (q[r][16c + 4j + b] & 3) << 2j  (j < 4),
+//     3-bit adds a plane of the third bits, PLANE_BYTES(3) = 32 bytes per chunk: lane r's bit
+//     of position 16c + 4j + b sits in byte 4 * (r % 8) + b at bit 4 * (r / 8) + j.
+//     (GGUF Q2_K / Q3_K at their stored bits: 2 and 3 bits per code.)
 //
 //   codes   [NB, KC, 64]  uint8      (KC = Kp / CHUNK_K)
 //   hplane  [NB, KC, PLANE_BYTES]  uint8, 5/6-bit only
@@ -28,6 +32,11 @@
 //   super_scales / super_offsets [NB, S / GPS, 16] of scale_dtype,
 //   scale[s, n] = super_scales[s / GPS, n] * scales[s, n]   (float32, exact: 11 x 8 bits)
 // (every segment is one group; GPS groups per super-block).
+// Packed sub-values (sub_bits 4 or 6, Q2_K's 4-bit and Q3_K's 6-bit sub-scales, so they cost
+// the file's bits): scales / offsets are uint8 [NB, SR, 16] holding u = value + sub_bias,
+//   sub_bits 4: SR = ceil(S / 2), segment s in row s / 2 at bit 4 * (s % 2) (a nibble);
+//   sub_bits 6: SR = 3 * ceil(S / 4), segment s = 4g + j: low nibble in row 3g + j / 2 at bit
+//     4 * (j % 2), high 2 bits in row 3g + 2 at bit 2j.
 //
 // A segment is a run of chunks sharing one scale (a quantization group, or a
 // piece of one).  With raw codes q and activations x:
@@ -60,8 +69,10 @@ constexpr int PREFETCH_BYTES = 16384;
 // Most tokens a kernel call receives: the binding cuts longer inputs into blocks.
 constexpr int MAX_BLOCK_TOKENS = 252;
 
-constexpr int chunk_k(int bits) { return bits == 8 ? 4 : 8; }
-constexpr int plane_bytes(int bits) { return bits > 4 && bits < 8 ? 16 * (bits - 4) : 0; }
+constexpr int chunk_k(int bits) { return bits == 8 ? 4 : (bits <= 3 ? 16 : 8); }
+constexpr int plane_bytes(int bits) { return bits == 3 ? 32 : (bits > 4 && bits < 8 ? 16 * (bits - 4) : 0); }
+// Rows of packed sub-values per row block (sub_bits 4 / 6; common.h layout above).
+constexpr int64_t sub_rows(int sub_bits, int64_t nseg) { return sub_bits == 4 ? (nseg + 1) / 2 : 3 * ((nseg + 3) / 4); }
 
 enum class DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
 
@@ -75,6 +86,8 @@ struct Weights {
   const void* super_scales = nullptr;   // [NB, S / gps, 16] of scale_dtype (two-level: scales are int8), or null
   const void* super_offsets = nullptr;  // [NB, S / gps, 16] of scale_dtype (two-level offsets), or null
   int32_t gps = 1;                      // groups (segments) per super-block
+  int32_t sub_bits = 8;                 // two-level sub-values: 8 (int8 [NB, S, 16]) or packed 4 / 6 bits
+  int32_t sub_bias = 0;                 // packed sub-values: value = stored u - sub_bias
   const int32_t* seg_end = nullptr;  // [S] exclusive end chunk of every segment
   const float* bias = nullptr;     // [N] or null
   const float* wsum = nullptr;     // [Np] row sums of the dequantized weight (asymmetric int8 activations), or null

@@ -40,14 +40,20 @@ class NativeLinear final : public LinearOp {
                int64_t n, int64_t k, std::string family, std::string isa, bool act_dynamic, bool act_symmetric,
                double act_scale, double act_zero, int64_t threads, std::optional<at::Tensor> hplane,
                std::optional<at::Tensor> super_scales, std::optional<at::Tensor> super_offsets,
-               std::optional<double> zconst)
+               std::optional<double> zconst, int64_t sub_bits, int64_t sub_bias)
       : codes_(std::move(codes)), scales_(std::move(scales)), zeros_(std::move(zeros)), offsets_(std::move(offsets)),
         seg_end_(std::move(seg_end)), src_(std::move(src)), wsum_(std::move(wsum)), hplane_(std::move(hplane)),
         super_scales_(std::move(super_scales)), super_offsets_(std::move(super_offsets)), int8_(family == "int8"),
         isa_(isa), table_(table_for(isa)) {
     if (family != "int8" && family != "float") fail("native kernel: unknown family '", family, "'; supported: float, int8");
-    if (bits != 4 && bits != 5 && bits != 6 && bits != 8)
-      fail("native kernel: ", bits, "-bit codes are not supported; supported: 4, 5, 6, 8");
+    if (bits < 2 || bits > 8 || bits == 7)
+      fail("native kernel: ", bits, "-bit codes are not supported; supported: 2, 3, 4, 5, 6, 8");
+    if (sub_bits != 8 && sub_bits != 4 && sub_bits != 6)
+      fail("native kernel: sub_bits ", sub_bits, " is not supported; supported: 8 (int8), 4, 6 (packed)");
+    if (sub_bits == 8 ? sub_bias != 0 : (sub_bias < 0 || sub_bias >= (1 << sub_bits)))
+      fail("native kernel: sub_bias ", sub_bias, " does not fit ", sub_bits, "-bit sub-values");
+    w_.sub_bits = int32_t(sub_bits);
+    w_.sub_bias = int32_t(sub_bias);
     if (codes_.dim() != 3) fail("native kernel: codes should be uint8 [NB, KC, 64], found ", shape_of(codes_));
     const int64_t nb = codes_.size(0), kc = codes_.size(1), nseg = seg_end_.numel();
     expect(codes_, at::kByte, {nb, kc, BLOCK_BYTES}, "codes");  // [NB, KC, 64]
@@ -62,7 +68,7 @@ class NativeLinear final : public LinearOp {
     if (zeros_) expect(*zeros_, bits != 8 ? at::kByte : at::kShort, {nb, nseg, LANES}, "zeros");
     if (plane_bytes(int(bits)) != 0) {
       if (!hplane_) fail("native kernel: ", bits, "-bit codes need their high-bit plane (hplane)");
-      expect(*hplane_, at::kByte, {nb, kc, plane_bytes(int(bits))}, "hplane");  // [NB, KC, 16 * (bits - 4)]
+      expect(*hplane_, at::kByte, {nb, kc, plane_bytes(int(bits))}, "hplane");  // [NB, KC, 32 or 16 * (bits - 4)]
     } else if (hplane_) {
       fail("native kernel: a high-bit plane was given for ", bits, "-bit codes, which have none");
     }
@@ -214,6 +220,7 @@ class NativeLinear final : public LinearOp {
     if (super_offsets_ && !super_scales_) fail("native kernel: super_offsets need super_scales");
     if (super_offsets_ && !offsets_) fail("native kernel: super_offsets need offsets");
     if (!super_scales_) {
+      if (w_.sub_bits != 8) fail("native kernel: packed sub-values (sub_bits ", w_.sub_bits, ") need super_scales");
       w_.scale_dtype = dtype_of(scales_.scalar_type(), "scales");
       expect(scales_, scales_.scalar_type(), {nb, nseg, LANES}, "scales");  // [NB, S, 16]
       if (offsets_) expect(*offsets_, scales_.scalar_type(), {nb, nseg, LANES}, "offsets");
@@ -226,11 +233,14 @@ class NativeLinear final : public LinearOp {
                                        nseg, " segments, found ", shape_of(*super_scales_));
     w_.gps = int32_t(nseg / nsup);
     expect(*super_scales_, dt, {nb, nsup, LANES}, "super_scales");  // [NB, S / GPS, 16]
-    expect(scales_, at::kChar, {nb, nseg, LANES}, "scales");       // int8 sub-scales
+    // int8 sub-values [NB, S, 16], or packed uint8 [NB, SR, 16] (common.h)
+    const auto sub_type = w_.sub_bits == 8 ? at::kChar : at::kByte;
+    const int64_t sub_n = w_.sub_bits == 8 ? nseg : sub_rows(w_.sub_bits, nseg);
+    expect(scales_, sub_type, {nb, sub_n, LANES}, "scales");
     if (offsets_) {
       if (super_offsets_) {
         expect(*super_offsets_, dt, {nb, nsup, LANES}, "super_offsets");
-        expect(*offsets_, at::kChar, {nb, nseg, LANES}, "offsets");
+        expect(*offsets_, sub_type, {nb, sub_n, LANES}, "offsets");
       } else {
         expect(*offsets_, dt, {nb, nseg, LANES}, "offsets");
       }
@@ -349,12 +359,13 @@ void register_linear(pybind11::module_& m) {
       .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, at::Tensor,
                     std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t, int64_t, int64_t, std::string,
                     std::string, bool, bool, double, double, int64_t, std::optional<at::Tensor>,
-                    std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<double>>(),
+                    std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<double>, int64_t, int64_t>(),
            py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("offsets"), py::arg("seg_end"),
            py::arg("src"), py::arg("wsum"), py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("family"),
            py::arg("isa"), py::arg("act_dynamic") = true, py::arg("act_symmetric") = true, py::arg("act_scale") = 0.0,
            py::arg("act_zero") = 0.0, py::arg("threads") = 1, py::arg("hplane") = py::none(),
-           py::arg("super_scales") = py::none(), py::arg("super_offsets") = py::none(), py::arg("zconst") = py::none())
+           py::arg("super_scales") = py::none(), py::arg("super_offsets") = py::none(), py::arg("zconst") = py::none(),
+           py::arg("sub_bits") = 8, py::arg("sub_bias") = 0)
       // the GIL is released while the kernel runs (it touches no Python object)
       .def("forward", &NativeLinear::forward, py::arg("x"), py::arg("bias") = py::none(),
            py::call_guard<py::gil_scoped_release>())

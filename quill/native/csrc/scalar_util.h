@@ -119,10 +119,24 @@ inline int64_t super_index(const Weights& w, int nb, int s, int r) {
   return (int64_t(nb) * (w.nseg / w.gps) + s / w.gps) * LANES + r;
 }
 
-// One level: the stored value at i.  Two levels: super * int8 sub-value, one float32 rounding (exact).
+// Lane r's integer sub-value of segment s (two-level scales): int8, or packed 4 / 6 bits (common.h).
+inline int32_t sub_value(const void* sub, const Weights& w, int nb, int s, int r) {
+  if (w.sub_bits == 8) return static_cast<const int8_t*>(sub)[seg_index(w, nb, s, r)];
+  const uint8_t* p = static_cast<const uint8_t*>(sub) + int64_t(nb) * sub_rows(w.sub_bits, w.nseg) * LANES + r;
+  int32_t u;
+  if (w.sub_bits == 4) {
+    u = (p[(s / 2) * LANES] >> (4 * (s & 1))) & 15;
+  } else {
+    const int g = s / 4, j = s & 3;
+    u = ((p[(3 * g + j / 2) * LANES] >> (4 * (j & 1))) & 15) | (((p[(3 * g + 2) * LANES] >> (2 * j)) & 3) << 4);
+  }
+  return u - w.sub_bias;
+}
+
+// One level: the stored value at i.  Two levels: super * integer sub-value, one float32 rounding (exact).
 inline float level_at(const void* sub, const void* sup, const Weights& w, int nb, int s, int r, int64_t i) {
   if (!sup) return to_float(sub, w.scale_dtype, i);
-  return to_float(sup, w.scale_dtype, super_index(w, nb, s, r)) * float(static_cast<const int8_t*>(sub)[i]);
+  return to_float(sup, w.scale_dtype, super_index(w, nb, s, r)) * float(sub_value(sub, w, nb, s, r));
 }
 
 inline float scale_at(const Weights& w, int nb, int s, int r, int64_t i) {
@@ -152,6 +166,14 @@ inline int code_at(const Weights& w, int nb, int64_t c, int r, int j) {
   const uint8_t* blk = w.codes + (int64_t(nb) * w.kc + c) * BLOCK_BYTES;
   if (w.bits == 8) return blk[4 * r + j];
   const int b = j % 4, n = j / 4;
+  if (w.bits <= 3) {  // 2-bit pairs, plus the third bit's plane for 3-bit
+    int q = (blk[4 * r + b] >> (2 * n)) & 3;
+    if (w.hplane) {
+      const uint8_t byte = w.hplane[(int64_t(nb) * w.kc + c) * plane_bytes(3) + 4 * (r % 8) + b];
+      q |= ((byte >> (4 * (r / 8) + n)) & 1) << 2;
+    }
+    return q;
+  }
   int q = (blk[4 * r + b] >> (4 * n)) & 0x0F;
   if (w.hplane) {
     const int hb = w.bits - 4, rows = 4 * hb;

@@ -32,11 +32,34 @@ struct SegConsts {
   bool has_offset;
 };
 
-// One level: 16 stored values at i.  Two levels: super * int8 sub-values (level_at).
+inline __m512i u8x16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// (v >> n) & mask per int32 lane, n not a compile-time constant.
+inline __m512i bits_at(__m512i v, int n, int mask) {
+  return _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(n)), _mm512_set1_epi32(mask));
+}
+
+// The 16 lanes' integer sub-values of segment s (sub_value).
+inline __m512i sub16(const void* sub, const Weights& w, int nb, int s) {
+  if (w.sub_bits == 8)
+    return _mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(sub) + seg_index(w, nb, s, 0))));
+  const uint8_t* p = static_cast<const uint8_t*>(sub) + int64_t(nb) * sub_rows(w.sub_bits, w.nseg) * LANES;
+  __m512i u;
+  if (w.sub_bits == 4) {
+    u = bits_at(u8x16(p + (s / 2) * LANES), 4 * (s & 1), 15);
+  } else {
+    const int g = s / 4, j = s & 3;
+    u = _mm512_or_si512(bits_at(u8x16(p + (3 * g + j / 2) * LANES), 4 * (j & 1), 15),
+                        _mm512_slli_epi32(bits_at(u8x16(p + (3 * g + 2) * LANES), 2 * j, 3), 4));
+  }
+  return _mm512_sub_epi32(u, _mm512_set1_epi32(w.sub_bias));
+}
+
+// One level: 16 stored values at i.  Two levels: super * integer sub-values (level_at).
 inline __m512 level16(const void* sub, const void* sup, const Weights& w, int nb, int s, int64_t i) {
   if (!sup) return load16(sub, w.scale_dtype, i);
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(sub) + i));
-  return _mm512_mul_ps(load16(sup, w.scale_dtype, super_index(w, nb, s, 0)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+  return _mm512_mul_ps(load16(sup, w.scale_dtype, super_index(w, nb, s, 0)), _mm512_cvtepi32_ps(sub16(sub, w, nb, s)));
 }
 
 inline SegConsts seg_consts(const Weights& w, int nb, int s) {
@@ -96,6 +119,26 @@ inline void add_high_bits(const uint8_t* plane, __m512i& lo, __m512i& hi) {
   const __m512i m = _mm512_set1_epi8((1 << HB) - 1);
   lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(v, m), 4));
   hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(v, _mm512_slli_epi16(m, HB)), 4 - HB));
+}
+
+// 2/3-bit codes: the 2-bit pairs of one chunk's 64 bytes as 4 byte vectors (q[j]: positions
+// 16c + 4j .. +3 of all 16 lanes), with the third bit's plane (common.h) ORed in for 3-bit.
+template <int BITS>
+inline void unpack_low(const __m512i v, const uint8_t* plane, __m512i q[4]) {
+  const __m512i m3 = _mm512_set1_epi8(3);
+  q[0] = _mm512_and_si512(v, m3);
+  q[1] = _mm512_and_si512(_mm512_srli_epi16(v, 2), m3);
+  q[2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m3);
+  q[3] = _mm512_and_si512(_mm512_srli_epi16(v, 6), m3);
+  if constexpr (BITS == 3) {  // lane r in byte row r % 8 at bit 4 * (r / 8) + j: move bit j to bit 2
+    const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)));
+    const __m512i p = _mm512_srlv_epi32(b, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m512i m4 = _mm512_set1_epi8(4);
+    q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(p, 2), m4));
+    q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(p, 1), m4));
+    q[2] = _mm512_or_si512(q[2], _mm512_and_si512(p, m4));
+    q[3] = _mm512_or_si512(q[3], _mm512_and_si512(_mm512_srli_epi16(p, 1), m4));
+  }
 }
 
 inline __mmask16 row_mask(const Weights& w, int nb) {
