@@ -156,6 +156,19 @@ def test_gguf_types_bit_exact_and_match_reference(type_name, int8):
         assert sqnr(outs["scalar"], x @ qw.dequantize().T) >= 75, sqnr(outs["scalar"], x @ qw.dequantize().T)
 
 
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q6_K"])
+def test_two_level_int8_across_k_blocks_and_token_tiles(type_name):
+    """13 tokens (token tiles of 6) and K = 2560 (K blocks of 64 chunks cut super-blocks mid-way),
+    asymmetric int8 activations, on every variant, as the scalar twin."""
+    qw = _gguf_weight(type_name, 40, 2560).with_(activation=ActivationQuant(symmetric=False))
+    x = torch.randn(13, 2560, generator=torch.Generator().manual_seed(4))
+    outs = {isa: _run(qw, x, isa, int8=True) for isa in _variants()}
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin"
+    want = fake_quantize_activations(x, qw.activation) @ qw.dequantize().T
+    assert sqnr(outs["scalar"], want) >= 40, sqnr(outs["scalar"], want)
+
+
 @pytest.mark.parametrize("type_name", sorted(KQ_BPW))
 def test_gguf_types_are_held_at_their_stored_bits(type_name):
     """The kernel layout reads at most the file's bits per weight + 3 % (64 x 4096: no row padding)."""

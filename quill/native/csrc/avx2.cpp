@@ -16,7 +16,7 @@
 namespace quill {
 namespace {
 
-inline __m256 load8(const void* p, DType t, int64_t i) {
+QUILL_INLINE __m256 load8(const void* p, DType t, int64_t i) {
   switch (t) {
     case DType::F16:
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
@@ -30,15 +30,15 @@ inline __m256 load8(const void* p, DType t, int64_t i) {
   }
 }
 
-inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+QUILL_INLINE __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 
 // (v >> n) & mask per int32 lane, n not a compile-time constant.
-inline __m256i bits_at(__m256i v, int n, int mask) {
+QUILL_INLINE __m256i bits_at(__m256i v, int n, int mask) {
   return _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi32(mask));
 }
 
 // Lanes 8h..8h+7's integer sub-values of segment s (sub_value).
-inline __m256i sub8(const void* sub, const Weights& w, int nb, int s, int h) {
+QUILL_INLINE __m256i sub8(const void* sub, const Weights& w, int nb, int s, int h) {
   if (w.sub_bits == 8)
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64(
         reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(sub) + seg_index(w, nb, s, 8 * h))));
@@ -55,50 +55,57 @@ inline __m256i sub8(const void* sub, const Weights& w, int nb, int s, int h) {
 }
 
 // One level: 8 stored values at i.  Two levels: super * integer sub-values (level_at).
-inline __m256 level8(const void* sub, const void* sup, const Weights& w, int nb, int s, int h, int64_t i) {
+QUILL_INLINE __m256 level8(const void* sub, const void* sup, const Weights& w, int nb, int s, int h, int64_t i) {
   if (!sup) return load8(sub, w.scale_dtype, i);
   return _mm256_mul_ps(load8(sup, w.scale_dtype, super_index(w, nb, s, 8 * h)), _mm256_cvtepi32_ps(sub8(sub, w, nb, s, h)));
 }
 
-inline __m256 scale8(const Weights& w, int nb, int s, int h, int64_t i) { return level8(w.scales, w.super_scales, w, nb, s, h, i); }
-inline __m256 offset8(const Weights& w, int nb, int s, int h, int64_t i) { return level8(w.offsets, w.super_offsets, w, nb, s, h, i); }
+QUILL_INLINE __m256 scale8(const Weights& w, int nb, int s, int h, int64_t i) { return level8(w.scales, w.super_scales, w, nb, s, h, i); }
+QUILL_INLINE __m256 offset8(const Weights& w, int nb, int s, int h, int64_t i) { return level8(w.offsets, w.super_offsets, w, nb, s, h, i); }
 
-// f += scale * (d - zero * x) [+ offset * x] for lanes 8h..8h+7 of segment s (seg_epilogue).
-inline __m256 epilogue(const Weights& w, int nb, int s, int h, __m256 d, __m256 x, __m256 f) {
+// Scale, zero and offset of segment s for lanes 8h..8h+7, loaded once per segment and shared by
+// every token of a tile.
+struct Seg8 {
+  __m256 scale, zero, offset;
+  __m256i zero_i;  // the zero point as int32 (split kernels subtract it before rounding)
+  bool has_offset;
+};
+
+QUILL_INLINE Seg8 seg8(const Weights& w, int nb, int s, int h) {
   const int64_t i = seg_index(w, nb, s, 8 * h);
-  __m256 z;
+  Seg8 c;
   if (!w.zeros)
-    z = _mm256_set1_ps(w.zconst);
+    c.zero_i = _mm256_set1_epi32(int32_t(w.zconst));
   else if (w.bits != 8)
-    z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.zeros) + i))));
+    c.zero_i = u8x8(static_cast<const uint8_t*>(w.zeros) + i);
   else
-    z = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(w.zeros) + i))));
-  const __m256 t = _mm256_fnmadd_ps(z, x, d);
-  f = _mm256_fmadd_ps(scale8(w, nb, s, h, i), t, f);
-  if (w.offsets) f = _mm256_fmadd_ps(offset8(w, nb, s, h, i), x, f);
+    c.zero_i = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(w.zeros) + i)));
+  c.zero = _mm256_cvtepi32_ps(c.zero_i);
+  c.scale = scale8(w, nb, s, h, i);
+  c.has_offset = w.offsets != nullptr;
+  c.offset = c.has_offset ? offset8(w, nb, s, h, i) : _mm256_setzero_ps();
+  return c;
+}
+
+// f += scale * (d - zero * x) [+ offset * x] for lanes 8h..8h+7 of one segment (seg_epilogue).
+QUILL_INLINE __m256 epilogue(const Seg8& c, __m256 d, __m256 x, __m256 f) {
+  const __m256 t = _mm256_fnmadd_ps(c.zero, x, d);
+  f = _mm256_fmadd_ps(c.scale, t, f);
+  if (c.has_offset) f = _mm256_fmadd_ps(c.offset, x, f);
   return f;
 }
 
 // f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo)) [+ (offset * xscale) * (65536 * Xhi + Xlo)]
 // for lanes 8h..8h+7 (split_epilogue).
-inline __m256 epilogue_split(const Weights& w, int nb, int s, int h, __m256i dhi, __m256i dlo, int32_t xhi,
-                             int32_t xlo, float xscale, __m256 f) {
-  const int64_t i = seg_index(w, nb, s, 8 * h);
-  __m256i z;
-  if (!w.zeros)
-    z = _mm256_set1_epi32(int32_t(w.zconst));
-  else if (w.bits != 8)
-    z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.zeros) + i)));
-  else
-    z = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(w.zeros) + i)));
-  const __m256i ehi = _mm256_sub_epi32(dhi, _mm256_mullo_epi32(z, _mm256_set1_epi32(xhi)));
-  const __m256i elo = _mm256_sub_epi32(dlo, _mm256_mullo_epi32(z, _mm256_set1_epi32(xlo)));
+QUILL_INLINE __m256 epilogue_split(const Seg8& c, __m256i dhi, __m256i dlo, int32_t xhi, int32_t xlo, float xscale,
+                                   __m256 f) {
+  const __m256i ehi = _mm256_sub_epi32(dhi, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xhi)));
+  const __m256i elo = _mm256_sub_epi32(dlo, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xlo)));
   const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ehi), _mm256_set1_ps(65536.0f), _mm256_cvtepi32_ps(elo));
   const __m256 xs = _mm256_set1_ps(xscale);
-  f = _mm256_fmadd_ps(_mm256_mul_ps(scale8(w, nb, s, h, i), xs), t, f);
-  if (w.offsets)
-    f = _mm256_fmadd_ps(_mm256_mul_ps(offset8(w, nb, s, h, i), xs),
-                        _mm256_set1_ps(std::fma(float(xhi), 65536.0f, float(xlo))), f);
+  f = _mm256_fmadd_ps(_mm256_mul_ps(c.scale, xs), t, f);
+  if (c.has_offset)
+    f = _mm256_fmadd_ps(_mm256_mul_ps(c.offset, xs), _mm256_set1_ps(std::fma(float(xhi), 65536.0f, float(xlo))), f);
   return f;
 }
 
@@ -111,7 +118,7 @@ inline __m256i bcast4(const int8_t* p) {
 // 5/6-bit codes: OR the high plane (common.h) into the nibbles of half h, in place.
 // lo holds positions 8c..8c+3, hi positions 8c+4..8c+7 of lanes 8h..8h+7.
 template <int BITS>
-inline void add_high_bits(const uint8_t* plane, int h, __m256i& lo, __m256i& hi) {
+QUILL_INLINE void add_high_bits(const uint8_t* plane, int h, __m256i& lo, __m256i& hi) {
   constexpr int HB = BITS - 4;
   __m256i v;
   if (BITS == 6) {  // lanes 8h + r in byte row r at bits 4h (low nibble's) and 4h + 2 (high nibble's)
@@ -129,7 +136,7 @@ inline void add_high_bits(const uint8_t* plane, int h, __m256i& lo, __m256i& hi)
 // 2/3-bit codes (common.h): the 2-bit pairs of half h's 32 bytes as 4 byte vectors (q[j]:
 // positions 16c + 4j .. +3 of lanes 8h..8h+7), the third bit's plane ORed in for 3-bit.
 template <int BITS>
-inline void unpack_low(__m256i v, const uint8_t* plane, int h, __m256i q[4]) {
+QUILL_INLINE void unpack_low(__m256i v, const uint8_t* plane, int h, __m256i q[4]) {
   const __m256i m3 = _mm256_set1_epi8(3);
   q[0] = _mm256_and_si256(v, m3);
   q[1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
@@ -210,15 +217,16 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
         }
       }
     }
-    for (int m = 0; m < MT; ++m) {
-      const int64_t i = int64_t(m0 + m) * w.nseg + s;
-      for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h) {
+      const Seg8 sc = seg8(w, nb, s, h);
+      for (int m = 0; m < MT; ++m) {
+        const int64_t i = int64_t(m0 + m) * w.nseg + s;
         const __m256 fo = _mm256_load_ps(f[m] + 8 * h);
         __m256 fn;
         if constexpr (SPLIT)
-          fn = epilogue_split(w, nb, s, h, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo);
+          fn = epilogue_split(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo);
         else
-          fn = epilogue(w, nb, s, h, _mm256_cvtepi32_ps(acc[m][h][1]), _mm256_set1_ps(float(a.qsum[i])), fo);
+          fn = epilogue(sc, _mm256_cvtepi32_ps(acc[m][h][1]), _mm256_set1_ps(float(a.qsum[i])), fo);
         _mm256_store_ps(f[m] + 8 * h, fn);
       }
     }

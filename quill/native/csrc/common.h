@@ -53,6 +53,10 @@
 #include <cstddef>
 #include <cstdint>
 
+// The per-segment helpers (scale loads, epilogues) sit inside the kernels' hottest loops; a
+// call there cost the 2-bit kernel half its speed when gcc chose not to inline them.
+#define QUILL_INLINE inline __attribute__((always_inline))
+
 namespace quill {
 
 constexpr int LANES = 16;       // output rows per row block

@@ -11,7 +11,7 @@ namespace quill {
 namespace v512 {
 
 // 16 consecutive values of dtype t starting at element i, as float32.
-inline __m512 load16(const void* p, DType t, int64_t i) {
+QUILL_INLINE __m512 load16(const void* p, DType t, int64_t i) {
   switch (t) {
     case DType::F16:
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
@@ -32,15 +32,15 @@ struct SegConsts {
   bool has_offset;
 };
 
-inline __m512i u8x16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+QUILL_INLINE __m512i u8x16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // (v >> n) & mask per int32 lane, n not a compile-time constant.
-inline __m512i bits_at(__m512i v, int n, int mask) {
+QUILL_INLINE __m512i bits_at(__m512i v, int n, int mask) {
   return _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(n)), _mm512_set1_epi32(mask));
 }
 
 // The 16 lanes' integer sub-values of segment s (sub_value).
-inline __m512i sub16(const void* sub, const Weights& w, int nb, int s) {
+QUILL_INLINE __m512i sub16(const void* sub, const Weights& w, int nb, int s) {
   if (w.sub_bits == 8)
     return _mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(sub) + seg_index(w, nb, s, 0))));
@@ -57,12 +57,12 @@ inline __m512i sub16(const void* sub, const Weights& w, int nb, int s) {
 }
 
 // One level: 16 stored values at i.  Two levels: super * integer sub-values (level_at).
-inline __m512 level16(const void* sub, const void* sup, const Weights& w, int nb, int s, int64_t i) {
+QUILL_INLINE __m512 level16(const void* sub, const void* sup, const Weights& w, int nb, int s, int64_t i) {
   if (!sup) return load16(sub, w.scale_dtype, i);
   return _mm512_mul_ps(load16(sup, w.scale_dtype, super_index(w, nb, s, 0)), _mm512_cvtepi32_ps(sub16(sub, w, nb, s)));
 }
 
-inline SegConsts seg_consts(const Weights& w, int nb, int s) {
+QUILL_INLINE SegConsts seg_consts(const Weights& w, int nb, int s) {
   const int64_t i = seg_index(w, nb, s, 0);
   SegConsts c;
   c.scale = level16(w.scales, w.super_scales, w, nb, s, i);
@@ -82,7 +82,7 @@ inline SegConsts seg_consts(const Weights& w, int nb, int s) {
 }
 
 // f += scale * (d - zero * x) [+ offset * x]  (seg_epilogue, 16 lanes)
-inline __m512 epilogue(const SegConsts& c, __m512 d, __m512 x, __m512 f) {
+QUILL_INLINE __m512 epilogue(const SegConsts& c, __m512 d, __m512 x, __m512 f) {
   const __m512 t = _mm512_fnmadd_ps(c.zero, x, d);
   f = _mm512_fmadd_ps(c.scale, t, f);
   if (c.has_offset) f = _mm512_fmadd_ps(c.offset, x, f);
@@ -91,7 +91,7 @@ inline __m512 epilogue(const SegConsts& c, __m512 d, __m512 x, __m512 f) {
 
 // f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo))
 //      [+ (offset * xscale) * (65536 * Xhi + Xlo)]   (split_epilogue, 16 lanes)
-inline __m512 split_epilogue(const SegConsts& c, __m512i dhi, __m512i dlo, int32_t xhi, int32_t xlo, float xscale,
+QUILL_INLINE __m512 split_epilogue(const SegConsts& c, __m512i dhi, __m512i dlo, int32_t xhi, int32_t xlo, float xscale,
                              __m512 f) {
   const __m512i ehi = _mm512_sub_epi32(dhi, _mm512_mullo_epi32(c.zero_i, _mm512_set1_epi32(xhi)));
   const __m512i elo = _mm512_sub_epi32(dlo, _mm512_mullo_epi32(c.zero_i, _mm512_set1_epi32(xlo)));
@@ -106,7 +106,7 @@ inline __m512 split_epilogue(const SegConsts& c, __m512i dhi, __m512i dlo, int32
 // 5/6-bit codes: OR the high plane (common.h) of one chunk into the nibbles of all 16 lanes,
 // in place (lo: positions 8c..8c+3, hi: 8c+4..8c+7).
 template <int BITS>
-inline void add_high_bits(const uint8_t* plane, __m512i& lo, __m512i& hi) {
+QUILL_INLINE void add_high_bits(const uint8_t* plane, __m512i& lo, __m512i& hi) {
   constexpr int HB = BITS - 4;
   __m512i v;
   if (BITS == 6) {  // lane r in byte row r % 8 at bit 4 * (r / 8) (+2 for the high nibble's)
@@ -124,7 +124,7 @@ inline void add_high_bits(const uint8_t* plane, __m512i& lo, __m512i& hi) {
 // 2/3-bit codes: the 2-bit pairs of one chunk's 64 bytes as 4 byte vectors (q[j]: positions
 // 16c + 4j .. +3 of all 16 lanes), with the third bit's plane (common.h) ORed in for 3-bit.
 template <int BITS>
-inline void unpack_low(const __m512i v, const uint8_t* plane, __m512i q[4]) {
+QUILL_INLINE void unpack_low(const __m512i v, const uint8_t* plane, __m512i q[4]) {
   const __m512i m3 = _mm512_set1_epi8(3);
   q[0] = _mm512_and_si512(v, m3);
   q[1] = _mm512_and_si512(_mm512_srli_epi16(v, 2), m3);
