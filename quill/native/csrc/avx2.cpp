@@ -174,19 +174,19 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
   alignas(32) float f[MT][LANES] = {};
   for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
     __m256i acc[MT][2][2];  // [token][half][Dhi, D or Dlo]
-    for (int m = 0; m < MT; ++m)
-      for (int h = 0; h < 2; ++h) acc[m][h][0] = acc[m][h][1] = _mm256_setzero_si256();
+    QUILL_UNROLL for (int m = 0; m < MT; ++m)
+      QUILL_UNROLL for (int h = 0; h < 2; ++h) acc[m][h][0] = acc[m][h][1] = _mm256_setzero_si256();
     for (int c = c0, c1 = w.seg_end[s]; c < c1; ++c) {
       const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
       _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
-      for (int h = 0; h < 2; ++h) {
+      QUILL_UNROLL for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * h));
         if constexpr (BITS <= 3) {  // codes < 8: 4 pair sums of 2 * 7 * 128 stay within int16
           __m256i q[4];
           unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(3) : nullptr, h, q);
-          for (int m = 0; m < MT; ++m) {
+          QUILL_UNROLL for (int m = 0; m < MT; ++m) {
             const int8_t* x = stream_of(a) + (m0 + m) * a.ld + int64_t(c) * STRIDE;
-            for (int p = 0; p < PARTS; ++p) {
+            QUILL_UNROLL for (int p = 0; p < PARTS; ++p) {
               const int8_t* xp = x + p * CK;
               const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(xp)), _mm256_maddubs_epi16(q[1], bcast4(xp + 4)));
               const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(xp + 8)), _mm256_maddubs_epi16(q[3], bcast4(xp + 12)));
@@ -199,9 +199,9 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         if constexpr (BITS == 5 || BITS == 6)
           add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(BITS), h, lo, hi);
-        for (int m = 0; m < MT; ++m) {
+        QUILL_UNROLL for (int m = 0; m < MT; ++m) {
           const int8_t* x = stream_of(a) + (m0 + m) * a.ld + int64_t(c) * STRIDE;
-          for (int p = 0; p < PARTS; ++p) {
+          QUILL_UNROLL for (int p = 0; p < PARTS; ++p) {
             const int8_t* xp = x + p * CK;
             __m256i d;
             if (BITS != 8) {  // positions 8c..8c+3 in lo, 8c+4..8c+7 in hi (codes < 64: |sum| <= 4 * 63 * 128)
@@ -217,9 +217,9 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {
+    QUILL_UNROLL for (int h = 0; h < 2; ++h) {
       const Seg8 sc = seg8(w, nb, s, h);
-      for (int m = 0; m < MT; ++m) {
+      QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
         const __m256 fo = _mm256_load_ps(f[m] + 8 * h);
         __m256 fn;
@@ -231,7 +231,7 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
       }
     }
   }
-  for (int m = 0; m < MT; ++m) {
+  QUILL_UNROLL for (int m = 0; m < MT; ++m) {
     if constexpr (SPLIT) store_float_row(w, o, nb, m0 + m, f[m]);
     else store_int_row(w, a, o, nb, m0 + m, f[m]);
   }

@@ -42,22 +42,22 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
   const int8_t* xs[MT];       // [KC, STRIDE] each
   __m512i acc[RB][MT][PARTS][NA];
   __m512 f[RB][MT];  // the finished segments' total
-  for (int r = 0; r < RB; ++r) blocks[r] = w.codes + int64_t(nb + r) * w.kc * BLOCK_BYTES;
-  for (int m = 0; m < MT; ++m) xs[m] = a.x + (m0 + m) * a.ld;
+  QUILL_UNROLL for (int r = 0; r < RB; ++r) blocks[r] = w.codes + int64_t(nb + r) * w.kc * BLOCK_BYTES;
+  QUILL_UNROLL for (int m = 0; m < MT; ++m) xs[m] = a.x + (m0 + m) * a.ld;
   auto reset = [&](int r, int m) {
-    for (int p = 0; p < PARTS; ++p)
-      for (int i = 0; i < NA; ++i) acc[r][m][p][i] = _mm512_setzero_si512();
+    QUILL_UNROLL for (int p = 0; p < PARTS; ++p)
+      QUILL_UNROLL for (int i = 0; i < NA; ++i) acc[r][m][p][i] = _mm512_setzero_si512();
   };
   auto part = [&](int r, int m, int p) {
     __m512i d = acc[r][m][p][0];
-    for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[r][m][p][i]);
+    QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[r][m][p][i]);
     return d;
   };
   // the open segment's exact sums: Dhi, Dlo
   auto dhi = [&](int r, int m) { return part(r, m, 0); };
   auto dlo = [&](int r, int m) { return _mm512_add_epi32(_mm512_slli_epi32(part(r, m, 1), 8), part(r, m, 2)); };
-  for (int r = 0; r < RB; ++r)
-    for (int m = 0; m < MT; ++m) {
+  QUILL_UNROLL for (int r = 0; r < RB; ++r)
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
       reset(r, m);
       acc[r][m][0][0] = _mm512_load_si512(st[r][m].d2);
       acc[r][m][2][0] = _mm512_load_si512(st[r][m].d);
@@ -67,7 +67,7 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
   auto chunk = [&](int c, auto par) {
     constexpr int P = decltype(par)::value;
     __m512i q[RB][4];
-    for (int r = 0; r < RB; ++r) {
+    QUILL_UNROLL for (int r = 0; r < RB; ++r) {
       const uint8_t* p = blocks[r] + int64_t(c) * BLOCK_BYTES;
       _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T1);
       const __m512i v = _mm512_loadu_si512(p);
@@ -82,15 +82,15 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
         q[r][0] = q[r][1] = v;
       }
     }
-    for (int m = 0; m < MT; ++m) {
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
       const int8_t* x = xs[m] + int64_t(c) * STRIDE;
-      for (int p = 0; p < PARTS; ++p)
-        for (int h = 0; h < NSUB; ++h) {
+      QUILL_UNROLL for (int p = 0; p < PARTS; ++p)
+        QUILL_UNROLL for (int h = 0; h < NSUB; ++h) {
           const __m512i xb = bcast4(x + p * CK + 4 * h);
           constexpr int NI = NA;  // accumulator index: nibble h, then parity (2/3-bit: sub-vector h)
           const int i = BITS <= 3 ? (NI == 4 ? h : (NI == 2 ? (h & 1) : 0))
                                   : BITS != 8 ? (NI >= 2 ? h + (NI == 4 ? 2 * P : 0) : 0) : (NI >= 2 ? P : 0);
-          for (int r = 0; r < RB; ++r) acc[r][m][p][i] = _mm512_dpbusd_epi32(acc[r][m][p][i], q[r][h], xb);
+          QUILL_UNROLL for (int r = 0; r < RB; ++r) acc[r][m][p][i] = _mm512_dpbusd_epi32(acc[r][m][p][i], q[r][h], xb);
         }
     }
   };
@@ -104,17 +104,17 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     }
     if (c < end) chunk(c++, Even{});
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
-    for (int r = 0; r < RB; ++r) {
+    QUILL_UNROLL for (int r = 0; r < RB; ++r) {
       const v512::SegConsts sc = v512::seg_consts(w, nb + r, s);
-      for (int m = 0; m < MT; ++m) {
+      QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
         f[r][m] = v512::split_epilogue(sc, dhi(r, m), dlo(r, m), a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], f[r][m]);
         reset(r, m);
       }
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int m = 0; m < MT; ++m) {
+  QUILL_UNROLL for (int r = 0; r < RB; ++r)
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
       _mm512_store_si512(st[r][m].d, dlo(r, m));
       _mm512_store_si512(st[r][m].d2, dhi(r, m));
       _mm512_store_ps(st[r][m].f, f[r][m]);
@@ -174,57 +174,64 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
   const int8_t* xs[MT];
   __m512i acc[MT][NA];
   __m512 f[MT];
-  for (int m = 0; m < MT; ++m) {
+  QUILL_UNROLL for (int m = 0; m < MT; ++m) {
     xs[m] = a.q + (m0 + m) * a.ld;  // [Kp]
     f[m] = _mm512_load_ps(st[m].f);
     acc[m][0] = _mm512_load_si512(st[m].d);
-    for (int i = 1; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
+    QUILL_UNROLL for (int i = 1; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
   }
+  // chunk cc into accumulator set H (0 or 1: chunk parity; disjoint sets when NA == 4).  H is a
+  // compile-time constant so every accumulator index is one and the arrays stay in registers.
+  auto chunk = [&](int cc, auto parity) {
+    constexpr int H = decltype(parity)::value, base = NA == 4 ? 2 * H : 0;
+    _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(cc) * BLOCK_BYTES + PREFETCH_BYTES), _MM_HINT_T1);
+    const __m512i v = _mm512_loadu_si512(blocks + int64_t(cc) * BLOCK_BYTES);
+    if constexpr (BITS <= 3) {
+      __m512i q[4];
+      v512::unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + cc) * plane_bytes(3) : nullptr, q);
+      QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+        const int8_t* x = xs[m] + int64_t(cc) * CK;
+        QUILL_UNROLL for (int j = 0; j < 4; ++j)
+          acc[m][base + (j & 1)] = _mm512_dpbusd_epi32(acc[m][base + (j & 1)], q[j], bcast4(x + 4 * j));
+      }
+    } else if constexpr (BITS != 8) {
+      __m512i lo = _mm512_and_si512(v, low);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      if constexpr (BITS == 5 || BITS == 6)
+        v512::add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + cc) * plane_bytes(BITS), lo, hi);
+      QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+        const int8_t* x = xs[m] + int64_t(cc) * CK;
+        acc[m][base] = _mm512_dpbusd_epi32(acc[m][base], lo, bcast4(x));
+        acc[m][base + 1] = _mm512_dpbusd_epi32(acc[m][base + 1], hi, bcast4(x + 4));
+      }
+    } else {
+      QUILL_UNROLL for (int m = 0; m < MT; ++m)
+        acc[m][base + H] = _mm512_dpbusd_epi32(acc[m][base + H], v, bcast4(xs[m] + int64_t(cc) * CK));
+    }
+  };
+  using Even = std::integral_constant<int, 0>;
+  using Odd = std::integral_constant<int, 1>;
   for (int c = c0; c < c1; ++s) {
     const int end = std::min(c1, w.seg_end[s]);
-    for (; c < end; c += 2) {  // two chunks per step, into disjoint accumulators when NA == 4
-      for (int h = 0; h < (c + 1 < end ? 2 : 1); ++h) {
-        const int cc = c + h, base = (NA == 4 ? 2 * h : 0);
-        _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(cc) * BLOCK_BYTES + PREFETCH_BYTES), _MM_HINT_T1);
-        const __m512i v = _mm512_loadu_si512(blocks + int64_t(cc) * BLOCK_BYTES);
-        if constexpr (BITS <= 3) {
-          __m512i q[4];
-          v512::unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + cc) * plane_bytes(3) : nullptr, q);
-          for (int m = 0; m < MT; ++m) {
-            const int8_t* x = xs[m] + int64_t(cc) * CK;
-            for (int j = 0; j < 4; ++j)
-              acc[m][base + (j & 1)] = _mm512_dpbusd_epi32(acc[m][base + (j & 1)], q[j], bcast4(x + 4 * j));
-          }
-        } else if (BITS != 8) {
-          __m512i lo = _mm512_and_si512(v, low);
-          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          if constexpr (BITS == 5 || BITS == 6)
-            v512::add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + cc) * plane_bytes(BITS), lo, hi);
-          for (int m = 0; m < MT; ++m) {
-            const int8_t* x = xs[m] + int64_t(cc) * CK;
-            acc[m][base] = _mm512_dpbusd_epi32(acc[m][base], lo, bcast4(x));
-            acc[m][base + 1] = _mm512_dpbusd_epi32(acc[m][base + 1], hi, bcast4(x + 4));
-          }
-        } else {
-          for (int m = 0; m < MT; ++m)
-            acc[m][base + h] = _mm512_dpbusd_epi32(acc[m][base + h], v, bcast4(xs[m] + int64_t(cc) * CK));
-        }
-      }
+    for (; c + 1 < end; c += 2) {  // two chunks per step
+      chunk(c, Even{});
+      chunk(c + 1, Odd{});
     }
+    if (c < end) chunk(c, Even{});
     c = end;
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
     const v512::SegConsts sc = v512::seg_consts(w, nb, s);
-    for (int m = 0; m < MT; ++m) {
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
       __m512i d = acc[m][0];
-      for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
+      QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
       const __m512 x = _mm512_set1_ps(float(a.qsum[(m0 + m) * w.nseg + s]));
       f[m] = v512::epilogue(sc, _mm512_cvtepi32_ps(d), x, f[m]);
-      for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
+      QUILL_UNROLL for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
     }
   }
-  for (int m = 0; m < MT; ++m) {
+  QUILL_UNROLL for (int m = 0; m < MT; ++m) {
     __m512i d = acc[m][0];
-    for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
+    QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
     _mm512_store_si512(st[m].d, d);
     _mm512_store_ps(st[m].f, f[m]);
   }

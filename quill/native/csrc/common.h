@@ -56,6 +56,9 @@
 // The per-segment helpers (scale loads, epilogues) sit inside the kernels' hottest loops; a
 // call there cost the 2-bit kernel half its speed when gcc chose not to inline them.
 #define QUILL_INLINE inline __attribute__((always_inline))
+// The kernels' small loops over tokens / row blocks / parts / accumulators index register
+// arrays; fully unrolled, those arrays stay in registers (a loop left rolled puts them on the stack).
+#define QUILL_UNROLL _Pragma("GCC unroll 16")
 
 namespace quill {
 
