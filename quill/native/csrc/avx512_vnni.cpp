@@ -69,7 +69,9 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     __m512i q[RB][4];
     QUILL_UNROLL for (int r = 0; r < RB; ++r) {
       const uint8_t* p = blocks[r] + int64_t(c) * BLOCK_BYTES;
-      _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), _MM_HINT_T1);
+      // RB row blocks stream side by side, and row blocks are contiguous: RB x the distance
+      // reaches past the pass's other row block (1.2B W4A16 decode, Zen 5: +11 %)
+      _mm_prefetch(reinterpret_cast<const char*>(p + RB * PREFETCH_BYTES), _MM_HINT_T1);
       const __m512i v = _mm512_loadu_si512(p);
       if constexpr (BITS <= 3) {
         v512::unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb + r) * w.kc + c) * plane_bytes(3) : nullptr, q[r]);
