@@ -46,7 +46,8 @@ KERNELS: dict[str, str] = {
 # The native kernels come first: decode (M = 1) streams weights ~2x faster than torch
 # int4pack (docs/BENCHMARKS.md); native_w8a8 vs zentorch, 4096x4096, 2 threads: 0.50 vs
 # 0.67 ms at M = 1, 0.85 vs 0.98 at M = 16, but 7.2 vs 5.7 ms at M = 128.
-_NATIVE = ("native_w3a16", "native_w3a8", "native_w4a16", "native_w4a8", "native_w6a16", "native_w6a8", "native_w8a8", "native_w8a16")
+_NATIVE = ("native_w3a16", "native_w3a8", "native_w4a16", "native_w4a8", "native_w6a16", "native_w6a8",
+           "native_w8a8", "native_w8a16")
 PRIORITIES: dict[str, tuple[str, ...]] = {
     # every level from AVX2 up (avx_vnni, avx512, avx512_vnni, amx): the native kernels pick their
     # own variant of the one ISA decision (quill.native.isa_for)
