@@ -170,7 +170,8 @@ def test_kernel_3d_input_bias_and_half_precision(name):
     for case in (Case(4, 32, "asym", False, 48, 256, None), Case(8, -1, "sym", False, 48, 256, "int8"),
                  Case(4, 64, "sym", True, 48, 256, None), Case(8, -1, "sym", False, 48, 256, None),
                  Case(4, 32, "sym", False, 48, 256, "int8"),  # W4A8
-                 Case(6, 32, "asym", False, 48, 256, None), Case(5, 32, "sym", False, 48, 256, "int8")):
+                 Case(6, 32, "asym", False, 48, 256, None), Case(5, 32, "sym", False, 48, 256, "int8"),
+                 Case(3, 32, "asym", False, 48, 256, None), Case(2, 16, "sym", False, 48, 256, "int8")):
         w = make_weight(case)
         cfg = LinearLayerConfig.from_weight(w, PLATFORM)
         if kernel.can_implement(cfg):
@@ -194,7 +195,7 @@ def test_kernel_3d_input_bias_and_half_precision(name):
 
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 70), k_units=st.integers(1, 12), group_units=st.sampled_from([1, 2, 4, -1]),
-       bits=st.sampled_from([4, 5, 6, 8]), kind=st.sampled_from(["sym", "asym"]), int8=st.booleans(),
+       bits=st.sampled_from([2, 3, 4, 5, 6, 8]), kind=st.sampled_from(["sym", "asym"]), int8=st.booleans(),
        m=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_random_shapes(n, k_units, group_units, bits, kind, int8, m, seed):
     k = 32 * k_units

@@ -128,10 +128,9 @@ class RayCluster:
 
 
 def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the ephemeral range, which Ray's own processes draw from (quill serve's pick)."""
+    from quill.serving.ray import _free_port as pick
+    return pick("127.0.0.1", 0)
 
 
 @pytest.fixture(scope="module")

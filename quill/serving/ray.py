@@ -24,6 +24,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -326,16 +327,35 @@ def serve_on_ray(options: RayServeOptions, host: str, port: int, ray_address: st
     return 0
 
 
+# Where port 0 ("any free port") looks: below Linux's ephemeral range (32768-60999) and above Ray's
+# worker ports (10002-19999).  An ephemeral port that is free now can be taken by one of the many
+# processes ray.init starts before the proxy binds it (seen: "Failed to bind to address").
+_PICK_PORTS = range(20000, 32000)
+
+
 def _free_port(host: str, port: int) -> int:
     """``port`` if it can be listened on (0: a free one); a taken port fails here, before Ray starts."""
+    if port == 0:
+        for candidate in random.Random().sample(_PICK_PORTS, 64):
+            if _can_bind(host, candidate) is None:
+                return candidate
+        raise ConfigError(f"cannot find a free port on {host} in {_PICK_PORTS.start}-{_PICK_PORTS.stop - 1}")
+    error = _can_bind(host, port)
+    if error is not None:
+        raise ConfigError(f"cannot listen on {host}:{port}: {error}")
+    return port
+
+
+def _can_bind(host: str, port: int) -> str | None:
+    """None if ``host:port`` can be listened on now, else the reason."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
-            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-        return s.getsockname()[1]
+            return e.strerror or str(e)
+    return None
 
 
 def _check_cpus(options: RayServeOptions) -> None:
