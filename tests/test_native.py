@@ -393,6 +393,20 @@ def test_preconditions_raise_kernel_error():
                                 "float", "scalar")
     with pytest.raises(KernelError, match="threads must be at least 1"):
         h.set_threads(0)
+    with pytest.raises(KernelError, match="7-bit codes are not supported; supported: 2, 3, 4, 5, 6, 8"):
+        EXT.module.NativeLinear(p.codes, p.scales, None, None, p.seg_end, None, None, 7, 16, 64, "float", "scalar")
+    with pytest.raises(KernelError, match="sub_bits 5 is not supported"):
+        EXT.module.NativeLinear(p.codes, p.scales, None, None, p.seg_end, None, None, 4, 16, 64, "float", "scalar",
+                                sub_bits=5)
+    with pytest.raises(KernelError, match=r"packed sub-values \(sub_bits 4\) need super_scales"):
+        EXT.module.NativeLinear(p.codes, p.scales, None, None, p.seg_end, None, None, 4, 16, 64, "float", "scalar",
+                                sub_bits=4)
+    q2 = pack(_gguf_weight("Q2_K", 16, 256), False)  # 4-bit packed sub-scales: [NB, S / 2, 16]
+    assert q2.sub_bits == 4 and q2.scales.shape == (1, 8, 16) and q2.scales.dtype == torch.uint8
+    with pytest.raises(KernelError, match=r"'scales' should be .*\[1, 8, 16\]"):
+        EXT.module.NativeLinear(q2.codes, q2.scales[:, :4].contiguous(), None, q2.offsets, q2.seg_end, None, None, 2,
+                                16, 256, "float", "scalar", super_scales=q2.super_scales,
+                                super_offsets=q2.super_offsets, zconst=0.0, sub_bits=4)
 
 
 # ---- selection ---------------------------------------------------------------------------------

@@ -43,10 +43,6 @@ def plane_bytes(bits: int) -> int:
     return 32 if bits == 3 else (16 * (bits - 4) if bits in (5, 6) else 0)
 
 
-def sub_rows(sub_bits: int, nseg: int) -> int:
-    """Rows of packed sub-values per row block (csrc/common.h): 4 bits: ceil(S / 2), 6 bits: 3 ceil(S / 4)."""
-    return -(-nseg // 2) if sub_bits == 4 else 3 * -(-nseg // 4)
-
 
 @dataclass(frozen=True)
 class StreamOrder:
