@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from quill.errors import ModelError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32}
+# Accepted for compatibility (vLLM's CPU backend defaults to it) and run as float32, with a warning:
+# measured on AVX-512 BF16 (Zen 5) and AVX2 (Zen 3) CPUs, bfloat16 compute decoded at 0.5-0.9x the
+# speed of float32 (the native decode step computes in float32; docs/BENCHMARKS.md, issue 12).
+NOT_OFFERED = {"bfloat16": "bfloat16 compute is slower than float32 on CPUs (0.5-0.9x measured)"}
+
+
+class DtypeNotOfferedWarning(UserWarning):
+    """A compute dtype quill accepts but runs as float32."""
 
 
 class ActQuant(enum.Enum):
@@ -52,8 +61,13 @@ class RunOptions:
               threads: int | None = None, kernel: str | None = None, moe_backend: str | None = None,
               max_model_len: int | None = None) -> "RunOptions":
         """Check every user-facing value once; errors name the parameter, what was found, what is supported."""
+        if dtype in NOT_OFFERED:
+            warnings.warn(f"dtype '{dtype}' is not offered: {NOT_OFFERED[dtype]}; running float32. "
+                          "Pass dtype 'float32' to silence this warning.", DtypeNotOfferedWarning, stacklevel=3)
+            dtype = "float32"
         if dtype not in DTYPES:
-            raise ModelError(f"dtype '{dtype}' is not supported; supported: {', '.join(DTYPES)}")
+            raise ModelError(f"dtype '{dtype}' is not supported; supported: {', '.join(DTYPES)} "
+                             f"({', '.join(NOT_OFFERED)} is accepted and runs as float32)")
         for name, value in (("threads", threads), ("max_model_len", max_model_len)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ModelError(f"{name}: expected a positive integer, found {value!r}")

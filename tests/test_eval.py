@@ -127,8 +127,9 @@ def test_compare_int8_activations_against_a_saved_base(tmp_path):
 def test_compare_cli_end_to_end(tiny, tmp_path, capsys):
     _, d, text = tiny
     saved = tmp_path / "base.safetensors"
-    assert main(["eval", "compare", str(d), "--text", str(text), "--context", "64", "--stride", "32",
-                 "--save-base", str(saved), "--other-dtype", "bfloat16", "--json"]) == 0
+    other = save_hf_dir(hf_model("llama", seed=5), tmp_path / "other")  # the same shapes, other weights
+    assert main(["eval", "compare", str(d), str(other), "--text", str(text), "--context", "64", "--stride", "32",
+                 "--save-base", str(saved), "--json"]) == 0
     first = json.loads(capsys.readouterr().out)
     assert first["kl_mean"] > 0 and first["tokens_evaluated"] > 200
     assert main(["eval", "compare", str(saved), str(d), "--text", str(text), "--json"]) == 0

@@ -60,7 +60,8 @@ def register(sub) -> None:
     md.add_argument("checkpoint", nargs="?", type=Path, default=None,
                     help="checkpoint directory (default: the 1B W4 checkpoint, written to the cache on first use)")
     md.add_argument("--modes", default="w4a16,w4a8", help="activation modes: w4a16 (float), w4a8 (int8)")
-    md.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    md.add_argument("--dtype", choices=("float32",), default="float32",
+                    help="compute dtype (bfloat16 is not offered: slower than float32 on CPUs)")
     md.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
     md.add_argument("--prompt", type=int, default=512, help="prompt tokens of the prefill / decode runs")
     md.add_argument("--gen", type=int, default=128, help="tokens decoded per run")

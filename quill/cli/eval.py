@@ -33,7 +33,6 @@ def register(sub) -> None:
                     help="the model compared with BASE (default: BASE itself with the --other-* settings)")
     pc.add_argument("--other-act-quant", choices=["none", "int8"], default=None,
                     help="activation quantization of OTHER (default: as --act-quant)")
-    pc.add_argument("--other-dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype of OTHER")
     pc.add_argument("--other-kernel", default=None, help="force one linear kernel for OTHER")
     pc.add_argument("--top-k", type=int, default=128,
                     help="base log-probabilities kept per token for KL (default 128; the rest is one outcome)")
@@ -183,7 +182,6 @@ def run_compare(args) -> int:
     other_args = argparse.Namespace(**vars(args))
     other_args.model = args.other or args.model
     other_args.act_quant = args.other_act_quant or args.act_quant
-    other_args.dtype = args.other_dtype or args.dtype
     other_args.kernel = args.other_kernel or args.kernel
     text = read_text(args)  # before any model loads: a bad text fails fast
     if base_file:

@@ -81,7 +81,9 @@ class LLM:
 
     Args:
         model: a checkpoint directory, a ``.gguf`` file, a Hugging Face Hub id, or None for the default model.
-        dtype: "float32" (default; exact against float32 references) or "bfloat16".
+        dtype: "float32" (the default and only compute dtype; exact against float32 references).
+            "bfloat16" is accepted and runs as float32 with a warning: it decoded at 0.5-0.9x float32's
+            speed on CPUs, so it is not offered.
         activation_quant: "int8" runs every quantized layer with int8 activations (W4A8 / W8A8);
             a checkpoint that prescribes its own activation quantization (W8A8) always gets it.
         threads: torch threads (default: the physical cores).
