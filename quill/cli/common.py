@@ -22,7 +22,8 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -
                    help="int8: quantize activations of quantized layers (W4A8/W8A8); a W8A8 checkpoint "
                         "always runs with its own")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (bfloat16 is accepted and runs as float32, with a warning: "
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype (bfloat16 is accepted and runs as float32, with a warning: "
                         "slower than float32 on CPUs)")
     p.add_argument("--kernel", default=None, help="force one linear kernel by name (see `quill info`)")
     p.add_argument("--moe-backend", default=None, help="force one MoE backend by name (grouped, reference)")
