@@ -401,6 +401,13 @@ def test_preconditions_raise_kernel_error():
     with pytest.raises(KernelError, match=r"packed sub-values \(sub_bits 4\) need super_scales"):
         EXT.module.NativeLinear(p.codes, p.scales, None, None, p.seg_end, None, None, 4, 16, 64, "float", "scalar",
                                 sub_bits=4)
+    wide = _weight(16, 256, 4, -1)
+    p8 = pack(wide, True)  # int8 activations: one 256-position segment
+    with pytest.raises(KernelError, match="float activations take segments of at most 128 positions; segment 0 "
+                                          "holds 256"):
+        EXT.module.NativeLinear(p8.codes, p8.scales, None, None, p8.seg_end, None, None, 4, 16, 256, "float", "scalar")
+    with pytest.raises(KernelError, match="segment 0 holds 256 positions; expected 1 to 128"):
+        EXT.module.split_activations(torch.randn(1, 256), p8.seg_end, 8, None, "scalar")
     q2 = pack(_gguf_weight("Q2_K", 16, 256), False)  # 4-bit packed sub-scales: [NB, S / 2, 16]
     assert q2.sub_bits == 4 and q2.scales.shape == (1, 8, 16) and q2.scales.dtype == torch.uint8
     with pytest.raises(KernelError, match=r"'scales' should be .*\[1, 8, 16\]"):

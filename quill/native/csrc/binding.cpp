@@ -53,6 +53,11 @@ std::vector<at::Tensor> split_activations(const at::Tensor& x, at::Tensor seg_en
   const int64_t m = x.size(0), k = x.size(1), nseg = seg_end.numel();
   expect(seg_end, at::kInt, {nseg}, "seg_end");
   if (nseg == 0) fail("split_activations: no segments");
+  for (int64_t s = 0, p0 = 0; s < nseg; p0 = seg_end.data_ptr<int32_t>()[s++] * chunk) {
+    const int64_t p1 = int64_t(seg_end.data_ptr<int32_t>()[s]) * chunk;
+    if (p1 <= p0 || p1 - p0 > SPLIT_MAX_SEGMENT)
+      fail("split_activations: segment ", s, " holds ", p1 - p0, " positions; expected 1 to ", SPLIT_MAX_SEGMENT);
+  }
   const int64_t kp = int64_t(seg_end.data_ptr<int32_t>()[nseg - 1]) * chunk;
   if (src) expect(*src, at::kLong, {kp}, "src");
   else if (kp < k) fail("split_activations: ", kp, " stream positions cannot hold ", k, " columns");

@@ -64,6 +64,10 @@ class NativeLinear final : public LinearOp {
     for (int64_t s = 0; s < nseg; ++s)
       if (se[s] <= (s ? se[s - 1] : 0) || (s == nseg - 1 && se[s] != kc))
         fail("native kernel: segment ends must increase strictly up to ", kc, " chunks");
+    for (int64_t s = 0; s < nseg && !int8_; ++s)  // the split image's buffers and int32 sums (common.h)
+      if ((se[s] - (s ? se[s - 1] : 0)) * chunk_k(int(bits)) > SPLIT_MAX_SEGMENT)
+        fail("native kernel: float activations take segments of at most ", SPLIT_MAX_SEGMENT, " positions; segment ", s,
+             " holds ", (se[s] - (s ? se[s - 1] : 0)) * chunk_k(int(bits)));
     check_levels(nb, nseg);
     if (zeros_) expect(*zeros_, bits != 8 ? at::kByte : at::kShort, {nb, nseg, LANES}, "zeros");
     if (plane_bytes(int(bits)) != 0) {
