@@ -54,14 +54,20 @@ QUILL_INLINE __m256i sub8(const void* sub, const Weights& w, int nb, int s, int 
   return _mm256_sub_epi32(u, _mm256_set1_epi32(w.sub_bias));
 }
 
-// One level: 8 stored values at i.  Two levels: super * integer sub-values (level_at).
-QUILL_INLINE __m256 level8(const void* sub, const void* sup, const Weights& w, int nb, int s, int h, int64_t i) {
-  if (!sup) return load8(sub, w.scale_dtype, i);
-  return _mm256_mul_ps(load8(sup, w.scale_dtype, super_index(w, nb, s, 8 * h)), _mm256_cvtepi32_ps(sub8(sub, w, nb, s, h)));
-}
+// Two-level weights: the super-block scale (and offset) of lanes 8h..8h+7 of one row block,
+// converted once per super-block (gps segments) instead of once per segment (simd512.h Supers).
+struct Supers8 {
+  int g = -1;  // the super-block held (-1: none yet)
+  alignas(32) float scale[8], offset[8];
+};
 
-QUILL_INLINE __m256 scale8(const Weights& w, int nb, int s, int h, int64_t i) { return level8(w.scales, w.super_scales, w, nb, s, h, i); }
-QUILL_INLINE __m256 offset8(const Weights& w, int nb, int s, int h, int64_t i) { return level8(w.offsets, w.super_offsets, w, nb, s, h, i); }
+// One level: 8 stored values at i.  Two levels: super * integer sub-values (level_at), the super
+// value `held`.
+QUILL_INLINE __m256 level8(const void* sub, const void* sup, const Weights& w, int nb, int s, int h, int64_t i,
+                           const float* held) {
+  if (!sup) return load8(sub, w.scale_dtype, i);
+  return _mm256_mul_ps(_mm256_load_ps(held), _mm256_cvtepi32_ps(sub8(sub, w, nb, s, h)));
+}
 
 // Scale, zero and offset of segment s for lanes 8h..8h+7, loaded once per segment and shared by
 // every token of a tile.
@@ -69,11 +75,19 @@ struct Seg8 {
   __m256 scale, zero, offset;
   __m256i zero_i;  // the zero point as int32 (split kernels subtract it before rounding)
   bool has_offset;
+  bool has_zero;  // false: no zeros and zero point 0 (K-quants with mins), nothing to take off
 };
 
-QUILL_INLINE Seg8 seg8(const Weights& w, int nb, int s, int h) {
+QUILL_INLINE Seg8 seg8(const Weights& w, int nb, int s, int h, Supers8& sup) {
   const int64_t i = seg_index(w, nb, s, 8 * h);
+  if (w.super_scales && s / w.gps != sup.g) {
+    sup.g = s / w.gps;
+    const int64_t si = super_index(w, nb, s, 8 * h);
+    _mm256_store_ps(sup.scale, load8(w.super_scales, w.scale_dtype, si));
+    if (w.super_offsets) _mm256_store_ps(sup.offset, load8(w.super_offsets, w.scale_dtype, si));
+  }
   Seg8 c;
+  c.has_zero = w.zeros || w.zconst != 0.0f;
   if (!w.zeros)
     c.zero_i = _mm256_set1_epi32(int32_t(w.zconst));
   else if (w.bits != 8)
@@ -81,9 +95,9 @@ QUILL_INLINE Seg8 seg8(const Weights& w, int nb, int s, int h) {
   else
     c.zero_i = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(w.zeros) + i)));
   c.zero = _mm256_cvtepi32_ps(c.zero_i);
-  c.scale = scale8(w, nb, s, h, i);
+  c.scale = level8(w.scales, w.super_scales, w, nb, s, h, i, sup.scale);
   c.has_offset = w.offsets != nullptr;
-  c.offset = c.has_offset ? offset8(w, nb, s, h, i) : _mm256_setzero_ps();
+  c.offset = c.has_offset ? level8(w.offsets, w.super_offsets, w, nb, s, h, i, sup.offset) : _mm256_setzero_ps();
   return c;
 }
 
@@ -99,8 +113,11 @@ QUILL_INLINE __m256 epilogue(const Seg8& c, __m256 d, __m256 x, __m256 f) {
 // for lanes 8h..8h+7 (split_epilogue).
 QUILL_INLINE __m256 epilogue_split(const Seg8& c, __m256i dhi, __m256i dlo, int32_t xhi, int32_t xlo, float xscale,
                                    __m256 f) {
-  const __m256i ehi = _mm256_sub_epi32(dhi, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xhi)));
-  const __m256i elo = _mm256_sub_epi32(dlo, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xlo)));
+  __m256i ehi = dhi, elo = dlo;
+  if (c.has_zero) {
+    ehi = _mm256_sub_epi32(dhi, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xhi)));
+    elo = _mm256_sub_epi32(dlo, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xlo)));
+  }
   const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ehi), _mm256_set1_ps(65536.0f), _mm256_cvtepi32_ps(elo));
   const __m256 xs = _mm256_set1_ps(xscale);
   f = _mm256_fmadd_ps(_mm256_mul_ps(c.scale, xs), t, f);
@@ -172,6 +189,7 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
   constexpr int dest[3] = {SPLIT ? 0 : 1, 1, 1};
   const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
   alignas(32) float f[MT][LANES] = {};
+  Supers8 sup[2];  // per half
   for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
     __m256i acc[MT][2][2];  // [token][half][Dhi, D or Dlo]
     QUILL_UNROLL for (int m = 0; m < MT; ++m)
@@ -218,7 +236,7 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
       }
     }
     QUILL_UNROLL for (int h = 0; h < 2; ++h) {
-      const Seg8 sc = seg8(w, nb, s, h);
+      const Seg8 sc = seg8(w, nb, s, h, sup[h]);
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
         const __m256 fo = _mm256_load_ps(f[m] + 8 * h);

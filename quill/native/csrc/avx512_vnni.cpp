@@ -42,6 +42,7 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
   const int8_t* xs[MT];       // [KC, STRIDE] each
   __m512i acc[RB][MT][PARTS][NA];
   __m512 f[RB][MT];  // the finished segments' total
+  v512::Supers sup[RB];
   QUILL_UNROLL for (int r = 0; r < RB; ++r) blocks[r] = w.codes + int64_t(nb + r) * w.kc * BLOCK_BYTES;
   QUILL_UNROLL for (int m = 0; m < MT; ++m) xs[m] = a.x + (m0 + m) * a.ld;
   auto reset = [&](int r, int m) {
@@ -107,7 +108,7 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     if (c < end) chunk(c++, Even{});
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
     QUILL_UNROLL for (int r = 0; r < RB; ++r) {
-      const v512::SegConsts sc = v512::seg_consts(w, nb + r, s);
+      const v512::SegConsts sc = v512::seg_consts(w, nb + r, s, sup[r]);
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
         f[r][m] = v512::split_epilogue(sc, dhi(r, m), dlo(r, m), a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], f[r][m]);
@@ -179,6 +180,7 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
   const int8_t* xs[MT];
   __m512i acc[MT][NA];
   __m512 f[MT];
+  v512::Supers sup;
   QUILL_UNROLL for (int m = 0; m < MT; ++m) {
     xs[m] = a.q + (m0 + m) * a.ld;  // [Kp]
     f[m] = _mm512_load_ps(st[m].f);
@@ -225,7 +227,7 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
     if (c < end) chunk(c, Even{});
     c = end;
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
-    const v512::SegConsts sc = v512::seg_consts(w, nb, s);
+    const v512::SegConsts sc = v512::seg_consts(w, nb, s, sup);
     QUILL_UNROLL for (int m = 0; m < MT; ++m) {
       __m512i d = acc[m][0];
       QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
