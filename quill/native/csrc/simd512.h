@@ -59,7 +59,7 @@ QUILL_INLINE __m512i sub16(const void* sub, const Weights& w, int nb, int s) {
 
 // Two-level weights (K-quants): the super-block scale (and offset) of one row block, converted
 // once per super-block (gps segments) instead of once per segment.  One token, 8192 x 2048, Zen 5:
-// Q4_K W4A16 -13 %, W4A8 -16 % (AVX2 -16 / -26 %), Q6_K W4A8 -10 %; a 16-token Q6_K W4A16 tile
+// Q4_K W4A16 -14 %, W4A8 -17 % (AVX2 -17 / -28 %), Q6_K W4A8 -11 %; a 16-token Q6_K W4A16 tile
 // lost 3-5 %.  Kept in memory, not registers: a wide tile has none to spare, and an L1 load is
 // cheap beside the index arithmetic and f16 conversion it replaces.
 struct Supers {
