@@ -286,3 +286,33 @@ def test_kv_pool_is_zero_and_takes_memory_only_where_written():
     assert pool[: 1 << 20].sum().item() == float(1 << 20)
     b16 = untouched_zeros((4, 3, 2), torch.bfloat16)
     assert b16.dtype == torch.bfloat16 and not b16.any() and untouched_zeros((0, 3), torch.float32).numel() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 70), st.sampled_from([1, 1, 1, 3, 17])), min_size=1, max_size=9),
+       st.sampled_from([1, 4, 16]), st.randoms(use_true_random=False))
+def test_step_layout_slots_by_their_definition(seqs, block_size, rnd):
+    """Every token's slot is table[p // block_size] * block_size + p % block_size, in packed order."""
+    from quill.engine.kv_cache import StepLayout
+    pieces = []
+    for done, new in seqs:
+        need = -(-(done + new) // block_size)
+        pieces.append((rnd.sample(range(500), need + rnd.randint(0, 2)), done, new))  # tables may run ahead
+    lay = StepLayout.build(pieces, block_size)
+
+    def slot(table, p):
+        return table[p // block_size] * block_size + p % block_size
+
+    want = [slot(t, p) for t, done, new in pieces for p in range(done, done + new)]
+    assert lay.slots.tolist() == want
+    decode = [(i, pc) for i, pc in enumerate(pieces) if pc[2] == 1]
+    rows = [sum(pc[2] for pc in pieces[:i]) for i, _ in decode]
+    assert lay.decode_rows.tolist() == rows and lay.decode_lens.tolist() == [d + 1 for _, (_, d, _) in decode]
+    width = max((d + 1 for _, (_, d, _) in decode), default=0)
+    assert lay.decode_slots.shape == (len(decode), width)
+    for r, (_, (t, d, _)) in enumerate(decode):
+        assert lay.decode_slots[r].tolist() == [slot(t, p) for p in range(d + 1)] + [0] * (width - d - 1)
+    prefill = [(i, pc) for i, pc in enumerate(pieces) if pc[2] != 1]
+    assert [(s, n) for s, n, _ in lay.prefills] == [(sum(pc[2] for pc in pieces[:i]), pc[2]) for i, pc in prefill]
+    for (_, _, ctx), (_, (t, d, n)) in zip(lay.prefills, prefill):
+        assert ctx.tolist() == [slot(t, p) for p in range(d + n)]

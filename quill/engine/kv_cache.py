@@ -33,30 +33,48 @@ class StepLayout:
 
     @classmethod
     def build(cls, pieces: list[tuple[list[int], int, int]], block_size: int) -> "StepLayout":
-        """``pieces``: per sequence (block table, tokens already computed, new tokens), in packed order."""
-        slots, dec_rows, dec_ctx, prefills, row = [], [], [], [], 0
-        for table, done, new in pieces:
-            pos = torch.arange(done + new)  # every context position after this step
-            ctx = torch.tensor(table, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
-            slots.append(ctx[done:])
+        """``pieces``: per sequence (block table, tokens already computed, new tokens), in packed order.
+
+        The decode sequences' slot tables are formed all at once (a handful of torch ops per step,
+        not per sequence: 16 decoding sequences took ~0.4 ms a step one by one)."""
+        offsets = torch.arange(block_size, dtype=torch.int64)
+        slots, dec_rows, dec, prefills, row = [], [], [], [], 0
+        for i, (table, done, new) in enumerate(pieces):
             if new == 1:
                 dec_rows.append(row)
-                dec_ctx.append(ctx)
+                dec.append(i)
             else:
+                ctx = _slots(torch.tensor(table, dtype=torch.int64), offsets)[:done + new]
                 prefills.append((row, new, ctx))
+                slots.append(ctx[done:])
             row += new
-        lens = torch.tensor([c.numel() for c in dec_ctx], dtype=torch.int64)
-        return cls(torch.cat(slots), torch.tensor(dec_rows, dtype=torch.int64), _pad(dec_ctx), lens, prefills)
+        ctx, lens = _decode_slots([pieces[i] for i in dec], offsets)
+        new_slots = ctx[torch.arange(len(dec)), lens - 1] if dec else ctx.new_empty(0)
+        if not prefills:
+            all_slots = new_slots
+        else:  # the packed row's order: decode tokens and prefill chunks as scheduled
+            all_slots = torch.empty(row, dtype=torch.int64)
+            all_slots[torch.tensor(dec_rows, dtype=torch.int64)] = new_slots
+            for (start, new, _), s in zip(prefills, slots):
+                all_slots[start:start + new] = s
+        return cls(all_slots, torch.tensor(dec_rows, dtype=torch.int64), ctx, lens, prefills)
 
 
-def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Rows of different lengths -> int64 [len(rows), longest], 0-padded."""
-    if not rows:
-        return torch.empty(0, 0, dtype=torch.int64)
-    out = torch.zeros(len(rows), max(r.numel() for r in rows), dtype=torch.int64)
-    for i, r in enumerate(rows):
-        out[i, :r.numel()] = r
-    return out
+def _slots(table: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Block table int64 [..., B] -> the slot of every position its blocks hold, int64 [..., B * block_size]."""
+    return (table.unsqueeze(-1) * offsets.numel() + offsets).flatten(-2)
+
+
+def _decode_slots(pieces: list[tuple[list[int], int, int]], offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoding sequences' context slots int64 [Bd, longest] (0-padded) and context lengths int64 [Bd]."""
+    if not pieces:
+        return torch.empty(0, 0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+    lens = torch.tensor([done + 1 for _, done, _ in pieces], dtype=torch.int64)
+    longest = int(lens.max())
+    blocks = -(-longest // offsets.numel())
+    tables = torch.tensor([t[:blocks] + [0] * (blocks - len(t[:blocks])) for t, _, _ in pieces], dtype=torch.int64)
+    ctx = _slots(tables, offsets)[:, :longest]
+    return ctx.masked_fill(torch.arange(longest) >= lens.unsqueeze(1), 0), lens
 
 
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
