@@ -4,6 +4,7 @@ import json
 
 import torch
 
+from quill.bench import memory
 from quill.bench import moe as bench
 from quill.formats.checkpoint import open_checkpoint
 from quill.platform import detect
@@ -29,7 +30,11 @@ def test_checkpoint_loads_and_model_bench_reports(tmp_path):
     assert ckpt.config["model_type"] == "qwen3_moe" and ckpt.quant_method == "compressed-tensors"
     names = dict(ckpt.quantized_layers())
     assert len(names) == TINY.num_hidden_layers * (4 + 3 * TINY.num_experts)
-    row = bench.bench_model(path, prompt_len=8, gen_tokens=3, dtype="float32", threads=None, log=lambda s: None)
+    probe = memory.Probe(1 << 20, 1, nbytes=8 << 20)
+    row = bench.bench_model(path, prompt_len=8, gen_tokens=3, dtype="float32", threads=None, log=lambda s: None,
+                            probe=probe)
+    assert len(row["dram_probes_gbs"]) == 2 and min(row["dram_probes_gbs"]) > 0
+    assert abs(row["roofline_pct"] - 100 * row["decode_gb_per_s"] / max(row["dram_probes_gbs"])) < 1e-9
     assert row["backends"] == ["grouped"] and row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
     assert row["routed_expert_mib"] * TINY.num_experts == row["all_experts_mib"] * TINY.num_experts_per_tok
     json.dumps(row)
@@ -39,4 +44,7 @@ def test_command_line(tmp_path, capsys):
     out = tmp_path / "layer.json"
     assert bench.main(["layer", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2", "--group", "32",
                        "--tokens", "1", "--runs", "1", "--json", str(out)]) == 0
-    assert "T=1" in capsys.readouterr().out and json.loads(out.read_text())["rows"][0]["tokens"] == 1
+    text = capsys.readouterr().out
+    assert "T=1" in text and "% of roofline against the highest DRAM read of this run" in text
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["tokens"] == 1 and abs(row["roofline_pct"] - 100 * row["gb_per_s"] / row["roofline_gbs"]) < 1e-9

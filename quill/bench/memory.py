@@ -72,6 +72,10 @@ class Probe:
             return None
         return self._timed(lambda: self._ext.stream_read(self._stream_buf, threads), threads, runs)
 
+    def best_gbs(self, runs: int = 3) -> float:
+        """The higher of the two all-thread probes (streaming read, ``torch.sum``), GB/s."""
+        return max(v for v in (self.stream_gbs(self.threads, runs), self.sum_gbs(self.threads, runs)) if v is not None)
+
     def read_gbs(self, runs: int = 3) -> float:
         """Median all-thread read bandwidth, GB/s (the streaming probe, else torch.sum)."""
         gbs = self.stream_gbs(self.threads, runs)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quill.bench import memory
 from quill.canonical import QuantizedWeight
 from quill.errors import ConfigError, format_choices
 from quill.kernels import KernelPolicy, KernelSelector
@@ -98,10 +99,13 @@ def timed(fn: Callable[[], object], runs: int, min_run_s: float) -> float:
 
 def bench_layer(shape: MoEShape, bits: int, group: int, tokens: list[int], backends: list[str],
                 dtype: torch.dtype, platform: Platform, runs: int = 3, min_run_s: float = 0.2,
-                log: Callable[[str], None] = print) -> list[dict]:
-    """Time one MoE layer per backend and token count; returns one row per (backend, tokens)."""
+                log: Callable[[str], None] = print, probe: memory.Probe | None = None) -> list[dict]:
+    """Time one MoE layer per backend and token count; returns one row per (backend, tokens).
+
+    With ``probe``, DRAM read probes are taken before and after every cell, and each row's
+    ``roofline_pct`` is its GB/s against the highest any probe of the run read."""
     experts = random_experts(shape, bits, group)
-    rows = []
+    rows, probes = [], []
     for backend in backends:
         moe = build_fused_moe("bench.mlp", experts, shape.num_experts_per_tok,
                               MoESelector(platform, KernelPolicy(force=backend)),
@@ -119,14 +123,26 @@ def bench_layer(shape: MoEShape, bits: int, group: int, tokens: list[int], backe
                 weights, ids = routings[next(turn) % ROUTINGS]
                 return moe(x, ids, weights)
 
+            if probe is not None:
+                probes.append(probe.best_gbs())
             s = timed(call, runs, min_run_s)
+            if probe is not None:
+                probes.append(probe.best_gbs())
             read = statistics.mean(moe.bytes_read(ids) for _, ids in routings)
             distinct = statistics.mean(len(set(ids.flatten().tolist())) for _, ids in routings)
             row = dict(backend=backend, tokens=T, ms=s * 1e3, tokens_per_s=T / s, gb_per_s=read / s / 1e9,
                        experts_read=distinct, mib_read=read / 2**20)
             rows.append(row)
             log(f"  {backend:<10} T={T:<5} {row['ms']:9.2f} ms  {row['tokens_per_s']:9.1f} tok/s  "
-                f"{row['gb_per_s']:6.2f} GB/s  ({row['experts_read']:.1f} experts, {row['mib_read']:.1f} MiB per call)")
+                f"{row['gb_per_s']:6.2f} GB/s  ({row['experts_read']:.1f} experts, {row['mib_read']:.1f} MiB per call)"
+                + (f"  [DRAM probes {probes[-2]:.1f} / {probes[-1]:.1f} GB/s]" if probes else ""))
+    if probes:
+        best = max(probes)
+        for row in rows:
+            row["roofline_pct"] = 100 * row["gb_per_s"] / best
+            row["roofline_gbs"] = best
+        log(f"  % of roofline against the highest DRAM read of this run, {best:.1f} GB/s (probes {min(probes):.1f}-"
+            f"{best:.1f}): " + ", ".join(f"{r['backend']} T={r['tokens']} {r['roofline_pct']:.0f} %" for r in rows))
     return rows
 
 
@@ -185,8 +201,9 @@ def write_checkpoint(out: Path, shape: MoEShape, bits: int = 4, group: int = 128
 
 
 def bench_model(path: Path, prompt_len: int, gen_tokens: int, dtype: str, threads: int | None,
-                log: Callable[[str], None] = print) -> dict:
-    """Load ``path`` with quill.LLM and time a prefill of ``prompt_len`` tokens and ``gen_tokens`` decode steps."""
+                log: Callable[[str], None] = print, probe: memory.Probe | None = None) -> dict:
+    """Load ``path`` with quill.LLM and time a prefill of ``prompt_len`` tokens and ``gen_tokens`` decode steps
+    (with ``probe``: DRAM read probes just before and after, and the decode's % of the higher)."""
     import quill
     from quill.layers import SparseMoeBlock
 
@@ -201,7 +218,9 @@ def bench_model(path: Path, prompt_len: int, gen_tokens: int, dtype: str, thread
     prompt = torch.randint(4, llm.model.args.vocab_size, (prompt_len,), generator=gen).tolist()
     params = quill.SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
     llm.generate([prompt[:8]], quill.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
+    probes = [probe.best_gbs()] if probe is not None else []
     t = llm.generate([prompt], params)[0].timings
+    probes += [probe.best_gbs()] if probe is not None else []
     step = expert_bytes + other_bytes  # bytes one decode step (batch 1) reads
     row = dict(load_s=load_s, prefill_tokens=prompt_len, prefill_tokens_per_s=t.prefill_tps,
                decode_tokens=gen_tokens, decode_tokens_per_s=t.decode_tps,
@@ -210,8 +229,12 @@ def bench_model(path: Path, prompt_len: int, gen_tokens: int, dtype: str, thread
                all_experts_mib=all_experts / 2**20,
                backends=sorted({b.fused.backend_name for b in blocks}),
                kernels=sorted({i.kernel for i in llm.loaded.layers if i.kind == "quantized"}))
+    if probes:
+        row.update(dram_probes_gbs=probes, roofline_pct=100 * row["decode_gb_per_s"] / max(probes))
     log(f"  load {load_s:.1f} s; prefill {prompt_len} tokens: {t.prefill_tps:.1f} tok/s; decode {gen_tokens} tokens: "
-        f"{t.decode_tps:.2f} tok/s, {row['decode_gb_per_s']:.2f} GB/s")
+        f"{t.decode_tps:.2f} tok/s, {row['decode_gb_per_s']:.2f} GB/s"
+        + (f" ({row['roofline_pct']:.0f} % of the higher DRAM probe, {probes[0]:.1f} before / {probes[1]:.1f} after)"
+           if probes else ""))
     log(f"  one decode step reads {row['step_mib']:.1f} MiB: routed experts {row['routed_expert_mib']:.1f} MiB "
         f"(of {row['all_experts_mib']:.0f} MiB of experts), everything else {row['other_mib']:.1f} MiB; "
         f"MoE backend {', '.join(row['backends'])}, linear kernels {', '.join(row['kernels'])}")
@@ -278,8 +301,10 @@ def run_layer(args) -> int:
     shape = _shape(args)
     print(f"MoE layer: {shape.num_experts} experts, top-{shape.num_experts_per_tok}, hidden {shape.hidden_size}, "
           f"expert intermediate {shape.moe_intermediate_size}, W{args.bits} g{args.group}, {args.dtype}", flush=True)
+    threads = args.threads or platform.physical_cores
+    probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
     rows = bench_layer(shape, args.bits, args.group, _ints(args.tokens, "tokens"), backends, DTYPES[args.dtype],
-                       platform, runs=args.runs, log=lambda s: print(s, flush=True))
+                       platform, runs=args.runs, log=lambda s: print(s, flush=True), probe=probe)
     if args.json:
         args.json.write_text(json.dumps({"shape": asdict(shape), "rows": rows}, indent=1))
     return 0
@@ -292,7 +317,8 @@ def run_model(args) -> int:
     if not (args.path / "config.json").is_file():
         print(f"writing {args.path} ({shape.num_hidden_layers} layers, {shape.num_experts} experts)", flush=True)
         write_checkpoint(args.path, shape, args.bits, args.group)
-    row = bench_model(args.path, args.prompt, args.gen, args.dtype, threads, lambda s: print(s, flush=True))
+    probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
+    row = bench_model(args.path, args.prompt, args.gen, args.dtype, threads, lambda s: print(s, flush=True), probe)
     if args.json:
         args.json.write_text(json.dumps(row, indent=1))
     return 0
