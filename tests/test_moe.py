@@ -113,9 +113,11 @@ def test_bfloat16_activations(T):
 
 
 def test_decode_reads_only_selected_experts():
-    """An expert no token chose is never called (its linears would raise)."""
+    """An expert no token chose is never called (its linears would raise).  The per-expert path: the native
+    group indexes the routed experts directly (test_native_expert_group_is_the_per_expert_path)."""
     experts = make_experts(4, H, I, FORMATS["w4-sym-g32"], seed=10)
     moe = build(experts, 2, "grouped")
+    moe.state.group = None
 
     def boom(x):
         raise AssertionError("an unselected expert ran")
@@ -209,3 +211,61 @@ def test_bad_expert_sets_name_layer_and_expert():
     moe = build(experts, 2, "grouped")
     with pytest.raises(KernelError, match="expected x \\[T, 128\\]"):
         moe(torch.zeros(3, H + 1), torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2))
+
+
+# ---- the native expert group (one token, one call) -----------------------------------------
+
+@pytest.mark.parametrize("fmt,activation", [("w4-sym-g32", None), ("w4-asym-g32", None), ("w4-sym-g32", "int8"),
+                                            ("w8-sym-channel", None), ("w2-asym-g32", None), ("bf16", None)])
+def test_native_expert_group_is_the_per_expert_path(fmt, activation):
+    """One token's routed experts in one native call give the per-expert path's result (same linears, same
+    silu-mul; only the weighted sum's rounding may differ) for routings that repeat and reorder experts."""
+    experts = make_experts(E, H, I, FORMATS[fmt], seed=12)
+    moe = build(experts, 3, "grouped", activation)
+    group = moe.state.group
+    assert group is not None and group.num_experts == E
+    x = _x(1, seed=13)
+    for ids in ([[0, 5, 7]], [[7, 5, 0]], [[2, 2, 4]], [[6]]):
+        ids = torch.tensor(ids)
+        w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(int(ids.sum()))) + 0.1
+        got = moe(x, ids, w)
+        moe.state.group = None
+        want = moe(x, ids, w)
+        moe.state.group = group
+        assert got.shape == (1, H) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        ref = naive_moe(experts, x, ids, w)
+        assert sqnr_db(ref, got) >= (40 if activation is None else 25)
+
+
+def test_no_native_group_where_gate_and_up_are_not_stacked():
+    moe = build(make_experts(E, H, I, FORMATS["w4-actorder-g32"], seed=11), 2, "grouped")
+    assert moe.state.experts[0].gate_up is None and moe.state.group is None
+
+
+def test_native_expert_group_bad_inputs_are_named():
+    moe = build(make_experts(4, H, I, FORMATS["w4-sym-g32"], seed=14), 2, "grouped")
+    group = moe.state.group
+    x = _x(1)
+    with pytest.raises(KernelError, match=r"expert group: ids\[1\] = 4; the group has 4"):
+        group.forward(x, torch.tensor([0, 4]), torch.ones(2))
+    with pytest.raises(KernelError, match=r"'x' should be contiguous float32 \[1, 128\]"):
+        group.forward(_x(2), torch.tensor([0, 1]), torch.ones(2))
+    with pytest.raises(KernelError, match=r"'weights' should be contiguous float32 \[2\]"):
+        group.forward(x, torch.tensor([0, 1]), torch.ones(3))
+    with pytest.raises(KernelError, match=r"'ids' should be contiguous int64 \[k\]"):
+        group.forward(x, torch.tensor([0, 1], dtype=torch.int32), torch.ones(2))
+    lin = moe.state.experts[0]
+    with pytest.raises(KernelError, match=r"expert group: expert 0: gate_up is \[128, 128\], expected \[256, 64\]"):
+        type(group)(64, 128).add_expert(lin.gate_up.state.handle, lin.down.state.handle)
+
+
+def test_native_expert_group_keeps_its_linears_alive():
+    """The group borrows the C++ linears; dropping the Python experts must not free them under it."""
+    import gc
+    moe = build(make_experts(4, H, I, FORMATS["w4-sym-g32"], seed=15), 2, "grouped")
+    x, ids, w = _x(1), torch.tensor([[1, 3]]), torch.tensor([[0.25, 0.75]])
+    want = moe(x, ids, w)
+    moe.state.experts.clear()
+    gc.collect()
+    torch.testing.assert_close(moe(x, ids, w), want, rtol=0, atol=0)

@@ -156,15 +156,23 @@ def test_a_changed_checkpoint_misses_and_supersedes_its_old_entry(tmp_path):
     assert _load(model, cache).cache_hit
 
 
-@pytest.mark.parametrize("change", ["kernel", "dtype", "isa", "version"])
+def test_a_bfloat16_request_reads_the_float32_entry(tmp_path):
+    """dtype="bfloat16" is not offered (it runs float32), so it shares float32's cache entry."""
+    from quill.options import DtypeNotOfferedWarning
+    model = default_model_path()
+    _load(model, tmp_path)
+    with pytest.warns(DtypeNotOfferedWarning):
+        assert _load(model, tmp_path, dtype="bfloat16").cache_hit
+    assert len(_files(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("change", ["kernel", "isa", "version"])
 def test_each_part_of_the_key_invalidates(change, tmp_path, monkeypatch):
     model = default_model_path()
     base = _load(model, tmp_path)
     kw: dict = {}
     if change == "kernel":
         kw = {"activation_quant": "int8"}  # native_w4a8 / native_w8a8 instead of the A16 kernels
-    elif change == "dtype":
-        kw = {"dtype": "bfloat16"}
     elif change == "isa":
         p = detect()
         kw = {"platform": p.limited_to("avx2") if p.has("avx512f") else

@@ -9,7 +9,10 @@ serves MoE too.
 ``apply``:
 
 * one token (decode): only its k experts run, on the token itself; nothing
-  else is touched, so only the selected experts' weights are read.
+  else is touched, so only the selected experts' weights are read.  When every
+  expert's stacked gate_up and down run on native kernels (float32), the k
+  experts run in one native call (``quill.native`` ExpertGroup, csrc/moe.cpp:
+  one parallel region instead of 2k calls and their glue).
 * several tokens (prefill, batched decode): the (token, slot) pairs are sorted
   by expert, each expert that received tokens runs once on all of them (its
   weights are read once per step, in one GEMM of exactly its token count, so
@@ -24,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from quill import native
+from quill.kernels.linear import DenseLinear, QuantLinear
+from quill.kernels.native import NativeState
 from quill.moe.base import LinearFactory, MoEBackend
 from quill.moe.config import HIDDEN_ACTS, MoELayerConfig
 from quill.moe.experts import ExpertWeights, stack_gate_up
@@ -56,6 +62,31 @@ class GroupedState:
     experts: list[GroupedExpert]
     act: Fn
     top_k: int
+    group: object | None = None  # the native ExpertGroup over every expert (one-token calls), or None
+
+
+def _native_op(fn: Fn | None):
+    """The C++ linear behind a built linear without a bias, or None."""
+    if isinstance(fn, QuantLinear) and isinstance(fn.state, NativeState) and fn.bias is None:
+        return fn.state.handle
+    if isinstance(fn, DenseLinear) and fn.native is not None and fn.bias is None:
+        return fn.native
+    return None
+
+
+def native_group(experts: list[GroupedExpert], hidden_act: str) -> object | None:
+    """An ExpertGroup over ``experts`` when every one has a stacked gate_up and a down on native kernels
+    and the activation is SiLU (what csrc/moe.cpp computes); else None (the per-expert path runs)."""
+    ext = native.load()
+    if ext is None or hidden_act != "silu" or not experts:
+        return None
+    ops = [(_native_op(ex.gate_up), _native_op(ex.down)) for ex in experts]
+    if any(a is None or b is None for a, b in ops):
+        return None
+    group = ext.module.ExpertGroup(experts[0].down.out_features, experts[0].intermediate)
+    for a, b in ops:
+        group.add_expert(a, b)
+    return group
 
 
 class GroupedBackend(MoEBackend):
@@ -69,7 +100,7 @@ class GroupedBackend(MoEBackend):
     def prepare(cls, experts: Sequence[ExpertWeights], cfg: MoELayerConfig,
                 make_linear: LinearFactory) -> GroupedState:
         built = [cls._prepare_expert(ex, make_linear) for ex in experts]
-        return GroupedState(built, HIDDEN_ACTS[cfg.hidden_act], cfg.top_k)
+        return GroupedState(built, HIDDEN_ACTS[cfg.hidden_act], cfg.top_k, native_group(built, cfg.hidden_act))
 
     @staticmethod
     def _prepare_expert(ex: ExpertWeights, make_linear: LinearFactory) -> GroupedExpert:
@@ -109,7 +140,7 @@ class GroupedBackend(MoEBackend):
             built = {part: restore_linear(ex[part], by_part.get(f"{e}.{part}", {})) if part in ex else None
                      for part in _PARTS}
             experts.append(GroupedExpert(**built, intermediate=ex["intermediate"]))
-        return GroupedState(experts, HIDDEN_ACTS[cfg.hidden_act], facts["top_k"])
+        return GroupedState(experts, HIDDEN_ACTS[cfg.hidden_act], facts["top_k"], native_group(experts, cfg.hidden_act))
 
     @classmethod
     def apply(cls, state: GroupedState, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -121,6 +152,9 @@ class GroupedBackend(MoEBackend):
     @staticmethod
     def _one_token(state: GroupedState, x: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:
+        if state.group is not None and x.dtype == torch.float32:
+            return state.group.forward(x.contiguous(), topk_ids[0].long().contiguous(),
+                                       topk_weights[0].float().contiguous())
         experts, act = state.experts, state.act
         y = None
         for e, w in zip(topk_ids[0].tolist(), topk_weights[0].tolist()):

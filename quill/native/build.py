@@ -4,7 +4,7 @@ Plain g++, outside pip (pip's build isolation would pull a CUDA torch).  Every
 ISA variant is its own translation unit with its own ``-m`` flags and no
 ``-march=native``, so one build runs on any x86-64 and the ISA is picked at
 load.  Only the binding files (``binding.cpp``, ``linear.cpp``, ``ops.cpp``, ``dense.cpp``,
-``attention.cpp``, ``step.cpp``) see torch headers (the slow ones);
+``attention.cpp``, ``step.cpp``, ``moe.cpp``) see torch headers (the slow ones);
 the kernels are plain C++.  Objects are rebuilt when a source or header is newer.
 
 On failure the log goes to ``quill/native/_build/build.log``, a one-line reason
@@ -52,9 +52,10 @@ SOURCES: dict[str, list[str]] = {
     "dense.cpp": [],
     "attention.cpp": [],
     "step.cpp": [],
+    "moe.cpp": [],
 }
 # the slow ones: they see torch headers
-TORCH_SOURCES = ("binding.cpp", "linear.cpp", "ops.cpp", "dense.cpp", "attention.cpp", "step.cpp")
+TORCH_SOURCES = ("binding.cpp", "linear.cpp", "ops.cpp", "dense.cpp", "attention.cpp", "step.cpp", "moe.cpp")
 
 
 def extension_path() -> Path:

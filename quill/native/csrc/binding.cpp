@@ -152,6 +152,7 @@ PYBIND11_MODULE(_quill_native, m) {
   quill::register_dense(m);
   quill::register_attention(m);
   quill::register_step(m);
+  quill::register_moe(m);
   m.def("huge_page_copy", &quill::huge_page_copy, py::arg("t"));
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),

@@ -31,5 +31,6 @@ void register_ops(pybind11::module_& m);
 void register_dense(pybind11::module_& m);      // dense.cpp: NativeDense
 void register_attention(pybind11::module_& m);  // attention.cpp: decode_attention
 void register_step(pybind11::module_& m);       // step.cpp: DecoderStep
+void register_moe(pybind11::module_& m);        // moe.cpp: ExpertGroup
 
 }  // namespace quill

@@ -34,6 +34,7 @@
 #include "attention.h"
 #include "linear_op.h"
 #include "ops.h"
+#include "team.h"
 
 namespace quill {
 namespace {
@@ -252,35 +253,6 @@ class DecoderStep {
 // layers, each op takes its share (tokens, row blocks, (sequence, KV head) pairs, elements), and a
 // barrier separates dependent ops.  Nothing is allocated and no exception can be thrown inside.
 // Each op runs the arithmetic of its ops-path twin on the same values, so the bits are the same.
-
-// A spinning barrier of the team.  libgomp's own barrier sleeps on a futex as soon as it
-// throttles its spinning -- which it does whenever the process holds more OpenMP threads than
-// CPUs, e.g. once a second thread has started parallel work (a model loaded on one thread and
-// stepped on another): ~420 barriers per token then cost ~10 ms.  This one spins (pausing),
-// and yields the CPU only after a long wait, so an oversubscribed machine still makes progress.
-class SpinBarrier {
- public:
-  void set_size(int n) { n_ = n; }
-  void wait() {
-    const int gen = gen_.load(std::memory_order_acquire);
-    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {  // the last one in releases the rest
-      count_.store(0, std::memory_order_relaxed);
-      gen_.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
-      if (spins < (1 << 16))
-        _mm_pause();
-      else
-        sched_yield();
-    }
-  }
-
- private:
-  alignas(64) std::atomic<int> count_{0};
-  alignas(64) std::atomic<int> gen_{0};
-  int n_ = 1;
-};
 
 // float32 buffers of one step, carved from one allocation
 struct TeamBufs {
