@@ -55,7 +55,6 @@ def q4_k_m(tmp_path_factory) -> Path:
 
 CASES = {
     "default-gguf": (lambda q: default_model_path(), {}),
-    "default-bf16": (lambda q: default_model_path(), {"dtype": "bfloat16"}),
     "default-w4a8": (lambda q: default_model_path(), {"activation_quant": "int8"}),
     "q4_k_m": (lambda q: q, {}),
     "awq": (lambda q: fixture_path("ar-autoawq-sym-g128-llama"), {}),
