@@ -7,7 +7,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,10 +20,7 @@ namespace {
 
 template <class... A>
 [[noreturn]] void fail(const A&... parts) {
-  std::ostringstream s;
-  s << "decode_attention: ";
-  (s << ... << parts);
-  throw OpFailure(s.str());
+  op_fail("decode_attention", parts...);
 }
 
 

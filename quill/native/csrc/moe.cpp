@@ -18,7 +18,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -31,10 +30,7 @@ namespace {
 
 template <class... A>
 [[noreturn]] void fail(const A&... parts) {
-  std::ostringstream s;
-  s << "expert group: ";
-  (s << ... << parts);
-  throw OpFailure(s.str());
+  op_fail("expert group", parts...);
 }
 
 class ExpertGroup {

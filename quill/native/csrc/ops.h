@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -13,6 +14,15 @@ namespace quill {
 struct OpFailure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// Throw an OpFailure whose message is `what: ` followed by the parts.
+template <class... A>
+[[noreturn]] void op_fail(const char* what, const A&... parts) {
+  std::ostringstream s;
+  s << what << ": ";
+  (s << ... << parts);
+  throw OpFailure(s.str());
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);  // [..., D] -> [..., D]
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);        // in place, [B, T, H, D]

@@ -26,7 +26,6 @@
 #include <atomic>
 #include <cstring>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,10 +40,7 @@ namespace {
 
 template <class... A>
 [[noreturn]] void fail(const A&... parts) {
-  std::ostringstream s;
-  s << "decoder step: ";
-  (s << ... << parts);
-  throw OpFailure(s.str());
+  op_fail("decoder step", parts...);
 }
 
 void expect_f32(const at::Tensor& t, std::vector<int64_t> shape, const char* what) {
