@@ -24,8 +24,7 @@ import torch
 from quill import native
 from quill.engine.kv_cache import PagedKVCache, StepLayout
 from quill.kernels import fused
-from quill.kernels.linear import DenseLinear, QuantLinear
-from quill.kernels.native import NativeState
+from quill.kernels.linear import native_op
 from quill.models import llama, qwen3
 
 _ATTENTIONS = (llama.Attention, qwen3.Attention)
@@ -116,12 +115,10 @@ def _linears_of(named: list[tuple[str, object]]):
     """([C++ handle], [bias]) of built linears, or (None, why) when one does not run natively."""
     handles, biases = [], []
     for name, impl in named:
-        if isinstance(impl, QuantLinear) and isinstance(impl.state, NativeState):
-            handles.append(impl.state.handle)
-        elif isinstance(impl, DenseLinear) and impl.native is not None:
-            handles.append(impl.native)
-        else:
+        op = native_op(impl)
+        if op is None:
             kernel = getattr(impl, "kernel_name", type(impl).__name__)
             return None, f"{name} runs kernel {kernel}, not a native one"
+        handles.append(op)
         biases.append(impl.bias)
     return (handles, biases), None

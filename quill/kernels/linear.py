@@ -137,6 +137,18 @@ def build_dense_linear(
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
 
+def native_op(impl: object) -> object | None:
+    """The C++ linear (csrc/linear_op.h) behind a built linear that runs on a native kernel, else None:
+    what the native decode step and the MoE expert group call directly."""
+    from quill.kernels.native import NativeState
+
+    if isinstance(impl, QuantLinear) and isinstance(impl.state, NativeState):
+        return impl.state.handle
+    if isinstance(impl, DenseLinear) and impl.native is not None:
+        return impl.native
+    return None
+
+
 def _dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise CacheError(f"saved dtype '{name}' is not one of {format_choices(_DTYPES)}")

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from quill import native
-from quill.kernels.linear import DenseLinear, QuantLinear
-from quill.kernels.native import NativeState
+from quill.kernels.linear import native_op
 from quill.moe.base import LinearFactory, MoEBackend
 from quill.moe.config import HIDDEN_ACTS, MoELayerConfig
 from quill.moe.experts import ExpertWeights, stack_gate_up
@@ -66,12 +65,8 @@ class GroupedState:
 
 
 def _native_op(fn: Fn | None):
-    """The C++ linear behind a built linear without a bias, or None."""
-    if isinstance(fn, QuantLinear) and isinstance(fn.state, NativeState) and fn.bias is None:
-        return fn.state.handle
-    if isinstance(fn, DenseLinear) and fn.native is not None and fn.bias is None:
-        return fn.native
-    return None
+    """The C++ linear behind a built linear without a bias (the group adds none), or None."""
+    return native_op(fn) if getattr(fn, "bias", None) is None else None
 
 
 def native_group(experts: list[GroupedExpert], hidden_act: str) -> object | None:
