@@ -291,13 +291,25 @@ def test_a_client_that_leaves_stops_its_request_on_the_replica(server, stream):
 
 
 def test_killed_replica_requests_end_cleanly_and_it_comes_back(server, llm):
-    served = _replicas(server)
-    victim = next(iter(served.values()))["pid"]
+    deadline = time.monotonic() + 120
+    while len(served := _replicas(server)) < 2:  # (run alone, no earlier test has reached both replicas)
+        assert time.monotonic() < deadline, f"both replicas never served: {served}"
+        _run(_many(server, [(f"Name a fish ({i})", f"warm-{time.monotonic()}-{i}", False) for i in range(6)]))
+    victim_key, victim = next((k, r["pid"]) for k, r in served.items())
     qs = [(f"{QUESTIONS[i % len(QUESTIONS)]} [{i}]", f"load-{i}", i % 2 == 0) for i in range(24)]
 
     async def load_then_kill():
-        task = asyncio.ensure_future(_many(server, qs, max_tokens=48))
-        await asyncio.sleep(1.0)  # requests are decoding on both replicas
+        # Kill once the ingress has sent the victim requests of this load, while they decode (a fixed
+        # sleep raced the load on a fast machine: every request had finished before the kill).
+        sent = served[victim_key].get("requests", 0)
+        task = asyncio.ensure_future(_many(server, qs, max_tokens=96))
+        deadline = time.monotonic() + 60
+        while not task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            now = await asyncio.to_thread(_replicas, server)
+            if now.get(victim_key, {}).get("requests", 0) > sent:
+                break
+        await asyncio.sleep(0.2)  # past their prefill, into decoding
         os.kill(victim, signal.SIGKILL)
         return await task
 
@@ -305,7 +317,7 @@ def test_killed_replica_requests_end_cleanly_and_it_comes_back(server, llm):
     failed = 0
     for (q, _, stream), (status, text, error) in zip(qs, results):
         if status == 200 and error is None:
-            assert text == chat_offline(llm, q, 48).text, q
+            assert text == chat_offline(llm, q, 96).text, q
             continue
         failed += 1
         assert status == 503 or (stream and status == 200 and error), (status, error)
