@@ -27,6 +27,7 @@ def report(llm) -> str:
         f"cpu:        {llm.platform.microarch} ({llm.platform.isa_level}), {llm.threads} threads, "
         f"compute {str(loaded.dtype).removeprefix('torch.')}",
         f"decode step: {_step(llm.engine)}",
+        *_moe_decode(llm.model),
         "",
         f"{'layer':<44} {'kind':<9} {'bits':>4} {'group':>6} {'sym':>4}  {'kernel':<12} weights",
     ]
@@ -56,6 +57,18 @@ def _step(engine) -> str:
     if engine.native_step is not None:
         return "native: every decoder layer in one call"
     return f"the model's Python layers ({engine.native_step_reason})"
+
+
+def _moe_decode(model) -> list[str]:
+    """How one decode token runs each MoE layer's routed experts (quill.moe.grouped), for MoE models."""
+    from quill.layers import SparseMoeBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return []
+    grouped = sum(getattr(b.fused.state, "group", None) is not None for b in blocks)
+    return [f"moe decode: {grouped} of {len(blocks)} MoE layers run a token's experts in one native call"
+            + ("" if grouped == len(blocks) else " (the others: one call per expert projection)")]
 
 
 def _collapse_experts(layers):
