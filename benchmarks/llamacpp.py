@@ -193,13 +193,14 @@ ENGINES = (*QUILL_MODES, "llama.cpp")
 def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: int, probe, log,
             platform=None, lib: Path | None = None) -> dict:
     import quill
+    from quill.bench import settled
     from quill.engine.core import EngineConfig
 
     # no prefix cache: every run repeats the same prompt, whose prefill must be computed each time
     # (llama.cpp starts each run in a fresh process)
     cfg = EngineConfig(enable_prefix_caching=False)
-    llms = {e: quill.LLM(str(path), threads=threads, progress=False, activation_quant=aq, platform=platform,
-                         engine_config=cfg) for e, aq in QUILL_MODES.items()}
+    llms = {e: settled(quill.LLM(str(path), threads=threads, progress=False, activation_quant=aq, platform=platform,
+                                 engine_config=cfg)) for e, aq in QUILL_MODES.items()}
     held, stored = quill_linear_bytes(llms["quill w4a16"]), file_linear_bytes(path)
     log(f"  weights read per token: quill {held / 1e6:.2f} MB, file {stored / 1e6:.2f} MB ({held / stored:.3f}x)")
     for llm in llms.values():

@@ -94,7 +94,10 @@ def test_writing_the_cache_never_holds_up_the_first_answer(tmp_path, monkeypatch
     import quill.prepacked.store as store
     gate, real = threading.Event(), store.write_file
 
+    niceness = []
+
     def held_write(*args, **kw):
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         assert gate.wait(120), "the test never released the writer"
         return real(*args, **kw)
     monkeypatch.setattr(store, "write_file", held_write)
@@ -104,6 +107,7 @@ def test_writing_the_cache_never_holds_up_the_first_answer(tmp_path, monkeypatch
     gate.set()
     llm.cache.wait()
     assert len(_files(tmp_path)) == 1
+    assert niceness == [19] and os.getpriority(os.PRIO_PROCESS, 0) < 19  # the writer yields the CPU, not the process
     assert _answer(_load(default_model_path(), tmp_path)) == answer
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import quill
-from quill.bench import memory
+from quill.bench import memory, settled
 from quill.engine.core import EngineConfig
 from quill.platform import Platform
 
@@ -101,9 +101,9 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def run_mode(path: Path, mode: str, dtype: str, threads: int, prompt: int, gen: int, batch: int,
              runs: int, probe: memory.Probe, log: Callable[[str], None]) -> ModeResult:
     # no prefix cache: every run repeats the same prompt, whose prefill must be computed each time
-    llm = quill.LLM(str(path), dtype=dtype, activation_quant=MODES[mode], threads=threads,
-                    skip_tokenizer_init=True, progress=False,
-                    engine_config=EngineConfig(enable_prefix_caching=False))
+    llm = settled(quill.LLM(str(path), dtype=dtype, activation_quant=MODES[mode], threads=threads,
+                            skip_tokenizer_init=True, progress=False,
+                            engine_config=EngineConfig(enable_prefix_caching=False)))
     vocab = llm.model.args.vocab_size
     params = quill.SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
     single = _prompts(1, prompt, vocab, 0)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from quill.bench import memory
+from quill.bench import memory, settled
 from quill.canonical import QuantizedWeight
 from quill.errors import ConfigError, format_choices
 from quill.kernels import KernelPolicy, KernelSelector
@@ -208,7 +208,7 @@ def bench_model(path: Path, prompt_len: int, gen_tokens: int, dtype: str, thread
     from quill.layers import SparseMoeBlock
 
     t0 = time.perf_counter()
-    llm = quill.LLM(str(path), skip_tokenizer_init=True, dtype=dtype, threads=threads)
+    llm = settled(quill.LLM(str(path), skip_tokenizer_init=True, dtype=dtype, threads=threads))
     load_s = time.perf_counter() - t0
     blocks = [m for m in llm.model.modules() if isinstance(m, SparseMoeBlock)]
     expert_bytes = sum(sum(b.fused.expert_bytes) / len(b.fused.expert_bytes) * b.top_k for b in blocks)

@@ -25,6 +25,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from quill.bench import settled
 from quill.bench.load import LoadResult, Workload, run_load
 from quill.bench.stats import median
 from quill.errors import ConfigError
@@ -174,7 +175,7 @@ def _median_summary(results: list[LoadResult]) -> dict:
 def _llm_generate_decode(model: str | None, workload: Workload, threads: int) -> float:
     """Decode tok/s of ``LLM.generate`` on the workload's requests, one at a time (the in-process baseline)."""
     import quill
-    llm = quill.LLM(model, threads=threads)
+    llm = settled(quill.LLM(model, threads=threads))
     rates = []
     for prompt, n in workload.requests[:4]:
         out = llm.generate(prompt, quill.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
