@@ -57,7 +57,7 @@ def selectors(moe_policy=None, linear_policy=None, platform: Platform = PLAT, mo
     return moe, lin
 
 
-def build(experts, top_k, backend: str, activation=None, dtype=torch.float32):
-    """A FusedMoE on ``backend`` (forced), linear kernels chosen normally."""
-    moe_sel, lin_sel = selectors(MOE_REGISTRY.policy_from_env({"QUILL_MOE_BACKEND": backend}))
+def build(experts, top_k, backend: str, activation=None, dtype=torch.float32, platform: Platform = PLAT):
+    """A FusedMoE on ``backend`` (forced), linear kernels chosen normally (for ``platform``: PLAT is AVX2)."""
+    moe_sel, lin_sel = selectors(MOE_REGISTRY.policy_from_env({"QUILL_MOE_BACKEND": backend}), platform=platform)
     return build_fused_moe("model.layers.0.mlp", experts, top_k, moe_sel, lin_sel, activation, dtype=dtype)

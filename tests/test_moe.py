@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from quill.errors import CheckpointError, ConfigError, KernelError, ModelError
 from quill.moe import ExpertWeights, MoELayerConfig, route, stack_gate_up
 from quill.moe.experts import check_experts
+from quill.platform import detect
 from tests.moe_util import FORMATS, PLAT, build, make_experts, sqnr_db
 
 E, H, I = 8, 128, 64
@@ -215,15 +216,19 @@ def test_bad_expert_sets_name_layer_and_expert():
 
 # ---- the native expert group (one token, one call) -----------------------------------------
 
+@pytest.mark.parametrize("isa", ["avx2", "native"])
 @pytest.mark.parametrize("fmt,activation", [("w4-sym-g32", None), ("w4-asym-g32", None), ("w4-sym-g32", "int8"),
                                             ("w8-sym-channel", None), ("w2-asym-g32", None), ("bf16", None)])
-def test_native_expert_group_is_the_per_expert_path(fmt, activation):
+def test_native_expert_group_is_the_per_expert_path(fmt, activation, isa):
     """One token's routed experts in one native call give the per-expert path's result (same linears, same
-    silu-mul; only the weighted sum's rounding may differ) for routings that repeat and reorder experts."""
+    silu-mul; only the weighted sum's rounding may differ) for routings that repeat and reorder experts;
+    on the AVX2 kernels and on this CPU's own (AVX-512 where it has it)."""
     experts = make_experts(E, H, I, FORMATS[fmt], seed=12)
-    moe = build(experts, 3, "grouped", activation)
+    moe = build(experts, 3, "grouped", activation, platform=PLAT if isa == "avx2" else detect())
     group = moe.state.group
     assert group is not None and group.num_experts == E
+    op = moe.state.experts[0].gate_up
+    assert fmt == "bf16" or (op.state.handle.isa == "avx2") == (isa == "avx2" or not detect().has("avx512f"))
     x = _x(1, seed=13)
     for ids in ([[0, 5, 7]], [[7, 5, 0]], [[2, 2, 4]], [[6]]):
         ids = torch.tensor(ids)
