@@ -172,7 +172,10 @@ class PrepackedCache:
     def _write(self, path: Path, tensors: dict, metadata: dict, facts: dict) -> None:
         # The lowest CPU priority: the file is for the next load, and the model this load just built is
         # serving now (a fresh MoE checkpoint's first decode ran at a fifth of its speed beside the write).
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # a thread's own nice value (Linux)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # a thread's own nice value (Linux)
+        except OSError as e:  # elsewhere the write runs at the process's priority
+            log.debug("prepacked cache: writer priority unchanged: %s", e)
         try:
             size = write_file(path, tensors, metadata, facts)
             log.info("prepacked cache: wrote %s (%.1f MB)", path, size / 1e6)

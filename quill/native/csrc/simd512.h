@@ -69,7 +69,7 @@ struct Supers {
 
 // One level: 16 stored values at i.  Two levels: super * integer sub-values (level_at), the super
 // value `held` (Supers).
-QUILL_INLINE __m512 level16_held(const void* sub, const void* sup, const Weights& w, int nb, int s, int64_t i,
+QUILL_INLINE __m512 level16(const void* sub, const void* sup, const Weights& w, int nb, int s, int64_t i,
                                  const float* held) {
   if (!sup) return load16(sub, w.scale_dtype, i);
   return _mm512_mul_ps(_mm512_load_ps(held), _mm512_cvtepi32_ps(sub16(sub, w, nb, s)));
@@ -84,7 +84,7 @@ QUILL_INLINE SegConsts seg_consts(const Weights& w, int nb, int s, Supers& sup) 
     if (w.super_offsets) _mm512_store_ps(sup.offset, load16(w.super_offsets, w.scale_dtype, si));
   }
   SegConsts c;
-  c.scale = level16_held(w.scales, w.super_scales, w, nb, s, i, sup.scale);
+  c.scale = level16(w.scales, w.super_scales, w, nb, s, i, sup.scale);
   c.has_zero = w.zeros || w.zconst != 0.0f;
   if (!w.zeros) {
     c.zero_i = _mm512_set1_epi32(int32_t(w.zconst));
@@ -97,7 +97,7 @@ QUILL_INLINE SegConsts seg_consts(const Weights& w, int nb, int s, Supers& sup) 
   }
   c.zero = _mm512_cvtepi32_ps(c.zero_i);
   c.has_offset = w.offsets != nullptr;
-  c.offset = c.has_offset ? level16_held(w.offsets, w.super_offsets, w, nb, s, i, sup.offset) : _mm512_setzero_ps();
+  c.offset = c.has_offset ? level16(w.offsets, w.super_offsets, w, nb, s, i, sup.offset) : _mm512_setzero_ps();
   return c;
 }
 
