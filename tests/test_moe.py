@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from quill import native
 from quill.errors import CheckpointError, ConfigError, KernelError, ModelError
 from quill.moe import ExpertWeights, MoELayerConfig, route, stack_gate_up
 from quill.moe.experts import check_experts
@@ -197,6 +198,31 @@ def test_router_softmax_topk_renormalize():
         route(logits, 2, True, scoring="sigmoid")
 
 
+@pytest.mark.skipif(native.load().module is None, reason="native kernels not built")
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_native_router_is_torch_softmax_topk(renormalize):
+    """The extension's router (route() uses it; the native decode step routes with the same function) picks
+    the k largest logits, best first, ties to the lower id, with torch's softmax probabilities to float32
+    rounding."""
+    ext = native.load().module
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 128, generator=gen) * 4
+    logits[3, [7, 9, 40]] = 50.0  # a three-way tie at the top
+    logits[4] = 0.0  # every expert tied
+    w, ids = ext.moe_route(logits, 8, renormalize)
+    assert ids.dtype == torch.long and w.dtype == torch.float32 and w.shape == ids.shape == (64, 8)
+    probs = torch.softmax(logits.double(), -1)
+    want_w, want_ids = torch.topk(probs, 8, -1)
+    assert torch.equal(ids[:3], want_ids[:3]) and torch.equal(ids[5:], want_ids[5:])
+    assert ids[3, :3].tolist() == [7, 9, 40] and ids[4].tolist() == list(range(8))
+    if renormalize:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    torch.testing.assert_close(w, want_w.float(), rtol=2e-7, atol=1e-9)
+    torch.testing.assert_close(route(logits, 8, renormalize)[0], w, rtol=0, atol=0)
+    with pytest.raises(KernelError, match=r"moe_route: top_k 9 should be in \[1, 8\]"):
+        ext.moe_route(logits[:, :8].contiguous(), 9, True)
+
+
 def test_bad_expert_sets_name_layer_and_expert():
     experts = make_experts(4, H, I, FORMATS["w4-sym-g32"])
     with pytest.raises(ConfigError, match="model.layers.3.mlp: the config says 8 experts, the checkpoint provides 4"):
@@ -230,10 +256,12 @@ def test_native_expert_group_is_the_per_expert_path(fmt, activation, isa):
     op = moe.state.experts[0].gate_up
     assert fmt == "bf16" or (op.state.handle.isa == "avx2") == (isa == "avx2" or not detect().has("avx512f"))
     x = _x(1, seed=13)
-    for ids in ([[0, 5, 7]], [[7, 5, 0]], [[2, 2, 4]], [[6]]):
+    # k = 2, 4: whole experts per thread on two threads (moe.cpp's solo); k = 3, 1: each linear split
+    for ids in ([[0, 5, 7]], [[7, 5, 0]], [[2, 2, 4]], [[6]], [[0, 5]], [[7, 5, 2, 2]]):
         ids = torch.tensor(ids)
         w = torch.rand(ids.shape, generator=torch.Generator().manual_seed(int(ids.sum()))) + 0.1
         got = moe(x, ids, w)
+        assert torch.equal(got, group.forward(x, ids, w, team=False))
         moe.state.group = None
         want = moe(x, ids, w)
         moe.state.group = group
@@ -241,6 +269,27 @@ def test_native_expert_group_is_the_per_expert_path(fmt, activation, isa):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         ref = naive_moe(experts, x, ids, w)
         assert sqnr_db(ref, got) >= (40 if activation is None else 25)
+
+
+@pytest.mark.parametrize("fmt,activation", [("w4-sym-g32", None), ("w4-asym-g32", "int8"), ("bf16", None)])
+def test_native_expert_group_takes_many_tokens(fmt, activation):
+    """Several tokens in one call (prefill, batched decode): each expert that received tokens runs once on
+    all of them; the result is the per-expert Python path's to float32 rounding, and one parallel region
+    gives the bits of the linears' own calls (team=False), repeated experts in a token included."""
+    experts = make_experts(E, H, I, FORMATS[fmt], seed=16)
+    moe = build(experts, 3, "grouped", activation)
+    group = moe.state.group
+    for T in (2, 7, 40):
+        x = _x(T, seed=T)
+        w, ids = _routing(T, 3, seed=T)
+        ids[0] = torch.tensor([4, 4, 1])  # a repeated expert
+        got = moe(x, ids, w)
+        assert torch.equal(got, group.forward(x, ids, w, team=False))
+        moe.state.group = None
+        want = moe(x, ids, w)
+        moe.state.group = group
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert sqnr_db(naive_moe(experts, x, ids, w), got) >= (40 if activation is None else 25)
 
 
 def test_no_native_group_where_gate_and_up_are_not_stacked():
@@ -252,14 +301,16 @@ def test_native_expert_group_bad_inputs_are_named():
     moe = build(make_experts(4, H, I, FORMATS["w4-sym-g32"], seed=14), 2, "grouped")
     group = moe.state.group
     x = _x(1)
-    with pytest.raises(KernelError, match=r"expert group: ids\[1\] = 4; the group has 4"):
-        group.forward(x, torch.tensor([0, 4]), torch.ones(2))
-    with pytest.raises(KernelError, match=r"'x' should be contiguous float32 \[1, 128\]"):
-        group.forward(_x(2), torch.tensor([0, 1]), torch.ones(2))
-    with pytest.raises(KernelError, match=r"'weights' should be contiguous float32 \[2\]"):
-        group.forward(x, torch.tensor([0, 1]), torch.ones(3))
-    with pytest.raises(KernelError, match=r"'ids' should be contiguous int64 \[k\]"):
-        group.forward(x, torch.tensor([0, 1], dtype=torch.int32), torch.ones(2))
+    with pytest.raises(KernelError, match=r"expert group: ids\[0, 1\] = 4; the group has 4"):
+        group.forward(x, torch.tensor([[0, 4]]), torch.ones(1, 2))
+    with pytest.raises(KernelError, match=r"'x' should be contiguous float32 \[T, 128\], T >= 1"):
+        group.forward(_x(2)[:, :64], torch.tensor([[0, 1]]), torch.ones(1, 2))
+    with pytest.raises(KernelError, match=r"'ids' should be contiguous int64 \[2, k\]"):
+        group.forward(_x(2), torch.tensor([[0, 1]]), torch.ones(1, 2))
+    with pytest.raises(KernelError, match=r"'weights' should be contiguous float32 \[1, 2\]"):
+        group.forward(x, torch.tensor([[0, 1]]), torch.ones(1, 3))
+    with pytest.raises(KernelError, match=r"'ids' should be contiguous int64 \[1, k\]"):
+        group.forward(x, torch.tensor([[0, 1]], dtype=torch.int32), torch.ones(1, 2))
     lin = moe.state.experts[0]
     with pytest.raises(KernelError, match=r"expert group: expert 0: gate_up is \[128, 128\], expected \[256, 64\]"):
         type(group)(64, 128).add_expert(lin.gate_up.state.handle, lin.down.state.handle)

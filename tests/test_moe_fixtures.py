@@ -87,10 +87,12 @@ def test_inspect_collapses_experts(capsys):
     w1 = rows["model.layers.0.block_sparse_moe.experts.*.w1"]
     assert w1[1:8] == ["expert", "x4", "4", "32", "yes", "moe:reference", "W4A16"]
     assert not any(".experts.0." in name for name in rows)
-    assert "moe decode: 0 of 2 MoE layers run a token's experts in one native call (the others: one call per" in out
+    assert "moe experts: 0 of 2 MoE layers run their routed experts in one native call (the others: one call per" in out
 
 
 def test_inspect_says_the_grouped_decode_runs_in_one_native_call(capsys):
     from quill.cli import main
     assert main(["inspect", str(fixture_path("ct-w4a16-qwen3moe"))]) == 0
-    assert "moe decode: 2 of 2 MoE layers run a token's experts in one native call\n" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "moe experts: 2 of 2 MoE layers run their routed experts in one native call\n" in out
+    assert "decode step: native: every decoder layer in one call\n" in out

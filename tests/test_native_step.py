@@ -18,6 +18,7 @@ from quill.options import DtypeNotOfferedWarning
 from tests.fixture_util import fixture_path
 from tests.llamacpp_util import quantize
 from tests.test_fixture_models import DENSE
+from tests.test_moe_fixtures import MOE
 
 pytestmark = pytest.mark.skipif(native.load().module is None, reason="native kernels not built")
 
@@ -65,6 +66,18 @@ def test_default_model_gives_the_python_layers_bits(activation, threads):
     assert run(llm, True, 24, team=False) == python  # each op splitting its own work
 
 
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("activation", [None, "int8"])
+def test_moe_fixture_models_give_the_python_layers_bits(name, activation):
+    """Router, top-k and the routed experts in the step (the ExpertGroup the Python path calls), batched
+    sequences arriving at different steps, teamed and op by op."""
+    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, activation_quant=activation)
+    python = run(llm, False)
+    assert run(llm, True) == python
+    assert run(llm, True, team=False) == python
+    assert len(python) == len(PROMPTS) and all(len(t) == 10 for t, _ in python.values())
+
+
 def test_many_sequences_at_once():
     """16 sequences decoding together (the team splits tokens, row blocks and attention pairs)."""
     llm = quill.LLM(str(fixture_path("ct-w4a16-sym-channel-qwen3")), skip_tokenizer_init=True)
@@ -103,8 +116,9 @@ def test_models_it_cannot_run_say_why():
     for reason, kw in cases.items():
         llm = quill.LLM(name, **kw, skip_tokenizer_init=True)
         assert llm.engine.native_step is None and llm.engine.native_step_reason == reason
-    moe = quill.LLM(str(fixture_path("ct-w4a16-mixtral")), skip_tokenizer_init=True)
-    assert moe.engine.native_step is None and "layer 0" in moe.engine.native_step_reason
+    moe = quill.LLM(str(fixture_path("ct-w4a16-mixtral")), skip_tokenizer_init=True, moe_backend="reference")
+    assert moe.engine.native_step is None and moe.engine.native_step_reason == (
+        "layer 0: model.layers.0.block_sparse_moe: the routed experts do not run as one native expert group")
     off = quill.LLM(name, engine_config=EngineConfig(native_step=False), skip_tokenizer_init=True)
     assert off.engine.native_step is None and off.engine.native_step_reason == "disabled"
 

@@ -264,6 +264,8 @@ def add_arguments(layer: argparse.ArgumentParser, model: argparse.ArgumentParser
     layer.add_argument("--tokens", default="1,16,128", help="token counts per call (default 1,16,128)")
     layer.add_argument("--backends", default="grouped", help=f"MoE backends ({format_choices(MOE_BACKENDS)})")
     layer.add_argument("--runs", type=int, default=3, help="timed runs per cell; the median is reported")
+    layer.add_argument("--isa", choices=("native", "avx2"), default="native",
+                       help="'avx2': the kernel variants of an AVX2-only CPU (Zen 2/3)")
     model.add_argument("path", type=Path, help="checkpoint directory (written first when it has no config.json)")
     model.add_argument("--layers", type=int, default=MoEShape.num_hidden_layers)
     model.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
@@ -292,7 +294,7 @@ def _header(args, platform: Platform) -> int:
 
 
 def run_layer(args) -> int:
-    platform = detect()
+    platform = detect() if args.isa == "native" else detect().limited_to(args.isa)
     _header(args, platform)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in MOE_BACKENDS]

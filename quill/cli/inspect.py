@@ -60,14 +60,14 @@ def _step(engine) -> str:
 
 
 def _moe_decode(model) -> list[str]:
-    """How one decode token runs each MoE layer's routed experts (quill.moe.grouped), for MoE models."""
+    """How each MoE layer runs its routed experts (quill.moe.grouped), for MoE models."""
     from quill.layers import SparseMoeBlock
 
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     if not blocks:
         return []
     grouped = sum(getattr(b.fused.state, "group", None) is not None for b in blocks)
-    return [f"moe decode: {grouped} of {len(blocks)} MoE layers run a token's experts in one native call"
+    return [f"moe experts: {grouped} of {len(blocks)} MoE layers run their routed experts in one native call"
             + ("" if grouped == len(blocks) else " (the others: one call per expert projection)")]
 
 

@@ -9,7 +9,9 @@ the same order on the same shapes, so its output is the Python path's bits
 (tests/test_native_step.py compares them), with no Python in between.
 
 The engine builds one at start-up when the model is a Llama-family decoder (llama,
-qwen2, qwen3: the classes of :mod:`quill.models.llama`, Qwen3's q/k norms included)
+qwen2, qwen3: the classes of :mod:`quill.models.llama`, Qwen3's q/k norms included;
+the MoE decoders qwen3_moe and mixtral, whose routed experts run the native
+ExpertGroup -- csrc/moe.cpp, the Python path's own call -- behind a native router)
 in float32, every linear of every layer runs a native kernel, and decode attention is
 native; otherwise :func:`build_native_step` says why not and the Python layers run.
 It serves steps whose tokens are all decodes (one new token per sequence, the common
@@ -25,9 +27,11 @@ from quill import native
 from quill.engine.kv_cache import PagedKVCache, StepLayout
 from quill.kernels import fused
 from quill.kernels.linear import native_op
-from quill.models import llama, qwen3
+from quill.layers import SparseMoeBlock
+from quill.models import llama, mixtral, qwen3
 
 _ATTENTIONS = (llama.Attention, qwen3.Attention)
+_LAYERS = (llama.DecoderLayer, mixtral.DecoderLayer)
 
 
 class NativeDecodeStep:
@@ -71,13 +75,14 @@ def build_native_step(model: torch.nn.Module, cache: PagedKVCache) -> tuple[Nati
 
 def _layer_parts(layer) -> tuple[dict | None, str | None]:
     """What ``DecoderStep.add_layer`` takes from one decoder layer, or (None, why it cannot)."""
-    if type(layer) is not llama.DecoderLayer:
-        return None, f"{type(layer).__name__} is not a Llama decoder layer"
-    attn, mlp = layer.self_attn, layer.mlp
+    if type(layer) not in _LAYERS:
+        return None, f"{type(layer).__name__} is not a Llama or Mixtral decoder layer"
+    attn = layer.self_attn
+    mlp = layer.block_sparse_moe if isinstance(layer, mixtral.DecoderLayer) else layer.mlp
     if type(attn) not in _ATTENTIONS:
         return None, f"attention {type(attn).__name__} is not Llama's or Qwen3's"
-    if type(mlp) is not llama.MLP or mlp.act is not fused.silu_mul:
-        return None, f"feed-forward {type(mlp).__name__} is not a gated SiLU MLP"
+    if type(mlp) is not SparseMoeBlock and (type(mlp) is not llama.MLP or mlp.act is not fused.silu_mul):
+        return None, f"feed-forward {type(mlp).__name__} is neither a gated SiLU MLP nor routed SiLU experts"
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if isinstance(attn, qwen3.Attention) else [None, None]
     if any(w is not None and w.dtype != torch.float32 for w in norms + qk_norms):
@@ -85,23 +90,43 @@ def _layer_parts(layer) -> tuple[dict | None, str | None]:
     qkv, why = _linears(attn.qkv, ("q_proj", "k_proj", "v_proj"))
     if qkv is None:
         return None, why
-    gate_up, why = _linears(mlp.gate_up, ("gate_proj", "up_proj"))
-    if gate_up is None:
+    ffn, why = _moe_parts(mlp) if type(mlp) is SparseMoeBlock else _mlp_parts(mlp)
+    if ffn is None:
         return None, why
     o, why = _linears_of([("o_proj", attn.o_proj.impl)])
     if o is None:
         return None, why
-    down, why = _linears_of([("down_proj", mlp.down_proj.impl)])
-    if down is None:
-        return None, why
     return {
         "ln1": norms[0].contiguous(), "eps1": layer.input_layernorm.eps,
         "ln2": norms[1].contiguous(), "eps2": layer.post_attention_layernorm.eps,
-        "qkv": qkv[0], "qkv_bias": qkv[1], "o": o[0][0], "o_bias": o[1][0],
-        "gate_up": gate_up[0], "gate_up_bias": gate_up[1], "down": down[0][0], "down_bias": down[1][0],
+        "qkv": qkv[0], "qkv_bias": qkv[1], "o": o[0][0], "o_bias": o[1][0], **ffn,
         "q_norm": qk_norms[0], "k_norm": qk_norms[1],
         "qk_eps": attn.q_norm.eps if isinstance(attn, qwen3.Attention) else 0.0,
     }, None
+
+
+def _mlp_parts(mlp) -> tuple[dict | None, str | None]:
+    gate_up, why = _linears(mlp.gate_up, ("gate_proj", "up_proj"))
+    if gate_up is None:
+        return None, why
+    down, why = _linears_of([("down_proj", mlp.down_proj.impl)])
+    if down is None:
+        return None, why
+    return {"gate_up": gate_up[0], "gate_up_bias": gate_up[1], "down": down[0][0], "down_bias": down[1][0]}, None
+
+
+def _moe_parts(moe: SparseMoeBlock) -> tuple[dict | None, str | None]:
+    """The router and the native expert group of an MoE block, or (None, why not)."""
+    group = getattr(moe.fused.state, "group", None) if moe.fused is not None else None
+    if group is None:
+        return None, f"{moe.name}: the routed experts do not run as one native expert group"
+    router, why = _linears_of([("router", moe.gate.impl)])
+    if router is None:
+        return None, why
+    if router[1][0] is not None:
+        return None, f"{moe.name}: the router has a bias"
+    return {"gate_up": [], "gate_up_bias": [], "down": None, "down_bias": None, "router": router[0][0],
+            "experts": group, "top_k": moe.top_k, "renormalize": moe.renormalize}, None
 
 
 def _linears(group, names: tuple[str, ...]):

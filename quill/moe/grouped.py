@@ -8,11 +8,12 @@ serves MoE too.
 
 ``apply``:
 
-* one token (decode): only its k experts run, on the token itself; nothing
-  else is touched, so only the selected experts' weights are read.  When every
-  expert's stacked gate_up and down run on native kernels (float32), the k
-  experts run in one native call (``quill.native`` ExpertGroup, csrc/moe.cpp:
-  one parallel region instead of 2k calls and their glue).
+* float32 with every expert's stacked gate_up and down on native kernels: one
+  native call (``quill.native`` ExpertGroup, csrc/moe.cpp: one parallel region
+  instead of 2k calls per token and their glue), the work laid out as below;
+  the native decode step (quill.engine.native_step) runs the same code.
+* otherwise, one token (decode): only its k experts run, on the token itself;
+  nothing else is touched, so only the selected experts' weights are read.
 * several tokens (prefill, batched decode): the (token, slot) pairs are sorted
   by expert, each expert that received tokens runs once on all of them (its
   weights are read once per step, in one GEMM of exactly its token count, so
@@ -61,7 +62,7 @@ class GroupedState:
     experts: list[GroupedExpert]
     act: Fn
     top_k: int
-    group: object | None = None  # the native ExpertGroup over every expert (one-token calls), or None
+    group: object | None = None  # the native ExpertGroup over every expert (float32 calls), or None
 
 
 def _native_op(fn: Fn | None):
@@ -140,6 +141,8 @@ class GroupedBackend(MoEBackend):
     @classmethod
     def apply(cls, state: GroupedState, x: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor) -> torch.Tensor:
+        if state.group is not None and x.dtype == torch.float32:
+            return state.group.forward(x.contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous())
         if x.shape[0] == 1:
             return cls._one_token(state, x, topk_ids, topk_weights)
         return cls._grouped(state, x, topk_ids, topk_weights)
@@ -147,9 +150,6 @@ class GroupedBackend(MoEBackend):
     @staticmethod
     def _one_token(state: GroupedState, x: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:
-        if state.group is not None and x.dtype == torch.float32:
-            return state.group.forward(x.contiguous(), topk_ids[0].long().contiguous(),
-                                       topk_weights[0].float().contiguous())
         experts, act = state.experts, state.act
         y = None
         for e, w in zip(topk_ids[0].tolist(), topk_weights[0].tolist()):

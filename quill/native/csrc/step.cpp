@@ -1,7 +1,8 @@
 // A decode step of a Llama-family decoder (llama, qwen2, qwen3, Mistral-style) with every layer
 // in one call: per layer RMSNorm -> q/k/v projections -> (Qwen3: per-head q/k RMSNorm) -> rope
 // -> store k, v in the paged pools -> paged decode attention -> o projection -> residual ->
-// RMSNorm -> gate/up -> SiLU-and-multiply -> down -> residual.
+// RMSNorm -> gate/up -> SiLU-and-multiply -> down -> residual; or, in an MoE layer (Qwen3-MoE,
+// Mixtral), RMSNorm -> router -> softmax top-k -> the routed experts (moe.cpp) -> residual.
 //
 // Why: a decode step of a small model spent more time in Python module calls and torch op
 // dispatch around the kernels than in the kernels (default model: ~4 ms of a 12 ms token).
@@ -32,6 +33,7 @@
 
 #include "attention.h"
 #include "linear_op.h"
+#include "moe.h"
 #include "ops.h"
 #include "team.h"
 
@@ -75,6 +77,10 @@ struct Layer {
   Proj o;                     // [T, H D] -> [T, E]
   std::vector<Proj> gate_up;  // one merged [T, 2 I], or gate, up
   Proj down;                  // [T, I] -> [T, E]
+  Proj router;                       // MoE layers: [T, E] -> [T, experts] router logits, no bias
+  const ExpertGroup* experts = nullptr;  // MoE layers: the routed experts (no gate_up / down then)
+  int64_t top_k = 0;
+  bool renormalize = false;
   std::optional<at::Tensor> q_norm, k_norm;  // [D] (Qwen3)
   double qk_eps = 0;
   at::Tensor k_pool, v_pool;  // [N, Hkv, D]
@@ -134,7 +140,8 @@ class DecoderStep {
                  const std::vector<std::optional<at::Tensor>>& qkv_bias, LinearOp* o, std::optional<at::Tensor> o_bias,
                  const std::vector<LinearOp*>& gate_up, const std::vector<std::optional<at::Tensor>>& gate_up_bias,
                  LinearOp* down, std::optional<at::Tensor> down_bias, std::optional<at::Tensor> q_norm,
-                 std::optional<at::Tensor> k_norm, double qk_eps, at::Tensor k_pool, at::Tensor v_pool) {
+                 std::optional<at::Tensor> k_norm, double qk_eps, at::Tensor k_pool, at::Tensor v_pool,
+                 LinearOp* router, const ExpertGroup* experts, int64_t top_k, bool renormalize) {
     expect_f32(ln1, {e_}, "input_layernorm");
     expect_f32(ln2, {e_}, "post_attention_layernorm");
     if (q_norm.has_value() != k_norm.has_value()) fail("q_norm and k_norm come together");
@@ -143,13 +150,23 @@ class DecoderStep {
     if (k_pool.dim() != 3) fail("'k_pool' should be float32 [N, ", hkv_, ", ", d_, "], found ", k_pool.sizes());
     expect_f32(k_pool, {k_pool.size(0), hkv_, d_}, "k_pool");
     expect_f32(v_pool, {k_pool.size(0), hkv_, d_}, "v_pool");
-    if (o == nullptr || down == nullptr) fail("o_proj and down_proj are required");
+    if (o == nullptr) fail("o_proj is required");
+    if ((down == nullptr) != (experts != nullptr)) fail("a layer takes either down_proj or routed experts");
     Layer l;
     l.ln1 = std::move(ln1), l.ln2 = std::move(ln2), l.eps1 = eps1, l.eps2 = eps2;
     l.qkv = projs(qkv, qkv_bias, e_, {h_ * d_, hkv_ * d_, hkv_ * d_}, "q/k/v");
     l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d_, e_);
-    l.gate_up = projs(gate_up, gate_up_bias, e_, {i_, i_}, "gate/up");
-    l.down = make_proj(down, std::move(down_bias), "down_proj", i_, e_);
+    if (experts != nullptr) {
+      if (!gate_up.empty() || router == nullptr || experts->hidden() != e_ || top_k < 1 || top_k > experts->num_experts())
+        fail("an MoE layer takes a router, experts of hidden size ", e_, " and top_k in [1, ", experts->num_experts(),
+             "], no gate/up; found ", gate_up.size(), " gate/up linears, experts of hidden size ", experts->hidden(),
+             ", top_k ", top_k);
+      l.router = make_proj(router, std::nullopt, "router", e_, experts->num_experts());
+      l.experts = experts, l.top_k = top_k, l.renormalize = renormalize;
+    } else {
+      l.gate_up = projs(gate_up, gate_up_bias, e_, {i_, i_}, "gate/up");
+      l.down = make_proj(down, std::move(down_bias), "down_proj", i_, e_);
+    }
     l.q_norm = std::move(q_norm), l.k_norm = std::move(k_norm), l.qk_eps = qk_eps;
     rows_ = layers_.empty() ? k_pool.size(0) : std::min(rows_, k_pool.size(0));
     l.k_pool = std::move(k_pool), l.v_pool = std::move(v_pool);
@@ -187,9 +204,14 @@ class DecoderStep {
   int64_t team_scratch(int64_t t) const {
     int64_t most = 0;
     for (const Layer& l : layers_) {
-      std::vector<const Proj*> ps = {&l.o, &l.down};
+      std::vector<const Proj*> ps = {&l.o, l.experts ? &l.router : &l.down};
       for (const Proj& p : l.qkv) ps.push_back(&p);
       for (const Proj& p : l.gate_up) ps.push_back(&p);
+      if (l.experts) {
+        const int64_t b = l.experts->team_scratch(t);
+        if (b < 0) return -1;
+        most = std::max(most, b);
+      }
       for (const Proj* p : ps) {
         const int64_t b = p->op->team_scratch(t);
         if (b < 0) return -1;
@@ -229,6 +251,10 @@ class DecoderStep {
 
   // x [T, E] -> [T, E]
   at::Tensor mlp(const Layer& l, const at::Tensor& x) const {
+    if (l.experts) {
+      const auto [w, ids] = route_tokens(l.router(x), l.top_k, l.renormalize);  // [T, k] each
+      return l.experts->forward(x, ids, w, false);
+    }
     std::vector<at::Tensor> gu = outputs(l.gate_up, x, {i_, i_}, "gate/up");
     return l.down(silu_mul(gu[0], gu[1]));
   }
@@ -305,6 +331,19 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
   }
   float* attn_scratch = at_;
   const TeamBufs bu{parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], parts[6], parts[7], parts[8]};
+  // MoE layers: router logits [T, experts], routing weights [T, k] and ids [T, k], the experts' work memory
+  int64_t most_experts = 0, most_k = 0, most_work = 0;
+  for (const Layer& l : layers_)
+    if (l.experts) {
+      most_experts = std::max(most_experts, l.experts->num_experts()), most_k = std::max(most_k, l.top_k);
+      most_work = std::max(most_work, l.experts->work_bytes(t, l.top_k, threads));
+    }
+  at::Tensor moe_mem = at::empty({align64(t * most_experts * 4) + 2 * align64(t * most_k * 8) + most_work},
+                                 h_in.options().dtype(at::kByte));
+  float* logits = reinterpret_cast<float*>(moe_mem.data_ptr());
+  float* route_w = logits + align64(t * most_experts * 4) / 4;
+  int64_t* route_ids = reinterpret_cast<int64_t*>(route_w + align64(t * most_k * 8) / 4);
+  char* moe_work = reinterpret_cast<char*>(route_ids) + align64(t * most_k * 8);
   std::copy(h_in.data_ptr<float>(), h_in.data_ptr<float>() + t * e_, bu.h);
   char* scratch = static_cast<char*>(scratch_mem.data_ptr());
   const float* cp = cos.data_ptr<float>();
@@ -366,6 +405,15 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
         rms_norm_f32(bu.h, l.ln2.data_ptr<float>(), bu.xn, e_, float(l.eps2), r, r + 1);
       }
       bar.wait();
+      if (l.experts) {  // router logits, each token's top-k, the routed experts into bu.o (ends with a barrier)
+        const int64_t ne = l.experts->num_experts(), k = l.top_k;
+        team_linears(&l.router, 1, bu.xn, t, logits, ne, scratch, tid, nt, bar);
+        for (int64_t r = r0; r < r1; ++r)
+          route_token(logits + r * ne, ne, k, l.renormalize, route_ids + r * k, route_w + r * k);
+        bar.wait();
+        l.experts->team_forward(bu.xn, t, route_ids, route_w, k, bu.o, moe_work, scratch, tid, nt, bar);
+        continue;
+      }
       team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * i_, scratch, tid, nt, bar);
       int64_t e0, e1;  // this thread's elements of [T, I]
       team_share(t * i_, tid, nt, e0, e1);
@@ -394,7 +442,9 @@ void register_step(pybind11::module_& m) {
       .def("add_layer", &DecoderStep::add_layer, py::arg("ln1"), py::arg("eps1"), py::arg("ln2"), py::arg("eps2"),
            py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"), py::arg("gate_up"),
            py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"), py::arg("q_norm"), py::arg("k_norm"),
-           py::arg("qk_eps"), py::arg("k_pool"), py::arg("v_pool"))
+           py::arg("qk_eps"), py::arg("k_pool"), py::arg("v_pool"), py::arg("router") = nullptr,
+           py::arg("experts") = nullptr, py::arg("top_k") = 0, py::arg("renormalize") = false,
+           py::keep_alive<1, 20>())  // the step holds the experts' Python object
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
       .def("forward", &DecoderStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("ctx_slots"), py::arg("lens"), py::arg("team") = true, py::call_guard<py::gil_scoped_release>());
