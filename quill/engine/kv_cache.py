@@ -16,9 +16,8 @@ import mmap
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from quill.layers import paged_decode_attention
+from quill.layers import paged_decode_attention, paged_prefill_attention
 
 
 @dataclass
@@ -127,18 +126,15 @@ class PagedLayerCache:
             od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens, scale,
                                         self.isa)
             return od[:, :, 0].transpose(0, 1)[None]  # [1, H, T, D]
-        out = torch.empty_like(q)
+        # token-major [T, H, D]: the model's transpose back to [T, H * D] is then free
+        out = torch.empty(q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
+        qt = q[0].transpose(0, 1)  # [T, H, D]
         if lay.decode_rows.numel():
-            qd = q[0, :, lay.decode_rows].transpose(0, 1)[:, :, None]  # [Bd, H, 1, D]
+            qd = qt[lay.decode_rows][:, :, None]  # [Bd, H, 1, D]
             od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens,
                                         scale, self.isa)  # [Bd, H, 1, D]
-            out[0, :, lay.decode_rows] = od[:, :, 0].transpose(0, 1)
+            out[lay.decode_rows] = od[:, :, 0]
         for start, n, ctx in lay.prefills:
-            kc = self.keys[ctx].permute(1, 0, 2)[None]  # [1, Hkv, S, D]
-            vc = self.values[ctx].permute(1, 0, 2)[None]
-            s = ctx.numel()
-            causal = torch.arange(s)[None, :] <= torch.arange(s - n, s)[:, None]  # [n, S]
-            qc = q[:, :, start:start + n]
-            out[:, :, start:start + n] = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=causal[None, None], scale=scale, enable_gqa=qc.shape[1] != kc.shape[1])
-        return out
+            out[start:start + n] = paged_prefill_attention(qt[start:start + n], self.keys, self.values, ctx, scale,
+                                                           self.isa)
+        return out.transpose(0, 1)[None]  # [1, H, T, D]

@@ -12,6 +12,7 @@ bit) or up to summation order (RMSNorm's mean).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from quill import native
 
@@ -123,6 +124,29 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if bool((lens != slots.shape[1]).any()):
         mask = (torch.arange(slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, Smax]
     return decode_attention_torch(q, kd.to(q.dtype), vd.to(q.dtype), mask, scale)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: torch.Tensor,
+                            scale: float, isa: str | None = None) -> torch.Tensor:
+    """Causal attention of a chunk of one sequence's new tokens through its paged pool's slot table.
+
+    q [n, H, D] (token-major); k_pool and v_pool [N, Hkv, D]; ctx int64 [S], S >= n (the pool rows of
+    the whole context, the chunk its last n positions) -> [n, H, D]: token i attends positions
+    0 .. S - n + i.  The native kernel (``isa`` as chosen at load; None for torch) streams key blocks
+    past blocks of query rows (csrc/prefill.h) and writes token-major; torch gathers the context
+    and runs ATen's flash attention.
+    """
+    ext = _ext() if isa is not None else None
+    if ext is not None and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32 and not q.requires_grad:
+        return ext.paged_prefill_attention(q.contiguous(), k_pool, v_pool, ctx, scale, isa)
+    n, s = q.shape[0], ctx.numel()
+    kc = k_pool[ctx].permute(1, 0, 2)[None].to(q.dtype)  # [1, Hkv, S, D]
+    vc = v_pool[ctx].permute(1, 0, 2)[None].to(q.dtype)
+    causal = torch.arange(s)[None, :] <= torch.arange(s - n, s)[:, None]  # [n, S]
+    qc = q.transpose(0, 1)[None]  # [1, H, n, D]
+    out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=causal[None, None], scale=scale,
+                                         enable_gqa=qc.shape[1] != kc.shape[1])
+    return out[0].transpose(0, 1)  # [n, H, D]
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

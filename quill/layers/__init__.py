@@ -16,7 +16,7 @@ from quill.layers.moe import (
     expert_count,
     is_sparse_layer,
 )
-from quill.layers.ops import ACTIVATIONS, attend, attention, paged_decode_attention
+from quill.layers.ops import ACTIVATIONS, attend, attention, paged_decode_attention, paged_prefill_attention
 from quill.layers.rope import RopeConfig, RotaryEmbedding, apply_rope_qk, rope_inv_freq
 from quill.layers.slots import Embedding, Linear, PostLoad, RMSNorm, Slot, linear, take_rows
 
@@ -24,6 +24,6 @@ __all__ = [
     "ACTIVATIONS", "Embedding", "ExpertSlot", "LayerInfo", "Linear", "LoadContext", "MergedLinear", "PostLoad",
     "RMSNorm", "merged",
     "RopeConfig", "RotaryEmbedding", "SharedExpertMoeBlock", "Slot", "SparseMoeBlock", "apply_rope_qk", "attend",
-    "attention", "paged_decode_attention",
+    "attention", "paged_decode_attention", "paged_prefill_attention",
     "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "take_rows",
 ]

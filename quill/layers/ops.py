@@ -10,8 +10,9 @@ from quill.kernels import fused
 # hidden_act -> fused activation-and-multiply of a gated MLP
 ACTIVATIONS = {"silu": fused.silu_mul}
 
-# decode attention through a paged KV pool's slot tables (the engine's cache calls it)
+# decode and prefill attention through a paged KV pool's slot tables (the engine's cache calls them)
 paged_decode_attention = fused.paged_decode_attention
+paged_prefill_attention = fused.paged_prefill_attention
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -1,9 +1,10 @@
 // Python bindings of decode attention (attention.h), over dense [B, Hkv, S, D] rows or through
-// a paged pool's slot tables: check shapes, strides and tables, pick the ISA variant, split the
-// (sequence, KV head) pairs across torch's pool.
+// a paged pool's slot tables, and of prefill attention (prefill.h) through a slot table: check
+// shapes, strides and tables, pick the ISA variant, split the work across torch's pool.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <omp.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
@@ -14,6 +15,7 @@
 #include "attention.h"
 #include "isa.h"
 #include "ops.h"
+#include "prefill.h"
 
 namespace quill {
 namespace {
@@ -143,6 +145,57 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
   return out;
 }
 
+PrefillBlock prefill_for(const std::string& isa) {
+  const std::string problem = isa_problem(isa);
+  if (!problem.empty()) op_fail("prefill_attention", problem);
+  if (isa == "avx512") return prefill_block_avx512();
+  if (isa == "avx2") return prefill_block_avx2();
+  return prefill_block_scalar();
+}
+
+// q [n, H, D] float32 (the chunk's queries); k and v pools [N, Hkv, D] float32; ctx int64 [S], S >= n (pool rows
+// of the context, the chunk's tokens its last n) -> [n, H, D]: token i attends positions 0 .. S - n + i
+at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& ctx_in, double scale, const std::string& isa) {
+  const PrefillBlock block = prefill_for(isa);
+  auto bad = [](const auto&... parts) { op_fail("prefill_attention", parts...); };
+  if (q_in.scalar_type() != at::kFloat || q_in.dim() != 3 || q_in.size(0) < 1)
+    bad("'q' should be float32 [n, H, D], n >= 1, found ", q_in.dtype(), " ", q_in.sizes());
+  const int64_t n = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
+  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}})
+    if (t->scalar_type() != at::kFloat || t->dim() != 3 || t->size(2) != D || !t->is_contiguous())
+      bad("'", name, "' pool should be contiguous float32 [N, Hkv, ", D, "], found ", t->dtype(), " ", t->sizes());
+  if (v.sizes() != k.sizes()) bad("'v' pool ", v.sizes(), " does not match 'k' pool ", k.sizes());
+  const int64_t N = k.size(0), hkv = k.size(1);
+  if (hkv == 0 || H % hkv) bad(H, " query heads are not a multiple of ", hkv, " KV heads");
+  if (ctx_in.scalar_type() != at::kLong || ctx_in.dim() != 1 || ctx_in.size(0) < n)
+    bad("'ctx' should be int64 [S], S >= ", n, " (the chunk's tokens), found ", ctx_in.dtype(), " ", ctx_in.sizes());
+  const at::Tensor ctx = ctx_in.contiguous(), q = q_in.contiguous();
+  const int64_t S = ctx.size(0);
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)  // a bad table would read outside the pool: refuse it here
+    if (cp[s] < 0 || cp[s] >= N) bad("position ", s, " names pool row ", cp[s], "; the pool has ", N);
+  at::Tensor out = at::empty({n, H, D}, q.options());
+  PrefillArgs a;
+  a.q = q.data_ptr<float>(), a.k = k.data_ptr<float>(), a.v = v.data_ptr<float>(), a.ctx = cp;
+  a.out = out.data_ptr<float>();
+  a.n = n, a.start = S - n, a.h = H, a.hkv = hkv, a.d = D, a.scale = float(scale);
+  // (KV head, query block) items, the last blocks (the most keys) first, taken one at a time
+  const int64_t tb = prefill_tokens_per_block(H / hkv), nb = (n + tb - 1) / tb, items = hkv * nb;
+  const int64_t scratch = prefill_scratch(H / hkv, D, tb);
+  const int threads = at::in_parallel_region() ? 1 : int(std::min<int64_t>(items, at::get_num_threads()));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> buf(static_cast<size_t>(scratch));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t b = nb - 1 - it / hkv, h = it % hkv;
+      block(a, h, b * tb, std::min(n, (b + 1) * tb), buf.data());
+    }
+  }
+  return out;
+}
+
 void register_attention(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
@@ -150,6 +203,8 @@ void register_attention(pybind11::module_& m) {
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
         py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("isa"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
+        py::arg("ctx"), py::arg("scale"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill

@@ -1,8 +1,15 @@
-// The decode-attention template (attention_tile.h) compiled for avx2.
+// The decode- and prefill-attention templates (attention_tile.h, prefill_tile.h) compiled for avx2.
 #include "attention_tile.h"
+#define PF_VW 8
+#define PF_QK_KEYS 4
+#define PF_QK_VECS 2
+#define PF_PV_ROWS 4
+#define PF_PV_VECS 2
+#include "prefill_tile.h"
 
 namespace quill {
 
 AttnHead attn_head_avx2() { return attn::any_head; }
+PrefillBlock prefill_block_avx2() { return attn::prefill_block; }
 
 }  // namespace quill
