@@ -137,23 +137,25 @@ void tile_mt(int mt, const Weights& w, const SplitActs& a, int nb, int m0, int c
   }
 }
 
-// Row blocks [nb0, nb1): two per pass sharing the activation broadcasts for 2-3 tokens per
-// tile, one at a time for wider tiles (registers) and for one token: decode streams its
-// weights from DRAM, and one row block after the other is one sequential stream (Zen 5, one
-// token through the native step: 1.2B Q4_0 W4A16 +29 %, the default model +14 %; with weights
-// cached, two per pass are faster, 179 vs 258 us at 4096 x 4096, but decode is not cached).
+// Row blocks [nb0, nb1): two per pass sharing the activation broadcasts, in tiles of 2-3 tokens
+// (two row blocks x 3 tokens x 3 parts fill the registers; against one row block x 6 tokens:
+// 1.2B gate_up at 128 tokens 21.3 -> 18.5 ms on Zen 5), one at a time for one token: decode
+// streams its weights from DRAM, and one row block after the other is one sequential stream
+// (Zen 5, one token through the native step: 1.2B Q4_0 W4A16 +29 %, the default model +14 %;
+// with weights cached, two per pass are faster, 179 vs 258 us at 4096 x 4096, but decode is not cached).
 template <int BITS>
 void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st0,
-                   LaneState<int32_t>* st1) {
-    LaneState<int32_t>* const st[2] = {st0, st1};
+  auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
     if (rb == 2 && mt >= 2 && mt <= 3) return tile_mt<BITS, 2>(mt, w, a, nb, m0, c0, c1, s, st);
     for (int r = 0; r < rb; ++r) tile_mt<BITS, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
   };
   auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
     v512::store_float(w, o, nb, m, _mm512_load_ps(st.f));
   };
-  run_kblocked<int32_t, 2>(w, a.m, nb0, nb1, tiles, finish);
+  if (a.m <= MT_MAX) return run_kblocked<int32_t, 2>(w, a.m, nb0, nb1, tiles, finish);
+  // K-blocked (weights reused from L1 by every token tile): tiles of at most 3 tokens, so that
+  // every tile of two or more runs two row blocks at once
+  run_kblocked<int32_t, 2, decltype(tiles), decltype(finish), 3>(w, a.m, nb0, nb1, tiles, finish);
 }
 
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
@@ -169,51 +171,61 @@ void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int
 
 // ---- W4A8 / W8A8: int8 activations (I8Acts) ----
 
-// MT tokens x one row block x chunks [c0, c1), starting in segment s; partial
-// results in/out through `st` (kblock.h).  NA int32 accumulators per token (summed exactly).
-template <int BITS, int MT>
-void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st) {
+// MT tokens x RB row blocks x chunks [c0, c1), starting in segment s; partial results in/out
+// through st[r] (kblock.h).  The row blocks share the activation broadcasts.  NA int32
+// accumulators per (row block, token), summed exactly, keep enough vpdpbusd chains in flight.
+template <int BITS, int MT, int RB>
+void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
+             LaneState<int32_t>* const* st) {
   constexpr int CK = chunk_k(BITS);
-  constexpr int NA = MT <= 2 ? 4 : 2;
+  constexpr int CHAINS = RB * MT;
+  constexpr int NA = CHAINS <= 2 ? 4 : (CHAINS <= 6 ? 2 : 1);
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
+  const uint8_t* blocks[RB];  // [KC, 64] each
   const int8_t* xs[MT];
-  __m512i acc[MT][NA];
-  __m512 f[MT];
-  v512::Supers sup;
-  QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-    xs[m] = a.q + (m0 + m) * a.ld;  // [Kp]
-    f[m] = _mm512_load_ps(st[m].f);
-    acc[m][0] = _mm512_load_si512(st[m].d);
-    QUILL_UNROLL for (int i = 1; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
-  }
-  // chunk cc into accumulator set H (0 or 1: chunk parity; disjoint sets when NA == 4).  H is a
-  // compile-time constant so every accumulator index is one and the arrays stay in registers.
+  __m512i acc[RB][MT][NA];
+  __m512 f[RB][MT];
+  v512::Supers sup[RB];
+  QUILL_UNROLL for (int r = 0; r < RB; ++r) blocks[r] = w.codes + int64_t(nb + r) * w.kc * BLOCK_BYTES;
+  QUILL_UNROLL for (int m = 0; m < MT; ++m) xs[m] = a.q + (m0 + m) * a.ld;  // [Kp]
+  QUILL_UNROLL for (int r = 0; r < RB; ++r)
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+      f[r][m] = _mm512_load_ps(st[r][m].f);
+      acc[r][m][0] = _mm512_load_si512(st[r][m].d);
+      QUILL_UNROLL for (int i = 1; i < NA; ++i) acc[r][m][i] = _mm512_setzero_si512();
+    }
+  // accumulator of sub-vector j (nibble / 2-bit pair / chunk half) in chunk parity H: any
+  // assignment gives the same exact sums; this one spreads the chains
+  auto slot = [](int h, int j) { return NA == 4 ? 2 * h + (j & 1) : (NA == 2 ? (j & 1) : 0); };
+  // chunk cc into accumulator set H (chunk parity).  H is a compile-time constant so every
+  // accumulator index is one and the arrays stay in registers.
   auto chunk = [&](int cc, auto parity) {
-    constexpr int H = decltype(parity)::value, base = NA == 4 ? 2 * H : 0;
-    _mm_prefetch(reinterpret_cast<const char*>(blocks + int64_t(cc) * BLOCK_BYTES + PREFETCH_BYTES), _MM_HINT_T1);
-    const __m512i v = _mm512_loadu_si512(blocks + int64_t(cc) * BLOCK_BYTES);
-    if constexpr (BITS <= 3) {
-      __m512i q[4];
-      v512::unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + cc) * plane_bytes(3) : nullptr, q);
-      QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-        const int8_t* x = xs[m] + int64_t(cc) * CK;
-        QUILL_UNROLL for (int j = 0; j < 4; ++j)
-          acc[m][base + (j & 1)] = _mm512_dpbusd_epi32(acc[m][base + (j & 1)], q[j], bcast4(x + 4 * j));
+    constexpr int H = decltype(parity)::value;
+    __m512i q[RB][4];
+    QUILL_UNROLL for (int r = 0; r < RB; ++r) {
+      const uint8_t* p = blocks[r] + int64_t(cc) * BLOCK_BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(p + RB * PREFETCH_BYTES), _MM_HINT_T1);
+      const __m512i v = _mm512_loadu_si512(p);
+      if constexpr (BITS <= 3) {
+        v512::unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb + r) * w.kc + cc) * plane_bytes(3) : nullptr,
+                               q[r]);
+      } else if constexpr (BITS != 8) {
+        q[r][0] = _mm512_and_si512(v, low);
+        q[r][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (BITS == 5 || BITS == 6)
+          v512::add_high_bits<BITS>(w.hplane + (int64_t(nb + r) * w.kc + cc) * plane_bytes(BITS), q[r][0], q[r][1]);
+      } else {
+        q[r][0] = v;
       }
-    } else if constexpr (BITS != 8) {
-      __m512i lo = _mm512_and_si512(v, low);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      if constexpr (BITS == 5 || BITS == 6)
-        v512::add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + cc) * plane_bytes(BITS), lo, hi);
-      QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-        const int8_t* x = xs[m] + int64_t(cc) * CK;
-        acc[m][base] = _mm512_dpbusd_epi32(acc[m][base], lo, bcast4(x));
-        acc[m][base + 1] = _mm512_dpbusd_epi32(acc[m][base + 1], hi, bcast4(x + 4));
+    }
+    constexpr int NSUB = BITS <= 3 ? 4 : (BITS != 8 ? 2 : 1);
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+      const int8_t* x = xs[m] + int64_t(cc) * CK;
+      QUILL_UNROLL for (int j = 0; j < NSUB; ++j) {
+        const __m512i xb = bcast4(x + 4 * j);
+        const int i = slot(H, BITS == 8 ? H : j);
+        QUILL_UNROLL for (int r = 0; r < RB; ++r) acc[r][m][i] = _mm512_dpbusd_epi32(acc[r][m][i], q[r][j], xb);
       }
-    } else {
-      QUILL_UNROLL for (int m = 0; m < MT; ++m)
-        acc[m][base + H] = _mm512_dpbusd_epi32(acc[m][base + H], v, bcast4(xs[m] + int64_t(cc) * CK));
     }
   };
   using Even = std::integral_constant<int, 0>;
@@ -227,39 +239,54 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
     if (c < end) chunk(c, Even{});
     c = end;
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
-    const v512::SegConsts sc = v512::seg_consts(w, nb, s, sup);
-    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-      __m512i d = acc[m][0];
-      QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
-      const __m512 x = _mm512_set1_ps(float(a.qsum[(m0 + m) * w.nseg + s]));
-      f[m] = v512::epilogue(sc, _mm512_cvtepi32_ps(d), x, f[m]);
-      QUILL_UNROLL for (int i = 0; i < NA; ++i) acc[m][i] = _mm512_setzero_si512();
+    QUILL_UNROLL for (int r = 0; r < RB; ++r) {
+      const v512::SegConsts sc = v512::seg_consts(w, nb + r, s, sup[r]);
+      QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+        __m512i d = acc[r][m][0];
+        QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[r][m][i]);
+        const __m512 x = _mm512_set1_ps(float(a.qsum[(m0 + m) * w.nseg + s]));
+        f[r][m] = v512::epilogue(sc, _mm512_cvtepi32_ps(d), x, f[r][m]);
+        QUILL_UNROLL for (int i = 0; i < NA; ++i) acc[r][m][i] = _mm512_setzero_si512();
+      }
     }
   }
-  QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-    __m512i d = acc[m][0];
-    QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[m][i]);
-    _mm512_store_si512(st[m].d, d);
-    _mm512_store_ps(st[m].f, f[m]);
+  QUILL_UNROLL for (int r = 0; r < RB; ++r)
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+      __m512i d = acc[r][m][0];
+      QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[r][m][i]);
+      _mm512_store_si512(st[r][m].d, d);
+      _mm512_store_ps(st[r][m].f, f[r][m]);
+    }
+}
+
+template <int BITS, int RB>
+void tile_i8_mt(int mt, const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
+                LaneState<int32_t>* const* st) {
+  switch (mt) {
+    case 1: return tile_i8<BITS, 1, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 2: return tile_i8<BITS, 2, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 3: return tile_i8<BITS, 3, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 4: return tile_i8<BITS, 4, RB>(w, a, nb, m0, c0, c1, s, st);
+    case 5: return tile_i8<BITS, 5, RB>(w, a, nb, m0, c0, c1, s, st);
+    default: return tile_i8<BITS, 6, RB>(w, a, nb, m0, c0, c1, s, st);
   }
 }
 
+// From PAIRED_I8_TOKENS tokens, two row blocks per pass sharing the activation broadcasts (half
+// the broadcast loads per vpdpbusd; Zen 5, 32-128 tokens: -5..-15 %); fewer tokens run one row
+// block at a time (at 8-16 tokens pairing measured 13-50 % slower at 4096 x 4096).
+constexpr int PAIRED_I8_TOKENS = 32;
 template <int BITS>
 void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
-  auto tiles = [&](int mt, int, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* st, LaneState<int32_t>*) {
-    switch (mt) {
-      case 1: return tile_i8<BITS, 1>(w, a, nb, m0, c0, c1, s, st);
-      case 2: return tile_i8<BITS, 2>(w, a, nb, m0, c0, c1, s, st);
-      case 3: return tile_i8<BITS, 3>(w, a, nb, m0, c0, c1, s, st);
-      case 4: return tile_i8<BITS, 4>(w, a, nb, m0, c0, c1, s, st);
-      case 5: return tile_i8<BITS, 5>(w, a, nb, m0, c0, c1, s, st);
-      default: return tile_i8<BITS, 6>(w, a, nb, m0, c0, c1, s, st);
-    }
+  auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
+    if (rb == 2 && mt >= 2 && BITS >= 4) return tile_i8_mt<BITS, 2>(mt, w, a, nb, m0, c0, c1, s, st);
+    for (int r = 0; r < rb; ++r) tile_i8_mt<BITS, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
   };
   auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
     v512::store_int(w, a, o, nb, m, _mm512_load_ps(st.f));
   };
-  run_kblocked<int32_t, 1>(w, a.m, nb0, nb1, tiles, finish);
+  if (a.m < PAIRED_I8_TOKENS) return run_kblocked<int32_t, 1>(w, a.m, nb0, nb1, tiles, finish);
+  run_kblocked<int32_t, 2>(w, a.m, nb0, nb1, tiles, finish);
 }
 
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {

@@ -26,23 +26,26 @@ struct alignas(64) LaneState {
 };
 
 // Row blocks [nb0, nb1) for m tokens, RB row blocks per pass (they share the
-// activation loads).  tile(mt, rb, nb, m0, c0, c1, s, st0, st1): row blocks
-// nb .. nb+rb-1 (rb <= RB), tokens [m0, m0 + mt), chunks [c0, c1) starting in
-// segment s, partial results in st0[0..mt) (and st1 for the second row block).
+// activation loads), token tiles of up to MTW tokens.  tile(mt, rb, nb, m0, c0, c1, s, st):
+// row blocks nb .. nb+rb-1 (rb <= RB), tokens [m0, m0 + mt), chunks [c0, c1) starting in
+// segment s, partial results of row block r in st[r][0..mt).
 // finish(nb, m, state): store the outputs of token m for row block nb.
-template <class D, int RB, class Tile, class Finish>
+template <class D, int RB, class Tile, class Finish, int MTW = MT_MAX>
 void run_kblocked(const Weights& w, int m, int nb0, int nb1, const Tile& tile, const Finish& finish) {
-  static_assert(RB == 1 || RB == 2, "one or two row blocks per pass");
+  static_assert(RB >= 1 && RB <= 2 && MTW >= 1 && MTW <= MT_MAX, "one or two row blocks, tiles of <= MT_MAX tokens");
   LaneState<D> state[RB][MAX_BLOCK_TOKENS];
-  const int kcb = m <= MT_MAX ? w.kc : KBLOCK_CHUNKS;
+  const int kcb = m <= MTW ? w.kc : KBLOCK_CHUNKS;
   for (int nb = nb0; nb < nb1; nb += RB) {
     const int rb = std::min(RB, nb1 - nb);
     for (int r = 0; r < rb; ++r) std::fill(reinterpret_cast<char*>(state[r]), reinterpret_cast<char*>(state[r] + m), 0);
     for (int c0 = 0, s = 0; c0 < w.kc; c0 += kcb) {
       const int c1 = std::min(w.kc, c0 + kcb);
       while (w.seg_end[s] <= c0) ++s;  // the segment holding chunk c0
-      for (int m0 = 0; m0 < m; m0 += MT_MAX)
-        tile(std::min(MT_MAX, m - m0), rb, nb, m0, c0, c1, s, state[0] + m0, state[rb - 1] + m0);
+      for (int m0 = 0; m0 < m; m0 += MTW) {
+        LaneState<D>* st[RB];
+        for (int r = 0; r < RB; ++r) st[r] = state[std::min(r, rb - 1)] + m0;
+        tile(std::min(MTW, m - m0), rb, nb, m0, c0, c1, s, static_cast<LaneState<D>* const*>(st));
+      }
     }
     for (int r = 0; r < rb; ++r)
       for (int t = 0; t < m; ++t) finish(nb + r, t, state[r][t]);
