@@ -38,6 +38,9 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+SERVE_BATCHED_TOKENS = 128
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_model_args(p)
@@ -47,8 +50,12 @@ def register(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $QUILL_API_KEY, or none)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: its file name)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together (default 16)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="tokens computed per step: decodes plus prefill chunks (default 256)")
+    # 128, not the offline engine's 256: a step carrying a prompt chunk is a pause for every decoding
+    # client, and halving the chunk halved the p99 inter-token latency at 16 clients (1.2B W4A16 on
+    # Zen 5: 1400 -> 656 ms, llama-server 1106) at the same throughput (docs/BENCHMARKS.md)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SERVE_BATCHED_TOKENS,
+                   help=f"tokens computed per step: decodes plus prefill chunks (default {SERVE_BATCHED_TOKENS}; "
+                        "smaller steps pause decoding clients for less time)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="bytes of the KV block pool, e.g. 2GiB (default: 20%% of free RAM, capped at what "
                         "max-num-seqs full contexts need)")
