@@ -84,3 +84,33 @@ def test_peak_memory_stays_near_one_layer(big_checkpoint):
     growth = r["end"]["VmHWM"] - baseline
     assert growth <= bound, (f"peak grew {growth / MIB:.1f} MiB reading {LAYERS} layers; bound {bound / MIB:.1f} MiB "
                              f"(file {file_bytes / MIB:.1f} MiB, one layer unpacked {layer_int32 / MIB:.1f} MiB)")
+
+
+
+_WHERE = """
+import sys, torch
+from quill.engine.memory import keep_step_memory
+kept = keep_step_memory() if sys.argv[1] == "keep" else None
+t = torch.empty(6 << 20).fill_(1.0)  # a step's 24 MiB intermediate
+addr = t.data_ptr()
+for line in open("/proc/self/maps"):
+    span, *rest = line.split()
+    lo, hi = (int(x, 16) for x in span.split("-"))
+    if lo <= addr < hi:
+        print(kept, "heap" if rest[-1] == "[heap]" else "mapping")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_keep_step_memory_takes_step_buffers_from_the_heap():
+    """The engine's allocator policy serves a step's 24 MiB block from the heap, which keeps freed
+    pages for the next step; glibc's defaults (the control) map it apart and unmap it on free, so
+    every step faulted such blocks in again (a 1.2B W4A8 prompt: 200-300K faults, docs/BENCHMARKS.md)."""
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", _WHERE, mode], capture_output=True, text=True, check=True)
+        return out.stdout.split()
+    kept, where = run("keep")
+    if kept != "True":
+        pytest.skip("no glibc mallopt here")
+    assert where == "heap"
+    assert run("default") == ["None", "mapping"]

@@ -21,6 +21,7 @@ import torch
 from quill.engine.core import EngineConfig, EngineCore
 from quill.engine.hub import resolve_model
 from quill.engine.loader import LoadedModel
+from quill.engine.memory import keep_step_memory
 from quill.engine.output import OutputProcessor, RequestState, StreamChunk, check_prompt_ids
 from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.scoring import PromptScores, ScoreSpec
@@ -135,6 +136,7 @@ class LLM:
             self.context_length = min(self.context_length, max_model_len)
         self.engine = EngineCore(self.model, self.eos_token_ids, self.context_length, engine_config, seed,
                                  isa=ctx.native_isa)
+        keep_step_memory()  # steps reuse their intermediates' pages instead of faulting them in again
         self.processor = OutputProcessor(self.engine, self.tokenizer)
         self._ids = itertools.count()
 
