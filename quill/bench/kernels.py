@@ -44,6 +44,14 @@ ROTATION_L3 = 4  # weights rotate through copies totalling this many L3 caches
 W4_GROUP = 128  # GPTQ/AWQ's usual group; 8-bit weights are per-channel (compressed-tensors W8A8)
 
 
+def w4_group(k: int) -> int:
+    """W4_GROUP, or the largest power-of-two group under it that divides K (576: 64, the default model's)."""
+    g = W4_GROUP
+    while g > 16 and k % g:
+        g //= 2
+    return g
+
+
 @dataclass
 class Result:
     kernel: str
@@ -94,7 +102,7 @@ class Suite:
 def quantized_weight(n: int, k: int, bits: int, seed: int = 0) -> QuantizedWeight:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.02
-    qw = quantize_rtn(w, bits, W4_GROUP if bits == 4 else -1, symmetric=True, generator=g)
+    qw = quantize_rtn(w, bits, w4_group(k) if bits == 4 else -1, symmetric=True, generator=g)
     qw = qw.with_(name=f"bench.{n}x{k}.w{bits}")
     return qw
 
