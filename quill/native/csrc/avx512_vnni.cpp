@@ -127,14 +127,10 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
 template <int BITS, int RB>
 void tile_mt(int mt, const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s,
              LaneState<int32_t>* const* st) {
-  switch (mt) {
-    case 1: return tile<BITS, 1, RB>(w, a, nb, m0, c0, c1, s, st);
-    case 2: return tile<BITS, 2, RB>(w, a, nb, m0, c0, c1, s, st);
-    case 3: return tile<BITS, 3, RB>(w, a, nb, m0, c0, c1, s, st);
-    case 4: return tile<BITS, 4, 1>(w, a, nb, m0, c0, c1, s, st);
-    case 5: return tile<BITS, 5, 1>(w, a, nb, m0, c0, c1, s, st);
-    default: return tile<BITS, 6, 1>(w, a, nb, m0, c0, c1, s, st);
-  }
+  by_tokens(mt, [&](auto tokens) {
+    constexpr int MT = decltype(tokens)::value;
+    tile<BITS, MT, (MT <= 3 ? RB : 1)>(w, a, nb, m0, c0, c1, s, st);  // (registers: 2 row blocks up to 3 tokens)
+  });
 }
 
 // Row blocks [nb0, nb1): two per pass sharing the activation broadcasts, in tiles of 2-3 tokens
@@ -262,14 +258,7 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
 template <int BITS, int RB>
 void tile_i8_mt(int mt, const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
                 LaneState<int32_t>* const* st) {
-  switch (mt) {
-    case 1: return tile_i8<BITS, 1, RB>(w, a, nb, m0, c0, c1, s, st);
-    case 2: return tile_i8<BITS, 2, RB>(w, a, nb, m0, c0, c1, s, st);
-    case 3: return tile_i8<BITS, 3, RB>(w, a, nb, m0, c0, c1, s, st);
-    case 4: return tile_i8<BITS, 4, RB>(w, a, nb, m0, c0, c1, s, st);
-    case 5: return tile_i8<BITS, 5, RB>(w, a, nb, m0, c0, c1, s, st);
-    default: return tile_i8<BITS, 6, RB>(w, a, nb, m0, c0, c1, s, st);
-  }
+  by_tokens(mt, [&](auto tokens) { tile_i8<BITS, decltype(tokens)::value, RB>(w, a, nb, m0, c0, c1, s, st); });
 }
 
 // From PAIRED_I8_TOKENS tokens, two row blocks per pass sharing the activation broadcasts (half

@@ -338,9 +338,11 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
       most_experts = std::max(most_experts, l.experts->num_experts()), most_k = std::max(most_k, l.top_k);
       most_work = std::max(most_work, l.experts->work_bytes(t, l.top_k, threads));
     }
-  at::Tensor moe_mem = at::empty({align64(t * most_experts * 4) + 2 * align64(t * most_k * 8) + most_work},
-                                 h_in.options().dtype(at::kByte));
-  float* logits = reinterpret_cast<float*>(moe_mem.data_ptr());
+  at::Tensor moe_mem;  // (dense models: none)
+  if (most_experts)
+    moe_mem = at::empty({align64(t * most_experts * 4) + 2 * align64(t * most_k * 8) + most_work},
+                        h_in.options().dtype(at::kByte));
+  float* logits = moe_mem.defined() ? reinterpret_cast<float*>(moe_mem.data_ptr()) : nullptr;
   float* route_w = logits + align64(t * most_experts * 4) / 4;
   int64_t* route_ids = reinterpret_cast<int64_t*>(route_w + align64(t * most_k * 8) / 4);
   char* moe_work = reinterpret_cast<char*>(route_ids) + align64(t * most_k * 8);
