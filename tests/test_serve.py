@@ -359,6 +359,15 @@ def test_load_generator_against_the_server(server):
     assert 0 < s["ttft_p50_ms"] <= s["ttft_p99_ms"] and 0 < s["itl_p50_ms"] <= s["itl_p99_ms"]
 
 
+
+def test_light_reader_times_every_token(server):
+    from quill.bench.light import stream_once
+    rec = stream_once(server.url, server.name, "The capital of France is", 7)
+    assert rec.error is None and rec.tokens == 7 and len(rec.chunks) == 7
+    assert rec.sent <= rec.chunks[0] and rec.chunks == sorted(rec.chunks)
+    bad = stream_once(server.url, "no-such-model", "Hi", 3)
+    assert bad.error is not None and "404" in bad.error and not bad.chunks
+
 # ---- errors that arrive after the request was accepted --------------------------------------------
 
 class _FailingEngine:

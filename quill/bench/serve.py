@@ -8,7 +8,9 @@
 Both servers run side by side (each idle while the other is measured); for every client
 count the two take turns, round after round, and medians of the rounds are reported.  The
 in-process ``LLM.generate`` decode rate of the same single-client requests is measured too,
-so the server's own overhead shows.  With ``--ray``, each replicas x threads layout runs as
+alternating with the server read by a reader that costs the host nothing while it streams
+(``quill.bench.light``; the load client's own parsing shares the server's cores), so the
+server's own overhead shows.  With ``--ray``, each replicas x threads layout runs as
 ``quill serve --replicas R --threads-per-replica T`` (a Ray cluster of its own) beside the
 direct server, and the latency the Ray ingress adds to a one-token request is measured.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quill.bench import settled
+from quill.bench.light import stream_once
 from quill.bench.load import LoadResult, Workload, run_load
 from quill.bench.stats import median
 from quill.errors import ConfigError
@@ -172,15 +175,27 @@ def _median_summary(results: list[LoadResult]) -> dict:
     return out
 
 
-def _llm_generate_decode(model: str | None, workload: Workload, threads: int) -> float:
-    """Decode tok/s of ``LLM.generate`` on the workload's requests, one at a time (the in-process baseline)."""
+def _single_client(ep: Endpoint, model: str | None, workload: Workload, threads: int, rounds: int) -> dict:
+    """Single-client decode tok/s of the same requests through the server (read by ``quill.bench.light``,
+    a reader that leaves the cores to the server) and through ``LLM.generate`` in this process,
+    alternating round by round; medians."""
     import quill
     llm = settled(quill.LLM(model, threads=threads))
-    rates = []
-    for prompt, n in workload.requests[:4]:
-        out = llm.generate(prompt, quill.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
-        rates.append(out.timings.decode_tps)
-    return median(rates)
+    requests = workload.requests[:4]
+    server, direct = [], []
+    for r in range(max(2, rounds)):
+        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+            for prompt, n in requests:
+                if side == 0:
+                    rec = stream_once(ep.url, ep.model, prompt, n)
+                    if rec.error is None and len(rec.chunks) > 2:
+                        server.append((len(rec.chunks) - 1) / (rec.chunks[-1] - rec.chunks[0]))
+                else:
+                    out = llm.generate(prompt, quill.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+                    direct.append(out.timings.decode_tps)
+    del llm
+    return {"server_light_decode_tok_s": median(server) if server else float("nan"),
+            "llm_generate_decode_tok_s": median(direct)}
 
 
 def _server_decode(result: LoadResult) -> float:
@@ -257,7 +272,7 @@ def _level(args, eps: list[Endpoint], clients: int, threads: int) -> dict:
     if clients == 1:
         level["server_decode_tok_s"] = median(_server_decode(r) for r in runs[eps[0].name])
         if not args.url:
-            level["llm_generate_decode_tok_s"] = _llm_generate_decode(args.model, work, threads)
+            level.update(_single_client(eps[0], args.model, work, threads, args.rounds))
     level["requests"] = count
     return level
 
@@ -278,6 +293,7 @@ def _print_level(clients: int, count: int, level: dict, names: list[str]) -> Non
         print(f"  ratio {names[0]} / {other}: output tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x, "
               f"ITL p99 {a['itl_p99_ms'] / b['itl_p99_ms']:.2f}x")
     if "llm_generate_decode_tok_s" in level:
-        print(f"  single client decode: through the server {level['server_decode_tok_s']:.1f} tok/s, "
-              f"LLM.generate {level['llm_generate_decode_tok_s']:.1f} tok/s "
-              f"({level['server_decode_tok_s'] / level['llm_generate_decode_tok_s']:.2f}x)")
+        base, light = level["llm_generate_decode_tok_s"], level["server_light_decode_tok_s"]
+        print(f"  single client decode: LLM.generate {base:.1f} tok/s; through the server, read by the load "
+              f"client {level['server_decode_tok_s']:.1f} ({level['server_decode_tok_s'] / base:.2f}x), by a "
+              f"light reader {light:.1f} ({light / base:.2f}x)")
