@@ -48,6 +48,7 @@ CASES = [  # context lengths, H, Hkv, D
     ([700, 33, 1, 256], 9, 3, 64),    # mixed lengths, one needing no padding
     ([129, 64], 32, 8, 64),           # Llama-3.2-1B heads
     ([40, 41, 17], 4, 4, 128),        # no grouping, D = 128
+    ([130, 64, 7, 16], 32, 4, 128),   # Qwen3-MoE heads: G = 8, blocks of keys and their remainders
     ([19, 5], 6, 2, 80),              # a head size with no specialisation
 ]
 

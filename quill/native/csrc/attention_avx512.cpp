@@ -1,4 +1,5 @@
 // The decode- and prefill-attention templates (attention_tile.h, prefill_tile.h) compiled for avx512.
+#define ATT_W 16
 #include "attention_tile.h"
 #define PF_VW 16
 #define PF_QK_KEYS 4

@@ -2,7 +2,9 @@
 // plain loops over fixed-width lane arrays that each TU's flags let the compiler vectorise.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "attention.h"
 
@@ -85,6 +87,116 @@ inline float max(const float* x, int64_t n) {
   return m;
 }
 
+// ---- Blocked passes for head dimensions known at compile time (64, 128) ----------------------
+//
+// The same sums as dot() / tree() and the p V loop below, in the same order, only arranged so
+// that no value leaves the vector registers: each key's 16 lane partials are reduced together
+// with the partials of ATT_W - 1 other keys (a butterfly whose stages are exactly tree()'s pairs:
+// lanes j + 8, then j + 4, then j + 2, then j + 1), and p V keeps each query head's D sums in
+// registers across the keys (two heads a pass, sharing each V row).  Which lanes a register
+// holds is the TU's choice (ATT_W: 16 with AVX-512, 8 otherwise); no sum's order depends on it.
+#ifndef ATT_W
+#define ATT_W 8
+#endif
+constexpr int W = ATT_W;
+static_assert(W == 8 || W == 16, "ATT_W is 8 or 16");
+typedef float vw __attribute__((vector_size(W * 4)));
+typedef uint32_t uw __attribute__((vector_size(W * 4)));
+typedef uint16_t hw __attribute__((vector_size(W * 2)));
+
+inline vw vload(const float* p) {
+  vw v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vw vload(const uint16_t* p) {  // W bfloat16 words -> float32, exact
+  hw h;
+  std::memcpy(&h, p, sizeof h);
+  const uw u = __builtin_convertvector(h, uw) << 16;
+  vw v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void vstore(float* p, const vw& v) { std::memcpy(p, &v, sizeof v); }
+
+// Output lane o of a butterfly stage over segments of LEN lanes (one key's values each): inputs a
+// (lanes 0 .. W) and b (W .. 2W) hold W / LEN keys each; the output holds all 2W / LEN keys, a's
+// first, each as LEN / 2 lanes: lane j of key k takes its input lane j (HI = 0) or j + LEN / 2.
+constexpr int stage_lane(int len, int hi, int o) {
+  const int half = len / 2, per = W / len, seg = o / half;
+  return (seg < per ? 0 : W) + (seg % per) * len + o % half + hi * half;
+}
+template <int LEN, int HI, size_t... I>
+inline vw pick(const vw& a, const vw& b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, stage_lane(LEN, HI, int(I))...);
+}
+template <int LEN>
+inline void stage(vw* x, int n) {  // n vectors -> n / 2, each key's values halved by pairwise sums
+  for (int m = 0; m < n / 2; ++m)
+    x[m] = pick<LEN, 0>(x[2 * m], x[2 * m + 1], std::make_index_sequence<W>{}) +
+           pick<LEN, 1>(x[2 * m], x[2 * m + 1], std::make_index_sequence<W>{});
+}
+// x[k]: key k's lane partials folded to W lanes (for W = 8: p[j] + p[j + 8]) -> the W keys' tree()s
+inline vw reduce_keys(vw* x) {
+  if constexpr (W == 16) stage<16>(x, 16);
+  stage<8>(x, 8);
+  stage<4>(x, 4);
+  stage<2>(x, 2);
+  return x[0];
+}
+
+// scores[g][s0 .. s0 + W) = scale * dot(q[g], K[s]) for W keys (rows `krows`), query heads [0, NG)
+template <int D, class T>
+inline void qk_block(const float* __restrict q, const T* const* krows, int64_t ng, float scale, float* __restrict scores,
+                     int64_t sstride) {
+  constexpr int NPW = L / W;  // registers per 16-lane partial
+  for (int64_t g = 0; g < ng; ++g) {
+    const float* qg = q + g * D;
+    vw x[W];
+    for (int kk = 0; kk < W; ++kk) {
+      vw p[NPW] = {};
+      for (int i = 0; i < D; i += L)
+        for (int u = 0; u < NPW; ++u) p[u] = p[u] + vload(qg + i + u * W) * vload(krows[kk] + i + u * W);
+      if constexpr (NPW == 2) x[kk] = p[0] + p[1];  // tree()'s first level: p[j] + p[j + 8]
+      else x[kk] = p[0];
+    }
+    vstore(scores + g * sstride, reduce_keys(x) * scale);
+  }
+}
+
+// acc_g += sum_s p[g][s] V[s] over keys [0, n) in order (masked keys skipped), two query heads at a
+// time sharing each V row; acc_g starts at 0 (first) or from `acc`, and ends in `acc` or, on the
+// last block, as out[g] = acc_g * inv_g.  The sums run key by key exactly as one pass would.
+template <int D, class T, int NQ>
+inline void pv_heads(const float* __restrict p, int64_t sstride, const T* vbase, const int64_t* rows, int64_t vs,
+                     const uint8_t* mask, int64_t n, bool first, bool last, float* __restrict acc_mem,
+                     const float* inv, float* __restrict out) {
+  constexpr int C = D / W;
+  vw acc[NQ][C] = {};
+  if (!first)
+    for (int g = 0; g < NQ; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c] = vload(acc_mem + g * D + c * W);
+  for (int64_t s = 0; s < n; ++s) {
+    if (mask && !mask[s]) continue;
+    const T* vrow = vbase + (rows ? rows[s] : s) * vs;
+    vw vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = vload(vrow + c * W);
+    for (int g = 0; g < NQ; ++g) {
+      const vw w = vw{} + p[g * sstride + s];
+      for (int c = 0; c < C; ++c) acc[g][c] = acc[g][c] + w * vv[c];
+    }
+  }
+  for (int g = 0; g < NQ; ++g)
+    for (int c = 0; c < C; ++c) {
+      if (last) vstore(out + g * D + c * W, acc[g][c] * inv[g]);
+      else vstore(acc_mem + g * D + c * W, acc[g][c]);
+    }
+}
+
+// Keys per p V block: its V rows (32 KiB of float32 rows at D = 128) stay in L1 while every pair
+// of query heads passes over them.
+constexpr int64_t kPvKeys = 64;
+
 // DC: the head dimension when known at compile time (64, 128), else 0 (a.d at run time);
 // T: the K / V element (float, or uint16_t bfloat16 words).
 template <int DC, class T>
@@ -100,7 +212,19 @@ void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, flo
   const uint8_t* mask = a.mask ? a.mask + b * a.mask_b : nullptr;  // [S]
   float* __restrict scores = scratch;        // [NG, S]
   float* __restrict acc = scratch + NG * S;  // [NG, D]
-  for (int64_t s = 0; s < S; ++s) {  // each K row once, for all G query heads
+  int64_t s = 0;
+  if constexpr (DC != 0) {  // whole blocks of W keys (masked keys are overwritten below)
+    for (; s + W <= S; s += W) {
+      const T* krows[W];
+      for (int kk = 0; kk < W; ++kk) krows[kk] = kbase + (rows ? rows[s + kk] : s + kk) * a.ks;
+      qk_block<DC>(q, krows, NG, a.scale, scores + s, S);
+      if (mask)
+        for (int kk = 0; kk < W; ++kk)
+          if (!mask[s + kk])
+            for (int64_t g = 0; g < NG; ++g) scores[g * S + s + kk] = kMasked;
+    }
+  }
+  for (; s < S; ++s) {  // each K row once, for all G query heads
     const T* __restrict krow = kbase + (rows ? rows[s] : s) * a.ks;
     const bool on = !mask || mask[s];
     for (int64_t g = 0; g < NG; ++g) scores[g * S + s] = on ? dot(q + g * D, krow, D) * a.scale : kMasked;
@@ -109,15 +233,39 @@ void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, flo
     float* __restrict sc = scores + g * S;
     const float mx = max(sc, S);
     const bool none = mx == kMasked;  // every position masked
-    for (int64_t s = 0; s < S; ++s) sc[s] = none ? 0.0f : exp_neg(sc[s] - mx);
-    float* __restrict o = acc + g * D;
-    for (int64_t i = 0; i < D; ++i) o[i] = 0.0f;
+    for (int64_t i = 0; i < S; ++i) sc[i] = none ? 0.0f : exp_neg(sc[i] - mx);
   }
-  for (int64_t s = 0; s < S; ++s) {  // each V row once
-    if (mask && !mask[s]) continue;
-    const T* __restrict vrow = vbase + (rows ? rows[s] : s) * a.vs;
+  float* out = a.out + (b * a.h + kvh * G + g0) * D;  // [NG, D]
+  if constexpr (DC != 0) {
+    float* sums = acc;  // [NG, D] partial sums between key blocks
+    for (int64_t s0 = 0; s0 < S; s0 += kPvKeys) {
+      const int64_t n = std::min<int64_t>(kPvKeys, S - s0);
+      const T* vb = rows ? vbase : vbase + s0 * a.vs;
+      const int64_t* rb = rows ? rows + s0 : nullptr;
+      const uint8_t* mb = mask ? mask + s0 : nullptr;
+      const bool first = s0 == 0, last = s0 + n == S;
+      for (int64_t g = 0; g < NG; g += 2) {
+        const int nq = NG - g >= 2 ? 2 : 1;
+        float inv[2] = {};
+        for (int j = 0; last && j < nq; ++j) {  // a fully masked row (quill's cache never builds one): zeros
+          const float total = sum(scores + (g + j) * S, S);
+          inv[j] = total > 0.0f ? 1.0f / total : 0.0f;
+        }
+        if (nq == 2)
+          pv_heads<DC, T, 2>(scores + g * S + s0, S, vb, rb, a.vs, mb, n, first, last, sums + g * D, inv, out + g * D);
+        else
+          pv_heads<DC, T, 1>(scores + g * S + s0, S, vb, rb, a.vs, mb, n, first, last, sums + g * D, inv, out + g * D);
+      }
+    }
+    return;
+  }
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t i = 0; i < D; ++i) acc[g * D + i] = 0.0f;
+  for (int64_t j = 0; j < S; ++j) {  // each V row once
+    if (mask && !mask[j]) continue;
+    const T* __restrict vrow = vbase + (rows ? rows[j] : j) * a.vs;
     for (int64_t g = 0; g < NG; ++g) {
-      const float w = scores[g * S + s];
+      const float w = scores[g * S + j];
       float* __restrict o = acc + g * D;
       for (int64_t i = 0; i < D; ++i) o[i] += w * widen(vrow[i]);
     }
@@ -125,9 +273,8 @@ void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, flo
   for (int64_t g = 0; g < NG; ++g) {  // a fully masked row (quill's cache never builds one): zeros
     const float total = sum(scores + g * S, S);
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    float* __restrict out = a.out + (b * a.h + kvh * G + g0 + g) * D;
     const float* __restrict o = acc + g * D;
-    for (int64_t i = 0; i < D; ++i) out[i] = o[i] * inv;
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = o[i] * inv;
   }
 }
 
