@@ -73,6 +73,8 @@ def test_generated_blocks_dequantize_like_gguf_py(type_name, data):
     assert not flat.two_level and torch.equal(flat.dequantize(), qw.dequantize())
     wide = qw.widened(8 if qw.bits > 4 else 4).validate()
     assert torch.equal(wide.dequantize(), qw.dequantize())
+    ids = torch.tensor(data.draw(st.lists(st.integers(0, qw.out_features - 1), min_size=1, max_size=5)))
+    assert torch.equal(qw.dequantize_rows(ids), qw.dequantize()[ids])  # the embedding lookup
 
 
 # ---- the canonical two-level scales ------------------------------------------------

@@ -83,6 +83,14 @@ WEIGHT_IDS = [f"w{b}-g{g}-{'sym' if s else 'asym'}{'-ao' if a else ''}{'-off' if
 
 
 @pytest.mark.parametrize("spec", WEIGHTS, ids=WEIGHT_IDS)
+def test_dequantize_rows_is_take_rows_then_dequantize(spec):  # the embedding lookup
+    bits, gs, sym, ao, off, sdt, n, k = spec
+    qw = _weight(n, k, bits, gs, sym, ao, off, sdt)
+    ids = torch.tensor([n - 1, 0, n // 2, 0])
+    assert torch.equal(qw.dequantize_rows(ids), qw.take_rows(ids).dequantize())
+
+
+@pytest.mark.parametrize("spec", WEIGHTS, ids=WEIGHT_IDS)
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_float_kernels_bit_exact_and_match_reference(spec, xdtype):
     bits, gs, sym, ao, off, sdt, n, k = spec

@@ -15,6 +15,7 @@ import math
 import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from quill.layers import paged_decode_attention, paged_prefill_attention
@@ -36,6 +37,8 @@ class StepLayout:
 
         The decode sequences' slot tables are formed all at once (a handful of torch ops per step,
         not per sequence: 16 decoding sequences took ~0.4 ms a step one by one)."""
+        if all(new == 1 for _, _, new in pieces):
+            return cls._all_decodes(pieces, block_size)
         offsets = torch.arange(block_size, dtype=torch.int64)
         slots, dec_rows, dec, prefills, row = [], [], [], [], 0
         for i, (table, done, new) in enumerate(pieces):
@@ -57,6 +60,26 @@ class StepLayout:
             for (start, new, _), s in zip(prefills, slots):
                 all_slots[start:start + new] = s
         return cls(all_slots, torch.tensor(dec_rows, dtype=torch.int64), ctx, lens, prefills)
+
+
+    @classmethod
+    def _all_decodes(cls, pieces: list[tuple[list[int], int, int]], block_size: int) -> "StepLayout":
+        """The layout of a step whose every sequence decodes one token (the common step), in numpy:
+        the same tensors as the general path, in ~15 us instead of ~80 (a few tiny torch ops cost
+        more than the default model's whole step spends outside its kernels)."""
+        n = len(pieces)
+        lens = np.fromiter((done + 1 for _, done, _ in pieces), dtype=np.int64, count=n)
+        longest = int(lens.max())
+        blocks = -(-longest // block_size)
+        tables = np.zeros((n, blocks), dtype=np.int64)
+        for i, (table, _, _) in enumerate(pieces):
+            row = table[:blocks]
+            tables[i, :len(row)] = row
+        ctx = (tables[:, :, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(n, -1)[:, :longest]
+        ctx = np.where(np.arange(longest) < lens[:, None], ctx, 0)  # a new C-contiguous array
+        new_slots = ctx[np.arange(n), lens - 1]
+        return cls(torch.from_numpy(new_slots), torch.arange(n, dtype=torch.int64), torch.from_numpy(ctx),
+                   torch.from_numpy(lens), [])
 
 
 def _slots(table: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

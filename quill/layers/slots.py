@@ -279,7 +279,7 @@ def linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
 
 def take_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     """float32 [len(ids), in]: dequantize only the rows ``ids`` of a quantized matrix (embedding lookup)."""
-    return weight.take_rows(ids).dequantize()
+    return weight.dequantize_rows(ids)
 
 
 class Embedding(nn.Module, Slot):
