@@ -189,6 +189,9 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
   const __m256i w256[2] = {_mm256_set1_epi16(256), _mm256_set1_epi16(4096)};
   const __m256i* wt[3] = {one, SPLIT ? w256 : one, one};
   constexpr int dest[3] = {SPLIT ? 0 : 1, 1, 1};
+  // 4-bit codes with int8 activations, one half a pass: chunk sums (|q| <= 4 * 15 * 128) added in
+  // int16 over up to 4 chunks before widening, one vpmaddwd instead of four
+  constexpr bool I16 = BITS == 4 && PARTS == 1 && NH == 1;
   const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
   Supers8 sup[2];  // per half
   __m256 fr[MT];  // NH = 1: half H0's float sums
@@ -197,6 +200,9 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
     __m256i acc[MT][2][2];  // [token][half][Dhi, D or Dlo]
     QUILL_UNROLL for (int m = 0; m < MT; ++m)
       QUILL_UNROLL for (int h = 0; h < 2; ++h) acc[m][h][0] = acc[m][h][1] = _mm256_setzero_si256();
+    __m256i q16[MT];  // I16: int16 pair sums of up to 4 chunks
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) q16[m] = _mm256_setzero_si256();
+    int n16 = 0;
     for (int c = c0, c1 = w.seg_end[s]; c < c1; ++c) {
       const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
       _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
@@ -227,6 +233,10 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
             __m256i d;
             if (BITS != 8) {  // positions 8c..8c+3 in lo, 8c+4..8c+7 in hi (codes < 64: |sum| <= 4 * 63 * 128)
               const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)), _mm256_maddubs_epi16(hi, bcast4(xp + 4)));
+              if constexpr (I16) {
+                q16[m] = _mm256_add_epi16(q16[m], q);
+                continue;
+              }
               d = _mm256_madd_epi16(q, wt[p][0]);
             } else {  // code = 16 * hi + lo at positions 4c..4c+3
               const __m256i xa = bcast4(xp);
@@ -236,6 +246,14 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
             acc[m][h][dest[p]] = _mm256_add_epi32(acc[m][h][dest[p]], d);
           }
         }
+        if constexpr (I16)
+          if (++n16 == 4 || c + 1 == c1) {
+            QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+              acc[m][h][1] = _mm256_add_epi32(acc[m][h][1], _mm256_madd_epi16(q16[m], one[0]));
+              q16[m] = _mm256_setzero_si256();
+            }
+            n16 = 0;
+          }
       }
     }
     QUILL_UNROLL for (int h = H0; h < H0 + NH; ++h) {
@@ -260,13 +278,14 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
 // MT tokens x one row block.  Float activations over several tokens go one half at a time: both
 // halves at once keep 16 accumulators live (Dhi and Dlo per token and half) besides the codes and
 // broadcasts, which spilled to the stack every chunk; the second half's pass reads the block's
-// chunks from L1 / L2 (W4A16 at M = 128: 12-16 % faster on Zen 5).  int8 activations and single
-// tokens keep one pass (there the second pass cost more than the spills: W4A8 M = 1 +30-45 %).
-// Either way each half's sums run in the same order: the same bits.
+// chunks from L1 / L2 (W4A16 at M = 16-128: 10-12 % faster on Zen 5; 4-bit codes with int8
+// activations, which then also sum 4 chunks in int16: 3-5 %).  Single tokens keep one pass (the
+// second pass cost more than the spills: W4A8 M = 1 +30-45 %), as do other int8 codes.  Either
+// way each half's sums run in the same order: the same bits.
 template <int BITS, int PARTS, int MT, class Acts>
 void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
   alignas(32) float f[MT][LANES] = {};
-  if constexpr (PARTS == SPLIT_PARTS && MT > 1) {
+  if constexpr ((PARTS == SPLIT_PARTS || BITS == 4) && MT > 1) {
     tile_halves<BITS, PARTS, MT, 0, 1>(w, a, nb, m0, f);
     tile_halves<BITS, PARTS, MT, 1, 1>(w, a, nb, m0, f);
   } else {
