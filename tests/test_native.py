@@ -333,7 +333,8 @@ def _split_oracle(x: torch.Tensor, seg_end: torch.Tensor, chunk: int, src: torch
 @pytest.mark.parametrize("isa", FLOAT_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits,gs,act_order,k", [(4, -1, False, 203), (4, 40, True, 200), (8, -1, False, 203),
-                                                  (8, 12, False, 204), (4, 128, False, 256)])
+                                                  (8, 12, False, 204), (4, 128, False, 256), (3, 64, False, 256),
+                                                  (2, -1, False, 203)])
 def test_split_encoder_matches_its_definition(isa, dtype, bits, gs, act_order, k):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(8, k, generator=g) * 3
@@ -346,8 +347,9 @@ def test_split_encoder_matches_its_definition(isa, dtype, bits, gs, act_order, k
     x[7, 3] = 5e4  # one large value: the rest of its segment at 2^-24 of it
     x = x.to(dtype)
     order = stream_order(_weight(16, k, bits, gs, act_order=act_order), 128)
-    got = EXT.module.split_activations(x, order.seg_end, 8 if bits == 4 else 4, order.src, isa)
-    want = _split_oracle(x, order.seg_end, 8 if bits == 4 else 4, order.src)
+    chunk = {2: 16, 3: 16, 4: 8, 8: 4}[bits]  # positions per chunk of each code width (common.h chunk_k)
+    got = EXT.module.split_activations(x, order.seg_end, chunk, order.src, isa)
+    want = _split_oracle(x, order.seg_end, chunk, order.src)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got[2].isnan(), want[2].isnan())
     assert torch.equal(got[2].nan_to_num(), want[2].nan_to_num())

@@ -431,13 +431,32 @@ void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int
         for (int64_t p = p0; p < p1; ++p) put_split(out, in.chunk, p, 0, xhi, xlo);
       } else {
         const __m256 pre = _mm256_set1_ps(sp.pre), inv = _mm256_set1_ps(sp.inv);
-        alignas(32) int32_t q[8];
+        const __m256i r128 = _mm256_set1_epi32(128);
+        __m256i shi = _mm256_setzero_si256(), slo = _mm256_setzero_si256();
+        alignas(16) int8_t parts[3][16];
         for (int64_t p = p0; p < p1; p += 8) {
           const __m256 v = load_x8_upto(in, row, p, real);
           const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_mul_ps(v, pre), inv), qmin), qmax);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(q), _mm256_cvtps_epi32(t));  // ties to even
-          for (int64_t j = 0; j < std::min<int64_t>(8, p1 - p); ++j) put_split(out, in.chunk, p + j, q[j], xhi, xlo);
+          const __m256i q = _mm256_cvtps_epi32(t);  // ties to even
+          // split_parts on 8 lanes: r = (q + 128) >> 8, hi = (r + 128) >> 8, mid = r - 256 hi, lo = q - 256 r
+          const __m256i r = _mm256_srai_epi32(_mm256_add_epi32(q, r128), 8);
+          const __m256i hi = _mm256_srai_epi32(_mm256_add_epi32(r, r128), 8);
+          const __m256i mid = _mm256_sub_epi32(r, _mm256_slli_epi32(hi, 8));
+          const __m256i lo = _mm256_sub_epi32(q, _mm256_slli_epi32(r, 8));
+          const int n = int(std::min<int64_t>(8, p1 - p));  // lanes past n are 0 (past K) and not stored
+          shi = _mm256_add_epi32(shi, hi);
+          slo = _mm256_add_epi32(slo, _mm256_sub_epi32(q, _mm256_slli_epi32(hi, 16)));
+          const __m256i parts_v[3] = {hi, mid, lo};
+          for (int k = 0; k < 3; ++k) {  // 8 int32 in [-128, 127] -> 8 bytes, in order
+            const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(parts_v[k]), _mm256_extracti128_si256(parts_v[k], 1));
+            _mm_store_si128(reinterpret_cast<__m128i*>(parts[k]), _mm_packs_epi16(w16, w16));
+          }
+          put_split_run(out, in.chunk, p, n, parts[0], parts[1], parts[2]);
         }
+        alignas(32) int32_t sums[2][8];  // integer sums: any order
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums[0]), shi);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums[1]), slo);
+        for (int j = 0; j < 8; ++j) xhi += sums[0][j], xlo += sums[1][j];
       }
       qsum[2 * i] = xhi;
       qsum[2 * i + 1] = xlo;

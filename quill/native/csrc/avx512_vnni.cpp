@@ -376,13 +376,28 @@ void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int
         for (int64_t p = p0; p < p1; ++p) put_split(out, in.chunk, p, 0, xhi, xlo);
       } else {
         const __m512 pre = _mm512_set1_ps(sp.pre), inv = _mm512_set1_ps(sp.inv);
-        alignas(64) int32_t q[16];
+        const __m512i r128 = _mm512_set1_epi32(128);
+        __m512i shi = _mm512_setzero_si512(), slo = _mm512_setzero_si512();
+        alignas(16) int8_t parts[3][16];
         for (int64_t p = p0; p < p1; p += 16) {
           const __m512 v = load_x(in, row, p, first_lanes(real - p));  // lanes past the segment or K: 0
           const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_mul_ps(v, pre), inv), qmin), qmax);
-          _mm512_store_si512(q, _mm512_cvtps_epi32(t));  // ties to even
-          for (int64_t j = 0; j < std::min<int64_t>(16, p1 - p); ++j) put_split(out, in.chunk, p + j, q[j], xhi, xlo);
+          const __m512i q = _mm512_cvtps_epi32(t);  // ties to even
+          // split_parts on 16 lanes: r = (q + 128) >> 8, hi = (r + 128) >> 8, mid = r - 256 hi, lo = q - 256 r
+          const __m512i r = _mm512_srai_epi32(_mm512_add_epi32(q, r128), 8);
+          const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(r, r128), 8);
+          const __m512i mid = _mm512_sub_epi32(r, _mm512_slli_epi32(hi, 8));
+          const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(r, 8));
+          const int n = int(std::min<int64_t>(16, p1 - p));  // lanes past n are 0 (past K) and not stored
+          shi = _mm512_add_epi32(shi, hi);
+          slo = _mm512_add_epi32(slo, _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 16)));
+          _mm_store_si128(reinterpret_cast<__m128i*>(parts[0]), _mm512_cvtepi32_epi8(hi));
+          _mm_store_si128(reinterpret_cast<__m128i*>(parts[1]), _mm512_cvtepi32_epi8(mid));
+          _mm_store_si128(reinterpret_cast<__m128i*>(parts[2]), _mm512_cvtepi32_epi8(lo));
+          put_split_run(out, in.chunk, p, n, parts[0], parts[1], parts[2]);
         }
+        xhi = _mm512_reduce_add_epi32(shi);  // integer sums: any order
+        xlo = _mm512_reduce_add_epi32(slo);
       }
       qsum[2 * i] = xhi;
       qsum[2 * i + 1] = xlo;

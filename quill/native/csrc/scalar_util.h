@@ -107,6 +107,21 @@ inline void put_split(int8_t* out, int ck, int64_t p, int32_t q, int32_t& xhi, i
   xlo += q - 65536 * parts.hi;
 }
 
+// Positions [p, p + n) of one token's stream get the parts already split (the vector kernels'
+// quantize_split: hi / mid / lo of each position, in order): the chunk-interleaved stores of
+// put_split, a chunk's run at a time.
+inline void put_split_run(int8_t* out, int ck, int64_t p, int n, const int8_t* hi, const int8_t* mid, const int8_t* lo) {
+  for (int j = 0; j < n;) {
+    const int64_t c = (p + j) / ck, off = (p + j) % ck;
+    const int len = int(std::min<int64_t>(ck - off, n - j));
+    int8_t* chunk = out + c * SPLIT_PARTS * ck + off;
+    std::memcpy(chunk, hi + j, len);
+    std::memcpy(chunk + ck, mid + j, len);
+    std::memcpy(chunk + 2 * ck, lo + j, len);
+    j += len;
+  }
+}
+
 inline int64_t seg_index(const Weights& w, int nb, int s, int r) { return (int64_t(nb) * w.nseg + s) * LANES + r; }
 
 inline float zero_at(const Weights& w, int64_t i) {
