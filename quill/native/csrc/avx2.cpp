@@ -407,8 +407,8 @@ inline __m256 load_x8_upto(const RawX& in, const void* row, int64_t p, int64_t r
 }
 
 // The split stream of tokens [m0, m1) (quantize_split in scalar.cpp): the image 8 positions
-// a step, its three parts written per position (O(K) per token, beside the O(N K) kernel);
-// identity order (the binding gathers act-order first).
+// a step, split on whole vectors, each chunk's run of parts stored at once (O(K) per token,
+// beside the O(N K) kernel); identity order (the binding gathers act-order first).
 void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
   const int esize = in.dtype == DType::F32 ? 4 : 2;
   const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
