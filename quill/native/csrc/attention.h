@@ -6,9 +6,10 @@
 //   scores[g][s] = scale * dot(q[g], K[s])            (masked positions skipped)
 //   p[g][s]      = exp(scores[g][s] - max_s), sum_g  (a polynomial exp, rel. error < 2e-7)
 //   out[g]       = sum_s p[g][s] V[s] / sum_g
-// Every sum runs in a fixed order (16 lane partials, then a fixed tree), so the scalar
-// twin and each ISA variant -- the same template, vectorised by the compiler -- return
-// identical bits.
+// Every sum runs in a fixed order (16 lane partials, then a fixed tree; p V key by key) and
+// each product is added with one rounding (fused multiply-add: the instruction in the SIMD
+// variants, std::fma in the scalar twin), so the scalar twin and each ISA variant -- the same
+// template, vectorised by the compiler -- return identical bits.
 #pragma once
 
 #include <cstdint>

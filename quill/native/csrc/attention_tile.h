@@ -2,7 +2,10 @@
 // plain loops over fixed-width lane arrays that each TU's flags let the compiler vectorise.
 #pragma once
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -38,8 +41,8 @@ inline float dot(const float* a, const T* b, int64_t d) {  // a, b [d]
   float part[L] = {};
   int64_t i = 0;
   for (; i + L <= d; i += L)
-    for (int j = 0; j < L; ++j) part[j] += a[i + j] * widen(b[i + j]);
-  for (int j = 0; i < d; ++i, ++j) part[j] += a[i] * widen(b[i]);
+    for (int j = 0; j < L; ++j) part[j] = std::fma(a[i + j], widen(b[i + j]), part[j]);
+  for (int j = 0; i < d; ++i, ++j) part[j] = std::fma(a[i], widen(b[i]), part[j]);
   return tree(part);
 }
 
@@ -118,6 +121,19 @@ inline vw vload(const uint16_t* p) {  // W bfloat16 words -> float32, exact
   return v;
 }
 inline void vstore(float* p, const vw& v) { std::memcpy(p, &v, sizeof v); }
+// a * b + c rounded once, lane by lane: the FMA instruction where the TU has one, std::fma (exact,
+// in software on the baseline) in the scalar twin -- the same value either way
+inline vw vfma(const vw& a, const vw& b, const vw& c) {
+#if ATT_W == 16 && defined(__AVX512F__)
+  return (vw)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif ATT_W == 8 && defined(__FMA__)
+  return (vw)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  vw r;
+  for (int j = 0; j < W; ++j) r[j] = std::fma(a[j], b[j], c[j]);
+  return r;
+#endif
+}
 
 // Output lane o of a butterfly stage over segments of LEN lanes (one key's values each): inputs a
 // (lanes 0 .. W) and b (W .. 2W) hold W / LEN keys each; the output holds all 2W / LEN keys, a's
@@ -156,7 +172,7 @@ inline void qk_block(const float* __restrict q, const T* const* krows, int64_t n
     for (int kk = 0; kk < W; ++kk) {
       vw p[NPW] = {};
       for (int i = 0; i < D; i += L)
-        for (int u = 0; u < NPW; ++u) p[u] = p[u] + vload(qg + i + u * W) * vload(krows[kk] + i + u * W);
+        for (int u = 0; u < NPW; ++u) p[u] = vfma(vload(qg + i + u * W), vload(krows[kk] + i + u * W), p[u]);
       if constexpr (NPW == 2) x[kk] = p[0] + p[1];  // tree()'s first level: p[j] + p[j + 8]
       else x[kk] = p[0];
     }
@@ -183,7 +199,7 @@ inline void pv_heads(const float* __restrict p, int64_t sstride, const T* vbase,
     for (int c = 0; c < C; ++c) vv[c] = vload(vrow + c * W);
     for (int g = 0; g < NQ; ++g) {
       const vw w = vw{} + p[g * sstride + s];
-      for (int c = 0; c < C; ++c) acc[g][c] = acc[g][c] + w * vv[c];
+      for (int c = 0; c < C; ++c) acc[g][c] = vfma(w, vv[c], acc[g][c]);
     }
   }
   for (int g = 0; g < NQ; ++g)
@@ -267,7 +283,7 @@ void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, flo
     for (int64_t g = 0; g < NG; ++g) {
       const float w = scores[g * S + j];
       float* __restrict o = acc + g * D;
-      for (int64_t i = 0; i < D; ++i) o[i] += w * widen(vrow[i]);
+      for (int64_t i = 0; i < D; ++i) o[i] = std::fma(w, widen(vrow[i]), o[i]);
     }
   }
   for (int64_t g = 0; g < NG; ++g) {  // a fully masked row (quill's cache never builds one): zeros
