@@ -61,7 +61,6 @@ class StepLayout:
                 all_slots[start:start + new] = s
         return cls(all_slots, torch.tensor(dec_rows, dtype=torch.int64), ctx, lens, prefills)
 
-
     @classmethod
     def _all_decodes(cls, pieces: list[tuple[list[int], int, int]], block_size: int) -> "StepLayout":
         """The layout of a step whose every sequence decodes one token (the common step), in numpy:
