@@ -265,7 +265,7 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
         if constexpr (SPLIT)
           fn = epilogue_split(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo);
         else
-          fn = epilogue(sc, _mm256_cvtepi32_ps(acc[m][h][1]), _mm256_set1_ps(float(a.qsum[i])), fo);
+          fn = epilogue(sc, _mm256_cvtepi32_ps(acc[m][h][1]), _mm256_cvtepi32_ps(_mm256_set1_epi32(a.qsum[i])), fo);
         if constexpr (NH == 1) fr[m] = fn;
         else _mm256_store_ps(f[m] + 8 * h, fn);
       }
@@ -303,7 +303,8 @@ void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   for (int nb = nb0; nb < nb1; ++nb)
     for (int m0 = 0; m0 < a.m;) {
       const int left = a.m - m0;
-      if (left >= 4) { tile<BITS, PARTS, 4>(w, a, o, nb, m0); m0 += 4; }
+      if (BITS == 4 && PARTS == 1 && left >= 8) { tile<BITS, PARTS, 8>(w, a, o, nb, m0); m0 += 8; }
+      else if (left >= 4) { tile<BITS, PARTS, 4>(w, a, o, nb, m0); m0 += 4; }
       else if (left == 3) { tile<BITS, PARTS, 3>(w, a, o, nb, m0); m0 += 3; }
       else if (left == 2) { tile<BITS, PARTS, 2>(w, a, o, nb, m0); m0 += 2; }
       else { tile<BITS, PARTS, 1>(w, a, o, nb, m0); m0 += 1; }
