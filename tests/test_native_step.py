@@ -26,10 +26,12 @@ PROMPTS = [[5, 17, 99, 42, 8], list(range(20, 57)), [7] * 3, list(range(100, 119
 ARRIVALS = {0: [0, 1], 2: [2], 5: [3], 9: [4]}  # step -> prompts arriving then
 
 
-def run(llm, native_step: bool, max_tokens: int = 10, prompts=PROMPTS, team: bool = True) -> dict:
+def run(llm, native_step: bool, max_tokens: int = 10, prompts=PROMPTS, team: bool = True,
+        kv_cache_dtype: str = "auto") -> dict:
     """request -> (tokens, top-3 log-probabilities per token) from a fresh engine over ``llm``'s model."""
     core = EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
-                      EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, native_step=native_step),
+                      EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, native_step=native_step,
+                                   kv_cache_dtype=kv_cache_dtype),
                       isa=llm.engine.cache.isa)
     assert (core.native_step is not None) == native_step, core.native_step_reason
     if native_step:

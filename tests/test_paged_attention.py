@@ -81,13 +81,15 @@ def test_torch_fallback_agrees():
 
 @pytest.mark.parametrize("lens,h,hkv,d", CASES)
 @pytest.mark.parametrize("isa", ISAS)
-def test_bfloat16_pools_read_as_their_float32_values(lens, h, hkv, d, isa):
-    """A bfloat16 run's pool is widened exactly as it is read: the bits of a float32 pool of those values."""
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_pools_read_as_their_float32_values(lens, h, hkv, d, isa, pool_dtype):
+    """A 16-bit KV cache's pool is widened exactly as it is read: the bits of a float32 pool of those values."""
     q, kp, vp, slots, ln = _paged_case(lens, h, hkv, d, seed=3)
-    kb, vb = kp.to(torch.bfloat16), vp.to(torch.bfloat16)
+    kb, vb = kp.to(pool_dtype), vp.to(pool_dtype)
     want = EXT.paged_decode_attention(q, kb.float(), vb.float(), slots, ln, 0.125, isa)
     assert torch.equal(EXT.paged_decode_attention(q, kb, vb, slots, ln, 0.125, isa), want)
-    y = fused.paged_decode_attention(q.to(torch.bfloat16), kb, vb, slots, ln, 0.125, isa)  # the engine's call
+    assert torch.equal(fused.paged_decode_attention(q, kb, vb, slots, ln, 0.125, isa), want)  # float32 compute
+    y = fused.paged_decode_attention(q.to(torch.bfloat16), kb, vb, slots, ln, 0.125, isa)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, EXT.paged_decode_attention(q.to(torch.bfloat16).float(), kb.float(), vb.float(), slots,
                                                      ln, 0.125, isa).to(torch.bfloat16))
@@ -107,5 +109,5 @@ def test_bad_tables_raise_kernel_error():
         EXT.paged_decode_attention(q, kp, vp, slots, ln.int(), 1.0, BEST)
     with pytest.raises(KernelError, match=r"'v' pool .* does not match 'k' pool"):
         EXT.paged_decode_attention(q, kp, vp[:-1], slots, ln, 1.0, BEST)
-    with pytest.raises(KernelError, match=r"'k' pool should be contiguous float32 or bfloat16 \[N, Hkv, 16\]"):
+    with pytest.raises(KernelError, match=r"'k' pool should be contiguous float32, bfloat16 or float16 \[N, Hkv, 16\]"):
         EXT.paged_decode_attention(q, kp.double(), vp, slots, ln, 1.0, BEST)

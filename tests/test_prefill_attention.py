@@ -68,6 +68,20 @@ def test_every_variant_is_the_scalar_twin_and_attention(n, start, h, hkv, d):
     torch.testing.assert_close(twin.double(), _reference(q, kp, vp, ctx, scale), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,start,h,hkv,d", CASES)
+def test_16_bit_pools_read_as_their_float32_values(n, start, h, hkv, d, pool_dtype):
+    """A 16-bit KV cache's pools are widened exactly block by block: a float32 pool's bits, every variant."""
+    q, kp, vp, ctx = _case(n, start, h, hkv, d, seed=n + start + 1)
+    kh, vh = kp.to(pool_dtype), vp.to(pool_dtype)
+    want = EXT.paged_prefill_attention(q, kh.float(), vh.float(), ctx, d ** -0.5, "scalar")
+    for isa in ISAS:
+        assert torch.equal(EXT.paged_prefill_attention(q, kh, vh, ctx, d ** -0.5, isa), want), isa
+    assert torch.equal(fused.paged_prefill_attention(q, kh, vh, ctx, d ** -0.5, BEST), want)
+    torch.testing.assert_close(fused.paged_prefill_attention(q, kh, vh, ctx, d ** -0.5, None), want,
+                               rtol=1e-5, atol=5e-6)  # torch widens the gathered rows: the same values
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_threads_and_the_torch_fallback_agree(threads):
     q, kp, vp, ctx = _case(100, 28, 32, 8, 64, seed=3)
@@ -92,8 +106,10 @@ def test_bad_inputs_raise_kernel_error():
         EXT.paged_prefill_attention(q, kp, vp, ctx[:9], 1.0, BEST)
     with pytest.raises(KernelError, match=r"'v' pool .* does not match 'k' pool"):
         EXT.paged_prefill_attention(q, kp, vp[:-1], ctx, 1.0, BEST)
-    with pytest.raises(KernelError, match=r"'k' pool should be contiguous float32 \[N, Hkv, 16\]"):
-        EXT.paged_prefill_attention(q, kp.bfloat16(), vp, ctx, 1.0, BEST)
+    with pytest.raises(KernelError, match=r"'v' pool .*BFloat16.* does not match 'k' pool float"):
+        EXT.paged_prefill_attention(q, kp, vp.bfloat16(), ctx, 1.0, BEST)
+    with pytest.raises(KernelError, match=r"'k' pool should be contiguous float32, bfloat16 or float16 \[N, Hkv, 16\]"):
+        EXT.paged_prefill_attention(q, kp.double(), vp, ctx, 1.0, BEST)
     with pytest.raises(KernelError, match=r"4 query heads are not a multiple of 3 KV heads"):
         EXT.paged_prefill_attention(q, kp[:, :1].expand(-1, 3, -1).contiguous(), vp[:, :1].expand(-1, 3, -1)
                                     .contiguous(), ctx, 1.0, BEST)

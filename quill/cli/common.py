@@ -28,6 +28,9 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -
     p.add_argument("--kernel", default=None, help="force one linear kernel by name (see `quill info`)")
     p.add_argument("--moe-backend", default=None, help="force one MoE backend by name (grouped, reference)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context window")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="element type of the KV cache (default auto: the compute dtype, float32); float16 or "
+                        "bfloat16 halve its memory and what decode attention reads at long contexts")
     p.add_argument("--offline", action="store_true", help="resolve Hub ids from the local cache only")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bars (they show on a terminal when loading or scoring takes over a second)")
@@ -51,7 +54,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args, skip_tokenizer_init: bool = False, engine_config=None):
+    from quill.engine.core import EngineConfig
     from quill.engine.llm import LLM
+    if engine_config is None and getattr(args, "kv_cache_dtype", "auto") != "auto":
+        engine_config = EngineConfig(kv_cache_dtype=args.kv_cache_dtype)
     return LLM(args.model, dtype=args.dtype, activation_quant=args.act_quant,
                threads=args.threads, kernel=args.kernel, moe_backend=args.moe_backend,
                max_model_len=args.max_model_len,

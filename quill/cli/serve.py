@@ -99,7 +99,8 @@ def run(args) -> int:
 
     kv = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 kv_cache_memory=kv, enable_prefix_caching=not args.no_prefix_caching)
+                                 kv_cache_memory=kv, enable_prefix_caching=not args.no_prefix_caching,
+                                 kv_cache_dtype=args.kv_cache_dtype)
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
     # The model is loaded on the thread that will step it (see quill.serving.engine.AsyncEngine).
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="quill-engine")
@@ -148,7 +149,7 @@ def run_ray(args) -> int:
            "moe_backend": args.moe_backend, "max_model_len": args.max_model_len, "offline": args.offline}
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "kv_cache_memory": parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
-              "enable_prefix_caching": not args.no_prefix_caching}
+              "enable_prefix_caching": not args.no_prefix_caching, "kv_cache_dtype": args.kv_cache_dtype}
     options = RayServeOptions(model=str(args.model) if args.model else None, replicas=replicas, min_replicas=lo,
                               max_replicas=hi, target_ongoing_requests=args.target_ongoing_requests,
                               autoscaling=_json_object("--autoscaling-config", args.autoscaling_config),

@@ -32,6 +32,8 @@ from quill.engine.sequence import Sequence, Status
 from quill.errors import GenerationError
 from quill.models.base import ForwardContext
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -46,6 +48,11 @@ class EngineConfig:
     # all-decode steps run every decoder layer in one native call when the model allows
     # (quill.engine.native_step); False keeps the Python layers (the same bits, slower)
     native_step: bool = True
+    # element type of the KV pools: "auto" (the compute dtype, float32), or "float16" / "bfloat16":
+    # half the memory a cached token takes and half the bytes decode attention reads per token at long
+    # contexts; each k / v is rounded to nearest even as it is stored, attention still computes in
+    # float32 (llama.cpp's default cache type is float16)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -55,6 +62,9 @@ class EngineConfig:
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
             raise GenerationError(f"EngineConfig.kv_cache_memory: expected a positive number of bytes, "
                                   f"found {self.kv_cache_memory!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise GenerationError(f"EngineConfig.kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, "
+                                  f"found {self.kv_cache_dtype!r}")
         if not 0.0 < self.kv_cache_fraction <= 0.9:
             raise GenerationError(f"EngineConfig.kv_cache_fraction: expected (0, 0.9], found {self.kv_cache_fraction}")
 
@@ -126,11 +136,12 @@ class EngineCore:
         self.context_length = context_length
         self.vocab = model.args.vocab_size
         args = model.args
+        kv_dtype = model.dtype if self.config.kv_cache_dtype == "auto" else getattr(torch, self.config.kv_cache_dtype)
         per_block = PagedKVCache.bytes_per_block(args.num_hidden_layers, self.config.block_size,
-                                                 args.num_key_value_heads, args.head_dim, model.dtype)
+                                                 args.num_key_value_heads, args.head_dim, kv_dtype)
         num_blocks = max(2, self._pool_bytes(per_block) // per_block)
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, self.config.block_size,
-                                  args.num_key_value_heads, args.head_dim, model.dtype, isa)
+                                  args.num_key_value_heads, args.head_dim, kv_dtype, isa)
         self.native_step, self.native_step_reason = (
             build_native_step(model, self.cache) if self.config.native_step else (None, "disabled"))
         self.blocks = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -96,6 +97,8 @@ class LLM:
         offline: resolve Hub ids from the local cache only.
         progress: show a loading progress bar on stderr (default: when stderr is a terminal).
         engine_config: the engine core's batching and KV-cache sizes (``quill.engine.core.EngineConfig``).
+        kv_cache_dtype: "auto" (float32), "float16" or "bfloat16": the KV cache's element type
+            (``EngineConfig.kv_cache_dtype``; given here it overrides engine_config's).
         cache: use the prepacked cache (default: on unless ``$QUILL_CACHE=0``): the kernel layouts are
             saved after the first load (on a thread) and read back on later ones (``quill.prepacked``).
         cache_dir: where (default ``$QUILL_CACHE_DIR``, else ``~/.cache/quill``).
@@ -109,8 +112,10 @@ class LLM:
                  moe_backend: str | None = None,
                  skip_tokenizer_init: bool = False, max_model_len: int | None = None, seed: int = 0,
                  offline: bool = False, progress: bool | None = None, platform: Platform | None = None,
-                 engine_config: EngineConfig | None = None, cache: bool | None = None,
-                 cache_dir: str | os.PathLike | None = None):
+                 engine_config: EngineConfig | None = None, kv_cache_dtype: str | None = None,
+                 cache: bool | None = None, cache_dir: str | os.PathLike | None = None):
+        if kv_cache_dtype is not None:  # checked here, before the model loads
+            engine_config = dataclasses.replace(engine_config or EngineConfig(), kv_cache_dtype=kv_cache_dtype)
         self.options = RunOptions.parse(dtype, activation_quant, threads, kernel, moe_backend, max_model_len)
         self.platform = platform or detect()
         self.threads = self.options.threads or self.platform.physical_cores

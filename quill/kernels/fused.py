@@ -104,6 +104,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return decode_attention_torch(q, k, v, mask, scale)
 
 
+KV_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the native paged kernels read
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                            lens: torch.Tensor, scale: float, isa: str | None = None) -> torch.Tensor:
     """Decode attention read through a paged pool's slot tables, without gathering the context.
@@ -111,12 +114,12 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     q [B, H, 1, D]; k_pool and v_pool [N, Hkv, D]; slots int64 [B, Smax] (the pool rows of each
     sequence's context, in order, padded past its length); lens int64 [B] -> [B, H, 1, D].  The
     native kernel (``isa`` as chosen at load; None for torch) returns the bits
-    :func:`decode_attention` gives on the gathered, masked rows (float32; bfloat16 pools are
-    widened exactly as read, q enters as float32 and the result is rounded to q's dtype).
+    :func:`decode_attention` gives on the gathered, masked rows (float32; bfloat16 and float16 pools
+    are widened exactly as read, q enters as float32 and the result is rounded to q's dtype).
     """
     ext = _ext() if isa is not None else None
-    native_dtypes = (torch.float32, torch.bfloat16)
-    if ext is not None and q.dtype in native_dtypes and k_pool.dtype in native_dtypes and not q.requires_grad:
+    if (ext is not None and q.dtype in (torch.float32, torch.bfloat16) and k_pool.dtype in KV_POOL_DTYPES
+            and not q.requires_grad):
         return ext.paged_decode_attention(q.float(), k_pool, v_pool, slots, lens, scale, isa).to(q.dtype)
     kd = k_pool[slots].permute(0, 2, 1, 3)  # [B, Hkv, Smax, D]
     vd = v_pool[slots].permute(0, 2, 1, 3)
@@ -134,10 +137,12 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     the whole context, the chunk its last n positions) -> [n, H, D]: token i attends positions
     0 .. S - n + i.  The native kernel (``isa`` as chosen at load; None for torch) streams key blocks
     past blocks of query rows (csrc/prefill.h) and writes token-major; torch gathers the context
-    and runs ATen's flash attention.
+    and runs ATen's flash attention.  16-bit pools (a float16 / bfloat16 KV cache) are widened exactly
+    as read, attention computing in float32 as with float32 pools holding the same values.
     """
     ext = _ext() if isa is not None else None
-    if ext is not None and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32 and not q.requires_grad:
+    if (ext is not None and q.dtype == torch.float32 and k_pool.dtype in KV_POOL_DTYPES
+            and v_pool.dtype == k_pool.dtype and not q.requires_grad):
         return ext.paged_prefill_attention(q.contiguous(), k_pool, v_pool, ctx, scale, isa)
     n, s = q.shape[0], ctx.numel()
     kc = k_pool[ctx].permute(1, 0, 2)[None].to(q.dtype)  # [1, Hkv, S, D]

@@ -8,12 +8,14 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "attention.h"
 #include "isa.h"
+#include "kv_pool.h"
 #include "ops.h"
 #include "prefill.h"
 
@@ -49,12 +51,44 @@ void launch(const AttnArgs& a, AttnHead head) {
 
 }  // namespace
 
+KVType pool_type(const at::Tensor& pool) {
+  switch (pool.scalar_type()) {
+    case at::kBFloat16: return KVType::BF16;
+    case at::kHalf: return KVType::F16;
+    default: return KVType::F32;
+  }
+}
+
+std::string pools_problem(const at::Tensor& k, const at::Tensor& v, int64_t d) {
+  std::ostringstream os;
+  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    const auto st = t->scalar_type();
+    if ((st != at::kFloat && st != at::kBFloat16 && st != at::kHalf) || t->dim() != 3 || t->size(2) != d ||
+        !t->is_contiguous()) {
+      os << "'" << name << "' pool should be contiguous float32, bfloat16 or float16 [N, Hkv, " << d << "], found "
+         << t->dtype() << " " << t->sizes();
+      return os.str();
+    }
+  }
+  if (v.sizes() != k.sizes() || v.scalar_type() != k.scalar_type())
+    os << "'v' pool " << v.dtype() << " " << v.sizes() << " does not match 'k' pool " << k.dtype() << " " << k.sizes();
+  return os.str();
+}
+
 AttnHead head_for(const std::string& isa) {
   const std::string problem = isa_problem(isa);
   if (!problem.empty()) fail(problem);
   if (isa == "avx512") return attn_head_avx512();
   if (isa == "avx2") return attn_head_avx2();
   return attn_head_scalar();
+}
+
+KVStore kv_store_for(const std::string& isa) {
+  const std::string problem = isa_problem(isa);
+  if (!problem.empty()) fail(problem);
+  if (isa == "avx512") return kv_store_avx512();
+  if (isa == "avx2") return kv_store_avx2();
+  return kv_store_scalar();
 }
 
 // q [B, H, 1, D], k and v [B, Hkv, S, D] float32, mask bool [B or 1, 1, 1, S] or None -> [B, H, 1, D]
@@ -102,14 +136,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
     fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
   const int64_t B = q_in.size(0), H = q_in.size(1), D = q_in.size(3);
-  const bool bf16 = k.scalar_type() == at::kBFloat16;
-  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}})
-    if ((t->scalar_type() != at::kFloat && t->scalar_type() != at::kBFloat16) || t->dim() != 3 ||
-        t->size(2) != D || !t->is_contiguous())
-      fail("'", name, "' pool should be contiguous float32 or bfloat16 [N, Hkv, ", D, "], found ", t->dtype(),
-           " ", t->sizes());
-  if (v.sizes() != k.sizes() || v.scalar_type() != k.scalar_type())
-    fail("'v' pool ", v.dtype(), " ", v.sizes(), " does not match 'k' pool ", k.dtype(), " ", k.sizes());
+  if (const std::string problem = pools_problem(k, v, D); !problem.empty()) fail(problem);
   const int64_t N = k.size(0), hkv = k.size(1);
   if (hkv == 0 || H % hkv) fail(H, " query heads are not a multiple of ", hkv, " KV heads");
   if (slots_in.scalar_type() != at::kLong || slots_in.dim() != 2 || slots_in.size(0) != B)
@@ -129,13 +156,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
   at::Tensor out = at::empty({B, H, 1, D}, q.options());
   AttnArgs a;
   a.q = q.data_ptr<float>();
-  if (bf16) {
-    a.k16 = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-    a.v16 = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  } else {
-    a.k = k.data_ptr<float>();
-    a.v = v.data_ptr<float>();
-  }
+  set_pools(a, k, v);
   a.out = out.data_ptr<float>();
   a.kh = a.vh = D, a.ks = a.vs = hkv * D;
   a.slots = sl, a.lens = ln, a.slot_b = S;
@@ -162,10 +183,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, 
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 3 || q_in.size(0) < 1)
     bad("'q' should be float32 [n, H, D], n >= 1, found ", q_in.dtype(), " ", q_in.sizes());
   const int64_t n = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
-  for (const auto& [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}})
-    if (t->scalar_type() != at::kFloat || t->dim() != 3 || t->size(2) != D || !t->is_contiguous())
-      bad("'", name, "' pool should be contiguous float32 [N, Hkv, ", D, "], found ", t->dtype(), " ", t->sizes());
-  if (v.sizes() != k.sizes()) bad("'v' pool ", v.sizes(), " does not match 'k' pool ", k.sizes());
+  if (const std::string problem = pools_problem(k, v, D); !problem.empty()) bad(problem);
   const int64_t N = k.size(0), hkv = k.size(1);
   if (hkv == 0 || H % hkv) bad(H, " query heads are not a multiple of ", hkv, " KV heads");
   if (ctx_in.scalar_type() != at::kLong || ctx_in.dim() != 1 || ctx_in.size(0) < n)
@@ -177,7 +195,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, 
     if (cp[s] < 0 || cp[s] >= N) bad("position ", s, " names pool row ", cp[s], "; the pool has ", N);
   at::Tensor out = at::empty({n, H, D}, q.options());
   PrefillArgs a;
-  a.q = q.data_ptr<float>(), a.k = k.data_ptr<float>(), a.v = v.data_ptr<float>(), a.ctx = cp;
+  a.q = q.data_ptr<float>(), a.ctx = cp;
+  set_pools(a, k, v);
   a.out = out.data_ptr<float>();
   a.n = n, a.start = S - n, a.h = H, a.hkv = hkv, a.d = D, a.scale = float(scale);
   // (KV head, query block) items, the last blocks (the most keys) first, taken one at a time

@@ -21,10 +21,12 @@ struct AttnArgs {
   const float* q = nullptr;      // [B, H, D] contiguous
   const float* k = nullptr;      // [B, Hkv, S, D] with strides (kb, kh, ks), last dim contiguous
   const float* v = nullptr;      // as k, strides (vb, vh, vs)
-  // Paged pools of bfloat16 words instead (a bfloat16 run's KV cache), widened exactly to float32
-  // as they are read: the same bits as float32 pools holding those values.  Null: k / v.
+  // Paged pools of 16-bit words instead (a 16-bit KV cache: bfloat16, or IEEE float16 when f16),
+  // widened exactly to float32 as they are read: the same bits as float32 pools holding those
+  // values.  Null: k / v.
   const uint16_t* k16 = nullptr;
   const uint16_t* v16 = nullptr;
+  bool f16 = false;
   const uint8_t* mask = nullptr; // [B or 1, S] (1 = may attend) or null (every position)
   // Paged: row s of sequence b is pool row slots[b * slot_b + s] (k + row * ks + kv_head * kh;
   // kb and vb unused) for s < lens[b]; positions past lens[b] do not exist.  Null: dense rows.
@@ -45,9 +47,20 @@ struct AttnArgs {
 // as the dense call on the gathered rows with the positions past each length masked.
 using AttnHead = void (*)(const AttnArgs&, int64_t b, int64_t kv_head, float* scratch);
 
+// The element type of a KV pool.
+enum class KVType : uint8_t { F32, BF16, F16 };
+
+// dst[0 .. n) = src[0 .. n) stored as `type`, rounded to nearest even (as torch's .to() rounds):
+// one token's k or v row written into a pool.
+using KVStore = void (*)(void* dst, const float* src, int64_t n, KVType type);
+
 AttnHead attn_head_scalar();
 AttnHead attn_head_avx2();
 AttnHead attn_head_avx512();
 AttnHead head_for(const std::string& isa);  // attention.cpp: the variant of a checked ISA name (else OpFailure)
+KVStore kv_store_scalar();
+KVStore kv_store_avx2();
+KVStore kv_store_avx512();
+KVStore kv_store_for(const std::string& isa);  // attention.cpp, as head_for
 
 }  // namespace quill

@@ -12,5 +12,6 @@ namespace quill {
 
 AttnHead attn_head_avx2() { return attn::any_head; }
 PrefillBlock prefill_block_avx2() { return attn::prefill_block; }
+KVStore kv_store_avx2() { return attn::store_kv; }
 
 }  // namespace quill

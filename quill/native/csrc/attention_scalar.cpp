@@ -6,5 +6,6 @@ namespace quill {
 
 AttnHead attn_head_scalar() { return attn::any_head; }
 PrefillBlock prefill_block_scalar() { return attn::prefill_block; }
+KVStore kv_store_scalar() { return attn::store_kv; }
 
 }  // namespace quill

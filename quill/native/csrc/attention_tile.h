@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "attention.h"
@@ -34,6 +35,46 @@ inline float widen(uint16_t h) {  // bfloat16 -> float32, exact
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+inline float widen(_Float16 h) { return float(h); }  // IEEE float16 -> float32, exact
+
+// One k or v row into a pool (KVStore).  bfloat16: round to nearest even on the bits (NaN stays a
+// quiet NaN), as torch rounds; float16: the compiler's conversion (vcvtps2ph with F16C, software in
+// the scalar twin), also to nearest even.
+inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline void store_kv(void* dst, const float* __restrict src, int64_t n, KVType type) {
+  if (type == KVType::F32) {
+    std::memcpy(dst, src, size_t(n) * sizeof(float));
+  } else if (type == KVType::BF16) {
+    uint16_t* __restrict d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = to_bf16(src[i]);
+  } else {
+    _Float16* __restrict d = static_cast<_Float16*>(dst);
+    int64_t i = 0;
+#ifdef __F16C__  // (GCC 12 converts _Float16 vectors element by element)
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; ++i) d[i] = _Float16(src[i]);
+  }
+}
+
+// dst[0 .. n) = src widened to float32 (exact)
+template <class T>
+inline void widen_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  if constexpr (std::is_same_v<T, _Float16>)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = widen(src[i]);
 }
 
 template <class T>
@@ -119,6 +160,18 @@ inline vw vload(const uint16_t* p) {  // W bfloat16 words -> float32, exact
   vw v;
   std::memcpy(&v, &u, sizeof v);
   return v;
+}
+typedef _Float16 fw __attribute__((vector_size(W * 2)));
+inline vw vload(const _Float16* p) {  // W float16 values -> float32, exact
+#if ATT_W == 16 && defined(__AVX512F__)
+  return (vw)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif ATT_W == 8 && defined(__F16C__)
+  return (vw)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  fw h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vw);
+#endif
 }
 inline void vstore(float* p, const vw& v) { std::memcpy(p, &v, sizeof v); }
 // a * b + c rounded once, lane by lane: the FMA instruction where the TU has one, std::fma (exact,
@@ -214,7 +267,7 @@ inline void pv_heads(const float* __restrict p, int64_t sstride, const T* vbase,
 constexpr int64_t kPvKeys = 64;
 
 // DC: the head dimension when known at compile time (64, 128), else 0 (a.d at run time);
-// T: the K / V element (float, or uint16_t bfloat16 words).
+// T: the K / V element (float, uint16_t bfloat16 words, or _Float16).
 template <int DC, class T>
 void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, float* __restrict scratch) {
   // Paged: S is this sequence's length, rows come through its slot table (masked padding
@@ -302,6 +355,9 @@ inline void typed_head(const AttnArgs& a, const T* k, const T* v, int64_t b, int
 }
 
 inline void any_head(const AttnArgs& a, int64_t b, int64_t kvh, float* scratch) {
+  if (a.k16 && a.f16)
+    return typed_head(a, reinterpret_cast<const _Float16*>(a.k16), reinterpret_cast<const _Float16*>(a.v16), b, kvh,
+                      scratch);
   if (a.k16) return typed_head(a, a.k16, a.v16, b, kvh, scratch);
   typed_head(a, a.k, a.v, b, kvh, scratch);
 }

@@ -22,6 +22,9 @@ struct PrefillArgs {
   const float* q = nullptr;        // [n, H, D] contiguous: the chunk's queries
   const float* k = nullptr;        // pool [N, Hkv, D] contiguous
   const float* v = nullptr;        // pool [N, Hkv, D] contiguous
+  const uint16_t* k16 = nullptr;   // 16-bit pools instead (bfloat16, or float16 when f16): widened exactly
+  const uint16_t* v16 = nullptr;   // as each key block is read (attention.h AttnArgs)
+  bool f16 = false;
   const int64_t* ctx = nullptr;    // [start + n] pool rows of the context, in position order
   float* out = nullptr;            // [n, H, D] contiguous
   int64_t n = 0, start = 0;        // chunk tokens; positions before the chunk (token i sits at start + i)
@@ -37,10 +40,11 @@ inline int64_t prefill_tokens_per_block(int64_t g) { return g >= 64 ? 1 : 64 / g
 inline int64_t prefill_rows(int64_t r) { return (r + 63) / 64 * 64; }
 inline int64_t prefill_cols(int64_t d) { return (d + 63) / 64 * 64; }
 // Scratch floats one block of `tokens` query tokens needs (prefill_tile.h's layout): transposed
-// queries, a key block's scores, the accumulators, a padded V block, four per-row floats and an int64.
+// queries, a key block's scores, the accumulators, a padded V block, a widened K block (16-bit
+// pools), four per-row floats and an int64.
 inline int64_t prefill_scratch(int64_t g, int64_t d, int64_t tokens) {
   const int64_t rp = prefill_rows(tokens * g), dp = prefill_cols(d);
-  return d * rp + kPrefillKeys * rp + rp * dp + kPrefillKeys * dp + 6 * rp;
+  return d * rp + kPrefillKeys * rp + rp * dp + kPrefillKeys * dp + kPrefillKeys * d + 6 * rp;
 }
 
 // Query tokens [i0, i1) of KV head kv_head; scratch: prefill_scratch(G, D, i1 - i0) floats, 64-byte aligned.

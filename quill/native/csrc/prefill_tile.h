@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "attention_tile.h"
 #include "prefill.h"
@@ -104,7 +105,11 @@ inline void softmax_block(float* __restrict sT, const int64_t* __restrict pos, f
     }
 }
 
-void prefill_block(const PrefillArgs& a, int64_t kvh, int64_t i0, int64_t i1, float* __restrict scratch) {
+// T: the pools' element (float, uint16_t bfloat16 words, _Float16); 16-bit rows are widened into
+// the scratch block by block (exactly, so the bits are those of float32 pools holding the values).
+template <class T>
+void prefill_typed(const PrefillArgs& a, const T* kpool, const T* vpool, int64_t kvh, int64_t i0, int64_t i1,
+                   float* __restrict scratch) {
   const int64_t G = a.h / a.hkv, D = a.d, R = (i1 - i0) * G;
   const int64_t rp = prefill_rows(R), dp = prefill_cols(D), row = a.hkv * D;  // row: the pools' row stride
   float* __restrict qT = scratch;            // [D, rp] scaled queries, transposed (zero rows past R)
@@ -115,7 +120,8 @@ void prefill_block(const PrefillArgs& a, int64_t kvh, int64_t i0, int64_t i1, fl
   float* __restrict l = m + rp;              // [rp] running sum
   float* __restrict alpha = l + rp;          // [rp] this block's rescale
   float* __restrict bm = alpha + rp;         // [rp] this block's new max
-  int64_t* __restrict pos = reinterpret_cast<int64_t*>(bm + rp);  // [rp] each row's position (keys <= it)
+  float* __restrict kw = bm + rp;            // [BK, D] the block's K rows widened (16-bit pools only)
+  int64_t* __restrict pos = reinterpret_cast<int64_t*>(kw + BK * D);  // [rp] each row's position (keys <= it)
   const float* krows[BK];
   const float* vrows[BK];
   for (int64_t r = 0; r < rp; ++r) {
@@ -129,14 +135,22 @@ void prefill_block(const PrefillArgs& a, int64_t kvh, int64_t i0, int64_t i1, fl
   for (int64_t j0 = 0; j0 <= last; j0 += BK) {
     const int64_t nk = std::min(BK, last + 1 - j0);
     for (int64_t j = 0; j < nk; ++j) {
-      krows[j] = a.k + a.ctx[j0 + j] * row + kvh * D;
-      vrows[j] = a.v + a.ctx[j0 + j] * row + kvh * D;
-    }
-    if (dp != D)
-      for (int64_t j = 0; j < nk; ++j) {
-        for (int64_t i = 0; i < dp; ++i) vb[j * dp + i] = i < D ? vrows[j][i] : 0.0f;
-        vrows[j] = vb + j * dp;
+      const T* kr = kpool + a.ctx[j0 + j] * row + kvh * D;
+      const T* vr = vpool + a.ctx[j0 + j] * row + kvh * D;
+      if constexpr (std::is_same_v<T, float>) {
+        krows[j] = kr;
+        if (dp == D) {
+          vrows[j] = vr;
+          continue;
+        }
+      } else {
+        widen_row(kr, kw + j * D, D);
+        krows[j] = kw + j * D;
       }
+      widen_row(vr, vb + j * dp, D);
+      for (int64_t i = D; i < dp; ++i) vb[j * dp + i] = 0.0f;
+      vrows[j] = vb + j * dp;
+    }
     int64_t j = 0;
     for (; j + PF_QK_KEYS <= nk; j += PF_QK_KEYS)
       for (int64_t r0 = 0; r0 < rp; r0 += PF_QK_VECS * VW) qk<PF_QK_KEYS, PF_QK_VECS>(krows, qT, sT, j, r0, D, rp);
@@ -152,6 +166,14 @@ void prefill_block(const PrefillArgs& a, int64_t kvh, int64_t i0, int64_t i1, fl
     float* o = a.out + ((i0 + r / G) * a.h + kvh * G + r % G) * D;
     for (int64_t i = 0; i < D; ++i) o[i] = acc[r * dp + i] * inv;
   }
+}
+
+void prefill_block(const PrefillArgs& a, int64_t kvh, int64_t i0, int64_t i1, float* __restrict scratch) {
+  if (a.k16 && a.f16)
+    return prefill_typed(a, reinterpret_cast<const _Float16*>(a.k16), reinterpret_cast<const _Float16*>(a.v16), kvh,
+                         i0, i1, scratch);
+  if (a.k16) return prefill_typed(a, a.k16, a.v16, kvh, i0, i1, scratch);
+  prefill_typed(a, a.k, a.v, kvh, i0, i1, scratch);
 }
 
 }  // namespace

@@ -13,7 +13,8 @@
 //
 // Every token is a decode token (one new token per sequence): h [T, E], position cos/sin
 // [1, T, D], the pool slot each token's k/v is written to [T], and each sequence's context
-// slots [T, S] and length [T] as the paged attention reads them.  float32 only.
+// slots [T, S] and length [T] as the paged attention reads them.  float32 compute; the KV pools
+// float32, bfloat16 or float16 (rounded to nearest even as each k / v row is stored).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "kv_pool.h"
 #include "linear_op.h"
 #include "moe.h"
 #include "ops.h"
@@ -43,6 +45,11 @@ namespace {
 template <class... A>
 [[noreturn]] void fail(const A&... parts) {
   op_fail("decoder step", parts...);
+}
+
+// Row `slot` of a [N, Hkv, D] pool of any element type.
+void* pool_row(const at::Tensor& pool, int64_t slot) {
+  return static_cast<char*>(pool.data_ptr()) + slot * pool.stride(0) * pool.element_size();
 }
 
 void expect_f32(const at::Tensor& t, std::vector<int64_t> shape, const char* what) {
@@ -147,9 +154,12 @@ class DecoderStep {
     if (q_norm.has_value() != k_norm.has_value()) fail("q_norm and k_norm come together");
     if (q_norm) expect_f32(*q_norm, {d_}, "q_norm");
     if (k_norm) expect_f32(*k_norm, {d_}, "k_norm");
-    if (k_pool.dim() != 3) fail("'k_pool' should be float32 [N, ", hkv_, ", ", d_, "], found ", k_pool.sizes());
-    expect_f32(k_pool, {k_pool.size(0), hkv_, d_}, "k_pool");
-    expect_f32(v_pool, {k_pool.size(0), hkv_, d_}, "v_pool");
+    if (k_pool.dim() != 3 || k_pool.size(1) != hkv_)
+      fail("'k_pool' should be [N, ", hkv_, ", ", d_, "], found ", k_pool.sizes());
+    if (const std::string problem = pools_problem(k_pool, v_pool, d_); !problem.empty()) fail(problem);
+    if (!layers_.empty() && pool_type(k_pool) != kv_type_)
+      fail("layer ", layers_.size(), "'s pools are ", k_pool.dtype(), "; the first layer's are ",
+           layers_[0].k_pool.dtype(), " (one KV cache type for every layer)");
     if (o == nullptr) fail("o_proj is required");
     if ((down == nullptr) != (experts != nullptr)) fail("a layer takes either down_proj or routed experts");
     Layer l;
@@ -169,6 +179,7 @@ class DecoderStep {
     }
     l.q_norm = std::move(q_norm), l.k_norm = std::move(k_norm), l.qk_eps = qk_eps;
     rows_ = layers_.empty() ? k_pool.size(0) : std::min(rows_, k_pool.size(0));
+    kv_type_ = pool_type(k_pool);
     l.k_pool = std::move(k_pool), l.v_pool = std::move(v_pool);
     layers_.push_back(std::move(l));
   }
@@ -236,13 +247,11 @@ class DecoderStep {
     rope_(k, cos, sin);
     const at::Tensor& v = qkv[2];  // [T, Hkv D], rows `v.stride(0)` apart
     const int64_t row = hkv_ * d_;
-    float* kp = l.k_pool.data_ptr<float>();
-    float* vp = l.v_pool.data_ptr<float>();
     const float* kr = k.data_ptr<float>();
     const float* vr = v.data_ptr<float>();
     for (int64_t i = 0; i < t; ++i) {
-      std::memcpy(kp + slots[i] * row, kr + i * row, size_t(row) * sizeof(float));
-      std::memcpy(vp + slots[i] * row, vr + i * v.stride(0), size_t(row) * sizeof(float));
+      kv_store_(pool_row(l.k_pool, slots[i]), kr + i * row, row, kv_type_);
+      kv_store_(pool_row(l.v_pool, slots[i]), vr + i * v.stride(0), row, kv_type_);
     }
     const at::Tensor out = paged_decode_attention(q.view({t, h_, 1, d_}), l.k_pool, l.v_pool, ctx_slots, lens,
                                                   scale_, isa_);  // [T, H, 1, D]
@@ -264,6 +273,8 @@ class DecoderStep {
   std::string isa_;
   std::vector<Layer> layers_;
   int64_t rows_ = 0;  // pool rows of the smallest layer pool (the tables are checked against it)
+  KVType kv_type_ = KVType::F32;  // every layer's pools
+  KVStore kv_store_ = kv_store_for(isa_);
 };
 
 
@@ -387,12 +398,12 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
         }
         rope_f32(bu.q, cp, sp, h_, d_, r, r + 1);
         rope_f32(bu.k, cp, sp, hkv_, d_, r, r + 1);
-        std::copy(k, k + kvd, l.k_pool.data_ptr<float>() + slots[r] * kvd);
-        std::copy(row + h_ * d_ + kvd, row + wqkv, l.v_pool.data_ptr<float>() + slots[r] * kvd);
+        kv_store_(pool_row(l.k_pool, slots[r]), k, kvd, kv_type_);
+        kv_store_(pool_row(l.v_pool, slots[r]), row + h_ * d_ + kvd, kvd, kv_type_);
       }
       bar.wait();
       AttnArgs la = a;
-      la.k = l.k_pool.data_ptr<float>(), la.v = l.v_pool.data_ptr<float>();
+      set_pools(la, l.k_pool, l.v_pool);
       int64_t q0, q1;  // this thread's query heads of [T, H], in (token, KV head, query head) order
       team_share(t * h_, tid, nt, q0, q1);
       for (int64_t p = q0 / g; p * g < q1; ++p) {  // (token, KV head) pairs, each for its share of heads
