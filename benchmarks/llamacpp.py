@@ -191,14 +191,14 @@ ENGINES = (*QUILL_MODES, "llama.cpp")
 
 
 def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: int, probe, log,
-            platform=None, lib: Path | None = None) -> dict:
+            platform=None, lib: Path | None = None, kv_cache_dtype: str = "auto") -> dict:
     import quill
     from quill.bench import settled
     from quill.engine.core import EngineConfig
 
     # no prefix cache: every run repeats the same prompt, whose prefill must be computed each time
     # (llama.cpp starts each run in a fresh process)
-    cfg = EngineConfig(enable_prefix_caching=False)
+    cfg = EngineConfig(enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     llms = {e: settled(quill.LLM(str(path), threads=threads, progress=False, activation_quant=aq, platform=platform,
                                  engine_config=cfg)) for e, aq in QUILL_MODES.items()}
     held, stored = quill_linear_bytes(llms["quill w4a16"]), file_linear_bytes(path)
@@ -216,7 +216,8 @@ def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: 
     del llms
     med = {e: {k: statistics.median(r[k] for r in rows[e]) for k in ("prefill_tps", "decode_tps")}
            for e in ENGINES}
-    return {"file": str(path), "prompt": prompt, "gen": gen, "threads": threads, "runs": rows, "median": med,
+    return {"file": str(path), "prompt": prompt, "gen": gen, "threads": threads, "kv_cache_dtype": kv_cache_dtype,
+            "runs": rows, "median": med,
             "quill_weight_bytes_per_token": held, "file_weight_bytes": stored}
 
 
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out", help="where --types files go")
     ap.add_argument("--isa", choices=("native", "avx2"), default="native", help="quill's (and torch's) ISA")
     ap.add_argument("--llama-lib", type=Path, default=None, help="directory of a native libllama.so to run")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                    help="quill's KV cache type (llama.cpp's is float16)")
     args = ap.parse_args(argv)
     if args.isa == "avx2":  # before torch is imported
         os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
@@ -255,12 +258,13 @@ def main(argv: list[str] | None = None) -> int:
                  for f in files for t in args.types.split(",")]
     probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
     print(f"CPU: {platform.summary()}; quill ISA {args.isa}; llama.cpp from "
-          f"{args.llama_lib or 'the llama-cpp-python wheel'}", flush=True)
+          f"{args.llama_lib or 'the llama-cpp-python wheel'}; quill KV cache {args.kv_cache_dtype}, llama.cpp's "
+          f"float16", flush=True)
     results = []
     for f in files:
         print(f"{f.name}: prompt {args.prompt}, {args.gen} decoded, {threads} threads", flush=True)
         results.append(compare(f, args.llama_python, args.prompt, args.gen, args.runs, threads, probe, print,
-                               platform, args.llama_lib))
+                               platform, args.llama_lib, args.kv_cache_dtype))
     print(f"\n{'file':<32} {'engine':<12} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs llama.cpp':>14}")
     for res in results:
         lc = res["median"]["llama.cpp"]
