@@ -79,3 +79,33 @@ def test_the_command_line_flag(tmp_path, capsys):
     assert ref.engine.cache.keys[0].dtype == torch.float16
     greedy = quill.SamplingParams(temperature=0, max_tokens=6)
     assert out == ref.chat([{"role": "user", "content": "hi"}], greedy)[0].text + "\n"
+
+
+ISAS = ["scalar"] + [name for name, flags in reversed(native.ISAS) if quill.platform.detect().has(*flags)]
+
+
+@pytest.mark.skipif(native.load().module is None, reason="native kernels not built")
+@pytest.mark.parametrize("kind", KINDS)
+def test_stored_rows_are_the_python_paths_bits_and_float16_saturates(kind):
+    """The native step's k / v store (every variant) and the Python layers' (to_pool) agree bit for bit:
+    nearest-even rounding, float16 saturated at +-65504 (never inf), NaN kept."""
+    from quill.engine.kv_cache import to_pool
+
+    ext = native.load().module
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([65504.0, 65519.0, 65520.0, 7e4, 3.4e38, float("inf"), float("nan"), 6e-8, 2.9e-8,
+                            1e-40, 0.0, -0.0, 1.0009765625, 1.00048828125, 3.00390625])
+    src = torch.cat([special, -special, torch.randn(3 * 64 - 30, generator=g) * 300]).view(3, 64).contiguous()
+    want = to_pool(src, getattr(torch, kind))
+    for isa in ISAS:
+        pool = torch.empty(3, 64, dtype=getattr(torch, kind))
+        ext.store_kv(src, pool, isa)
+        nan = want.isnan()  # (NaN payloads differ even between torch's own scalar and vector paths)
+        assert torch.equal(pool.isnan(), nan), isa
+        assert torch.equal(pool.view(torch.int16)[~nan], want.view(torch.int16)[~nan]), isa
+    if kind == "float16":
+        assert not want.isinf().any() and want.isnan().sum() == 2
+        assert want[0, 2] == 65504.0 and want[0, 5] == 65504.0 and want[0, 20] == -65504.0  # 65520, inf, -inf
+    with pytest.raises(quill.errors.KernelError, match=r"store_kv: 'pool' should be contiguous float32, bfloat16 "
+                                                       r"or float16 \[3, 64\], found double"):
+        ext.store_kv(src, torch.empty(3, 64, dtype=torch.float64), "scalar")

@@ -109,6 +109,15 @@ def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the map alive
 
 
+def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a pool of ``dtype`` stores it: rounded to nearest even; for float16, saturated to +-65504 first
+    (a value past its range would become inf and every later attention output NaN), as the native
+    step stores (csrc/attention_tile.h store_kv)."""
+    if dtype == torch.float16:
+        x = x.clamp(-65504.0, 65504.0)  # NaN stays NaN
+    return x.to(dtype)
+
+
 class PagedKVCache:
     """Per layer, keys and values for ``num_blocks * block_size`` token slots: [slots, Hkv, D]."""
 
@@ -141,8 +150,8 @@ class PagedLayerCache:
                scale: float) -> torch.Tensor:
         """q [1, H, T, D], k and v [1, Hkv, T, D] (the packed new tokens) -> [1, H, T, D]."""
         lay = self.layout
-        self.keys.index_copy_(0, lay.slots, k[0].transpose(0, 1).to(self.keys.dtype))  # [T, Hkv, D]
-        self.values.index_copy_(0, lay.slots, v[0].transpose(0, 1).to(self.values.dtype))
+        self.keys.index_copy_(0, lay.slots, to_pool(k[0].transpose(0, 1), self.keys.dtype))  # [T, Hkv, D]
+        self.values.index_copy_(0, lay.slots, to_pool(v[0].transpose(0, 1), self.values.dtype))
         if not lay.prefills:  # every token a decode (most steps): no gather, no scatter
             qd = q[0].transpose(0, 1)[:, :, None]  # [T, H, 1, D]
             od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens, scale,

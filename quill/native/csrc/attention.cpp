@@ -215,6 +215,22 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, 
   return out;
 }
 
+// pool [n, w] float32 / bfloat16 / float16 (contiguous) = src [n, w] float32 as the decode step stores k / v rows
+void store_kv_rows(const at::Tensor& src, at::Tensor& pool, const std::string& isa) {
+  const KVStore store = kv_store_for(isa);
+  auto fail = [](const auto&... parts) { op_fail("store_kv", parts...); };
+  if (src.scalar_type() != at::kFloat || src.dim() != 2 || !src.is_contiguous())
+    fail("'src' should be contiguous float32 [n, w], found ", src.dtype(), " ", src.sizes());
+  const auto st = pool.scalar_type();
+  if ((st != at::kFloat && st != at::kBFloat16 && st != at::kHalf) || pool.sizes() != src.sizes() ||
+      !pool.is_contiguous())
+    fail("'pool' should be contiguous float32, bfloat16 or float16 ", src.sizes(), ", found ", pool.dtype(), " ",
+         pool.sizes());
+  const int64_t n = src.size(0), w = src.size(1);
+  char* dst = static_cast<char*>(pool.data_ptr());
+  for (int64_t r = 0; r < n; ++r) store(dst + r * w * pool.element_size(), src.data_ptr<float>() + r * w, w, pool_type(pool));
+}
+
 void register_attention(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
@@ -222,6 +238,7 @@ void register_attention(pybind11::module_& m) {
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
         py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("isa"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv", &store_kv_rows, py::arg("src"), py::arg("pool"), py::arg("isa"));
   m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
         py::arg("ctx"), py::arg("scale"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
 }

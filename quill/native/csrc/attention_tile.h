@@ -40,8 +40,11 @@ inline float widen(uint16_t h) {  // bfloat16 -> float32, exact
 inline float widen(_Float16 h) { return float(h); }  // IEEE float16 -> float32, exact
 
 // One k or v row into a pool (KVStore).  bfloat16: round to nearest even on the bits (NaN stays a
-// quiet NaN), as torch rounds; float16: the compiler's conversion (vcvtps2ph with F16C, software in
-// the scalar twin), also to nearest even.
+// quiet NaN), as torch rounds; float16: saturated to +-65504 (a value past float16's range would
+// otherwise become inf and every later attention output NaN; NaN stays NaN), then the compiler's
+// conversion (vcvtps2ph with F16C, software in the scalar twin), also to nearest even.
+constexpr float kF16Max = 65504.0f;
+inline float f16_range(float x) { return x > kF16Max ? kF16Max : (x < -kF16Max ? -kF16Max : x); }
 inline uint16_t to_bf16(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
@@ -58,10 +61,13 @@ inline void store_kv(void* dst, const float* __restrict src, int64_t n, KVType t
     _Float16* __restrict d = static_cast<_Float16*>(dst);
     int64_t i = 0;
 #ifdef __F16C__  // (GCC 12 converts _Float16 vectors element by element)
-    for (; i + 8 <= n; i += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    const __m256 hi = _mm256_set1_ps(kF16Max), lo = _mm256_set1_ps(-kF16Max);
+    for (; i + 8 <= n; i += 8) {  // min / max return their second operand when one is NaN: x's NaN stays
+      const __m256 x = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(src + i)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
 #endif
-    for (; i < n; ++i) d[i] = _Float16(src[i]);
+    for (; i < n; ++i) d[i] = _Float16(f16_range(src[i]));
   }
 }
 
