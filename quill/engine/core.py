@@ -142,6 +142,7 @@ class EngineCore:
         num_blocks = max(2, self._pool_bytes(per_block) // per_block)
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, self.config.block_size,
                                   args.num_key_value_heads, args.head_dim, kv_dtype, isa)
+        self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")  # what the pools hold ("float32", ...)
         self.native_step, self.native_step_reason = (
             build_native_step(model, self.cache) if self.config.native_step else (None, "disabled"))
         self.blocks = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
