@@ -9,8 +9,9 @@
 // token-major, [n, H, D], the layout the o projection reads.
 //
 // Every value is computed in one fixed order (dot products over D in order, softmax sums and
-// p V over the keys in order, products and sums rounded separately), so the scalar twin and each
-// ISA variant -- the same template (prefill_tile.h) -- return identical bits.
+// p V over the keys in order, each product added with one rounding: FMA, std::fma in the scalar
+// twin), so the scalar twin and each ISA variant -- the same template (prefill_tile.h) -- return
+// identical bits.
 #pragma once
 
 #include <cstdint>
