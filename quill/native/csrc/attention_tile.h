@@ -180,19 +180,23 @@ inline vw vload(const _Float16* p) {  // W float16 values -> float32, exact
 #endif
 }
 inline void vstore(float* p, const vw& v) { std::memcpy(p, &v, sizeof v); }
-// a * b + c rounded once, lane by lane: the FMA instruction where the TU has one, std::fma (exact,
-// in software on the baseline) in the scalar twin -- the same value either way
-inline vw vfma(const vw& a, const vw& b, const vw& c) {
-#if ATT_W == 16 && defined(__AVX512F__)
-  return (vw)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif ATT_W == 8 && defined(__FMA__)
-  return (vw)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  vw r;
-  for (int j = 0; j < W; ++j) r[j] = std::fma(a[j], b[j], c[j]);
-  return r;
+// a * b + c rounded once, lane by lane, for a GCC vector V of 4, 8 or 16 floats: the FMA
+// instruction where the TU has one, std::fma (exact, in software on the baseline) in the scalar
+// twin -- the same value either way (decode attention here, prefill_tile.h too)
+template <class V>
+inline V fused(const V& a, const V& b, const V& c) {
+  constexpr int n = int(sizeof(V) / sizeof(float));
+#ifdef __AVX512F__
+  if constexpr (n == 16) return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #endif
+#ifdef __FMA__
+  if constexpr (n == 8) return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+  V r;
+  for (int j = 0; j < n; ++j) r[j] = std::fma(a[j], b[j], c[j]);
+  return r;
 }
+inline vw vfma(const vw& a, const vw& b, const vw& c) { return fused(a, b, c); }
 
 // Output lane o of a butterfly stage over segments of LEN lanes (one key's values each): inputs a
 // (lanes 0 .. W) and b (W .. 2W) hold W / LEN keys each; the output holds all 2W / LEN keys, a's

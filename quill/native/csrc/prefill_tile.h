@@ -40,19 +40,6 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
-// a * b + c rounded once (as decode attention's vfma): the FMA instruction where the TU has one,
-// std::fma lane by lane in the scalar twin -- the same value either way
-inline vf fma(const vf& a, const vf& b, const vf& c) {
-#if PF_VW == 16 && defined(__AVX512F__)
-  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif PF_VW == 8 && defined(__FMA__)
-  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  vf r;
-  for (int j = 0; j < PF_VW; ++j) r[j] = std::fma(a[j], b[j], c[j]);
-  return r;
-#endif
-}
 
 // sT[j][r0 .. r0 + RV VW) = k_j . qT[:, r] for keys [j0, j0 + KB): k rows `krow` floats apart
 template <int KB, int RV>
@@ -66,7 +53,7 @@ inline void qk(const float* const* __restrict krows, const float* __restrict qT,
     for (int c = 0; c < RV; ++c) qv[c] = load(qT + i * rp + r0 + c * VW);
     for (int kk = 0; kk < KB; ++kk) {
       const vf kb = splat(krows[j0 + kk][i]);
-      for (int c = 0; c < RV; ++c) s[kk][c] = fma(kb, qv[c], s[kk][c]);
+      for (int c = 0; c < RV; ++c) s[kk][c] = fused(kb, qv[c], s[kk][c]);
     }
   }
   for (int kk = 0; kk < KB; ++kk)
@@ -87,7 +74,7 @@ inline void pv(const float* const* __restrict vrows, const float* __restrict pT,
     for (int c = 0; c < DV; ++c) vv[c] = load(vrows[j] + dc + c * VW);
     for (int rr = 0; rr < RB; ++rr) {
       const vf pb = splat(pT[j * rp + r0 + rr]);
-      for (int c = 0; c < DV; ++c) a[rr][c] = fma(pb, vv[c], a[rr][c]);
+      for (int c = 0; c < DV; ++c) a[rr][c] = fused(pb, vv[c], a[rr][c]);
     }
   }
   for (int rr = 0; rr < RB; ++rr)
