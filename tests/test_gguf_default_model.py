@@ -109,3 +109,18 @@ def test_q_and_k_are_unpermuted_only_there(path, ckpt):
 
 def test_describe(ckpt):
     assert ckpt.describe() == "gguf (F32 x61, Q4_1 x210, Q8_0 x1); llama GGUF v3"
+
+
+@pytest.mark.parametrize("kernel", ["reference", "torch"])
+def test_prompt_prefilled_in_chunks(path, kernel):
+    """A prompt longer than a step's token budget is prefilled in chunks; the chunks before the
+    last need no logits, so the (quantized, tied) LM head gets no rows: the reference and torch
+    kernels once failed there on the default model with any prompt over 256 tokens."""
+    import quill
+    from quill.engine.core import EngineConfig
+
+    prompt = [(7 * i) % 3000 + 100 for i in range(40)]
+    sp = quill.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    texts = [quill.LLM(path, kernel=kernel, skip_tokenizer_init=True, engine_config=EngineConfig(**cfg))
+             .generate([prompt], sp)[0].token_ids for cfg in ({"max_num_batched_tokens": 16}, {})]
+    assert texts[0] == texts[1]

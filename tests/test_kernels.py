@@ -184,6 +184,8 @@ def test_kernel_3d_input_bias_and_half_precision(name):
         assert sqnr_db(REFERENCE.apply(ref_state, x3, bias), y3) >= MIN_SQNR_DB, f"{case} 3-D + bias"
         flat = kernel.apply(state, x3.reshape(10, case.k), bias).reshape(2, 5, case.n)
         assert sqnr_db(flat, y3) >= 80, f"{case}: 3-D and flattened inputs disagree"
+        # no rows at all: a chunked prefill's intermediate chunk sends [1, 0, K] to the LM head
+        assert kernel.apply(state, x3[:1, :0], bias).shape == (1, 0, case.n), f"{case}: empty input"
         for dtype in (torch.bfloat16, torch.float16):
             xh = x3.to(dtype)
             yh = kernel.apply(state, xh, bias)

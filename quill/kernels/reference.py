@@ -44,4 +44,4 @@ class ReferenceKernel(LinearKernel):
         y = x2 @ state.weight.T  # [M, N]
         if bias is not None:
             y = y + bias.float()
-        return y.reshape(*lead, -1).to(x.dtype)
+        return y.reshape(*lead, y.shape[-1]).to(x.dtype)  # -1 is ambiguous for 0 rows

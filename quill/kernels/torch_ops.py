@@ -133,4 +133,4 @@ class TorchKernel(LinearKernel):
         y = y.float()
         if bias is not None:
             y = y + bias.float()
-        return y.reshape(*lead, -1).to(x.dtype)
+        return y.reshape(*lead, y.shape[-1]).to(x.dtype)  # -1 is ambiguous for 0 rows
