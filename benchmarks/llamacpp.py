@@ -21,9 +21,10 @@ into a separate virtualenv, a ~10 minute source build here). Both engines read t
 
 Each engine decodes ``--gen`` tokens greedily after a ``--prompt``-token prompt of fixed token
 ids, ``--runs`` times, alternating engine by engine (fair on a shared host); medians reported,
-beside the DRAM read bandwidth probed before each run. quill runs twice: W4A16 (its default,
-float activations) and W4A8 (``activation_quant="int8"``), the arithmetic llama.cpp's Q4_0 /
-Q4_1 matmuls use (activations quantized to 8-bit blocks).
+beside the DRAM read bandwidth probed before each run. quill runs three times: W4A16 (its
+default, float activations), W4A8 (``activation_quant="int8"``, one activation scale per token)
+and W4A8g (``"int8-group"``, one per token and weight group: the arithmetic llama.cpp's Q4_0 /
+Q4_1 matmuls use, activations quantized to 8-bit blocks of 32).
 """
 
 from __future__ import annotations
@@ -184,9 +185,9 @@ def run_quill(llm, prompt: int, gen: int) -> dict:
     return {"prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps}
 
 
-# quill's two activation modes: float (W4A16, the default) and int8 per token (W4A8), which is
-# what llama.cpp's Q4_0 / Q4_1 matmuls do (activations quantized to Q8 blocks).
-QUILL_MODES = {"quill w4a16": None, "quill w4a8": "int8"}
+# quill's activation modes: float (W4A16, the default), int8 per token (W4A8) and int8 per token and
+# weight group (W4A8g), which is what llama.cpp's Q4_0 / Q4_1 matmuls do (activations in Q8 blocks of 32).
+QUILL_MODES = {"quill w4a16": None, "quill w4a8": "int8", "quill w4a8g": "int8-group"}
 ENGINES = (*QUILL_MODES, "llama.cpp")
 
 

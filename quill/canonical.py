@@ -24,8 +24,10 @@ class ActivationQuant:
     """How a layer's *input* is quantized to integers at run time (W8A8, W4A8).
 
     ``dynamic=True``: one scale per token (row of the input), computed at run
-    time from the row itself.  ``dynamic=False``: one static scale (and zero
-    point, if asymmetric) for the whole tensor, read from the checkpoint.
+    time from the row itself; with ``per_group`` one per token and weight group
+    (the weight's scale groups, as llama.cpp's 8-bit blocks of 32 for Q4_0).
+    ``dynamic=False``: one static scale (and zero point, if asymmetric) for the
+    whole tensor, read from the checkpoint.
 
     The exact arithmetic lives in :mod:`quill.kernels.activation`; it follows
     compressed-tensors (scale = amax / 127.5 symmetric, round half to even,
@@ -37,6 +39,7 @@ class ActivationQuant:
     symmetric: bool = True
     scale: float | None = None  # static only
     zero_point: int | None = None  # static asymmetric only
+    per_group: bool = False  # dynamic symmetric: one scale per token and weight group (llama.cpp's Q8_0 blocks)
 
     def __post_init__(self):
         if self.bits != 8:
@@ -47,6 +50,8 @@ class ActivationQuant:
             raise ConfigError("static activation quantization needs an input scale, found none")
         if self.dynamic and (self.scale is not None or self.zero_point is not None):
             raise ConfigError("dynamic activation quantization cannot carry a static scale or zero point")
+        if self.per_group and not (self.dynamic and self.symmetric):
+            raise ConfigError("int8 activations with one scale per group must be dynamic and symmetric")
         if self.symmetric and self.zero_point not in (None, 0):
             raise ConfigError(f"symmetric activation quantization has zero point {self.zero_point}, expected 0 or none")
 

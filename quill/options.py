@@ -26,6 +26,7 @@ class ActQuant(enum.Enum):
 
     NONE = "none"  # float activations (W4A16, W8A16)
     INT8 = "int8"  # int8 per token, dynamic, symmetric (W4A8, W8A8)
+    INT8_GROUP = "int8-group"  # int8 per token and weight group, dynamic, symmetric (llama.cpp's int8 blocks)
 
     @classmethod
     def parse(cls, value: "str | ActQuant | None") -> "ActQuant":
@@ -41,7 +42,7 @@ class ActQuant(enum.Enum):
 
     @property
     def request(self) -> str | None:
-        """What layers receive: "int8", or None for float activations."""
+        """What layers receive: "int8" / "int8-group", or None for float activations."""
         return None if self is ActQuant.NONE else self.value
 
 

@@ -1,4 +1,4 @@
-"""What each engine's arithmetic costs on one GGUF file: quill W4A16, quill W4A8 and llama.cpp against
+"""What each engine's arithmetic costs on one GGUF file: quill W4A16, W4A8, W4A8g and llama.cpp against
 the float32 forward of the very same weights (quill's ``reference`` kernel: dequantize, float32 matmul).
 
     .venv/bin/python scripts/accuracy_llamacpp.py --llama-python .venv-llamacpp/bin/python [--gguf FILE]
@@ -7,7 +7,8 @@ The text is CPython's ``pydoc_data.topics`` (docs/ACCURACY.md), tokenized by qui
 tokens, each scored on its second half (positions with 256-511 tokens of context), so llama.cpp and
 quill see the same token ids.  llama.cpp (llama-cpp-python, run in its own virtualenv) quantizes
 activations to 8 bits per block of 32 values (Q8_0) for its Q4 / Q8 matmuls and keeps its KV cache in
-float16; quill's W4A8 quantizes them per token.  Reported per engine: mean / median / p99 KL of the
+float16; quill's W4A8 quantizes them per token, its W4A8g (``activation_quant="int8-group"``) per token
+and weight group, as llama.cpp does.  Reported per engine: mean / median / p99 KL of the
 reference against it, top-1 agreement, the perplexity ratio, and the largest log-probability difference.
 """
 
@@ -83,7 +84,8 @@ def main() -> None:
                               for w in range(0, len(ids) - args.window + 1, args.window)])
     ref = quill_logprobs(path, ids, args.window, kernel="reference")
     runs = {"quill W4A16": quill_logprobs(path, ids, args.window),
-            "quill W4A8": quill_logprobs(path, ids, args.window, activation_quant="int8")}
+            "quill W4A8": quill_logprobs(path, ids, args.window, activation_quant="int8"),
+            "quill W4A8g": quill_logprobs(path, ids, args.window, activation_quant="int8-group")}
     with tempfile.TemporaryDirectory() as tmp:
         np.save(f"{tmp}/ids.npy", np.array(ids))
         subprocess.run([args.llama_python, "-c", LLAMA_SCRIPT, path, f"{tmp}/ids.npy", f"{tmp}/out.npy",

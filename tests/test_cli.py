@@ -45,6 +45,17 @@ def test_generate_raw_prompt_and_sampling_flags(model_dir, llm, capsys):
     assert out == w4a8.generate("the capital", sp)[0].text + "\n"
 
 
+def test_generate_with_int8_activations_per_group(capsys):
+    """--act-quant int8-group on the default model (a quantized GGUF): every quantized layer says so."""
+    argv = ["generate", "--no-chat-template", "--max-tokens", "5", "--act-quant", "int8-group", "the capital"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    grouped = quill.LLM(activation_quant="int8-group")
+    quantized = [info for info in grouped.loaded.layers if info.kind == "quantized"]
+    assert quantized and all("A8 dyn/group" in info.summary for info in quantized)
+    assert out == grouped.generate("the capital", quill.SamplingParams(max_tokens=5, temperature=0))[0].text + "\n"
+
+
 def test_chat_reads_stdin_with_reset_and_exit(model_dir, llm, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n/reset\nhello\n/exit\nnever read\n"))
     assert main(["chat", "--model", model_dir, "--max-tokens", "6"]) == 0

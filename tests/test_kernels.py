@@ -42,7 +42,7 @@ class Case:
     act_order: bool
     n: int
     k: int
-    act: str | None  # None (float), "int8" (what the user asks for), or a W8A8 checkpoint's: ACTIVATIONS
+    act: str | None  # None (float), "int8" / "int8-group" (what the user asks for), or a W8A8 checkpoint's
 
     def __str__(self):
         g = "ch" if self.group == -1 else f"g{self.group}"
@@ -74,7 +74,7 @@ def _grid() -> list[Case]:
     # 4 and 8 bits: every group size (K = 384 takes 32, 64, 128, the odd divisor 48, and per-channel),
     # every zero-point kind, with and without act-order, float and int8 activations
     for bits, group, kind, ao, act in itertools.product(
-            (4, 8), (32, 64, 128, 48, -1), ("sym", "asym", "offsets"), (False, True), (None, "int8")):
+            (4, 8), (32, 64, 128, 48, -1), ("sym", "asym", "offsets"), (False, True), (None, "int8", "int8-group")):
         if not (ao and group == -1):  # act-order is meaningless with one group
             cases.append(Case(bits, group, kind, ao, 40, 384, act))
     # 2/3 bits (run as 4-bit codes) and 5/6 bits (GGUF Q5_0 / Q5_1, the K-quants' Q5_K / Q6_K codes)

@@ -60,7 +60,7 @@ def test_fixture_models_give_the_python_layers_bits(name):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("activation", [None, "int8"])
+@pytest.mark.parametrize("activation", [None, "int8", "int8-group"])
 def test_default_model_gives_the_python_layers_bits(activation, threads):
     llm = quill.LLM(default_model.default_model_path(), activation_quant=activation, threads=threads)
     python = run(llm, False, 24)
@@ -69,7 +69,7 @@ def test_default_model_gives_the_python_layers_bits(activation, threads):
 
 
 @pytest.mark.parametrize("name", MOE)
-@pytest.mark.parametrize("activation", [None, "int8"])
+@pytest.mark.parametrize("activation", [None, "int8", "int8-group"])
 def test_moe_fixture_models_give_the_python_layers_bits(name, activation):
     """Router, top-k and the routed experts in the step (the ExpertGroup the Python path calls), batched
     sequences arriving at different steps, teamed and op by op."""

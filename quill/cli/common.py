@@ -18,9 +18,10 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -
         p.add_argument("--model", "-m", default=None,
                        help="checkpoint directory, .gguf file or Hugging Face Hub id (default: the bundled "
                             "SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--act-quant", choices=["none", "int8"], default=None,
-                   help="int8: quantize activations of quantized layers (W4A8/W8A8); a W8A8 checkpoint "
-                        "always runs with its own")
+    p.add_argument("--act-quant", choices=["none", "int8", "int8-group"], default=None,
+                   help="int8: quantize activations of quantized layers (W4A8/W8A8), one scale per token; "
+                        "int8-group: one per token and weight group (llama.cpp's choice, more accurate); "
+                        "a W8A8 checkpoint always runs with its own")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype (bfloat16 is accepted and runs as float32, with a warning: "

@@ -31,7 +31,7 @@ def register(sub) -> None:
     add_model_args(pc, positional="optional")
     pc.add_argument("other", nargs="?", default=None,
                     help="the model compared with BASE (default: BASE itself with the --other-* settings)")
-    pc.add_argument("--other-act-quant", choices=["none", "int8"], default=None,
+    pc.add_argument("--other-act-quant", choices=["none", "int8", "int8-group"], default=None,
                     help="activation quantization of OTHER (default: as --act-quant)")
     pc.add_argument("--other-kernel", default=None, help="force one linear kernel for OTHER")
     pc.add_argument("--top-k", type=int, default=128,

@@ -86,8 +86,10 @@ class LLM:
         dtype: "float32" (the default and only compute dtype; exact against float32 references).
             "bfloat16" is accepted and runs as float32 with a warning: it decoded at 0.5-0.9x float32's
             speed on CPUs, so it is not offered.
-        activation_quant: "int8" runs every quantized layer with int8 activations (W4A8 / W8A8);
-            a checkpoint that prescribes its own activation quantization (W8A8) always gets it.
+        activation_quant: "int8" runs every quantized layer with int8 activations (W4A8 / W8A8), one
+            scale per token; "int8-group" one scale per token and weight group (as llama.cpp does for
+            its 4/8-bit blocks: more accurate, slightly slower); a checkpoint that prescribes its own
+            activation quantization (W8A8) always gets it.
         threads: torch threads (default: the physical cores).
         kernel: force one linear kernel by name (default: the best that can run each layer).
         moe_backend: force one MoE backend by name (default: the best that can run each MoE layer).

@@ -6,6 +6,8 @@ W8A8 checkpoint runs as the tool that wrote it ran it:
 * dynamic symmetric, per token (row):  scale = max|x_row| / 127.5, zero = 0
 * dynamic asymmetric, per token:       lo = min(min(x_row), 0), hi = max(max(x_row), 0),
                                        scale = (hi - lo) / 255, zero = round(clamp(-128 - lo / scale, -128, 127))
+* dynamic symmetric, per token and group (``per_group``, llama.cpp's int8 blocks): the same
+  formula over each weight group's columns of a row, scale [M, G]
 * static, per tensor:                  the checkpoint's scale (and zero point)
 * then  q = round(clamp(x / scale + zero, -128, 127))  (round half to even), int8
 
@@ -48,14 +50,32 @@ def activation_qparams(x: torch.Tensor, act: ActivationQuant) -> tuple[torch.Ten
     return scale, zero
 
 
-def quantize_activations(x: torch.Tensor, act: ActivationQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (q int8 [M, K], scale float32, zero float32) per :func:`activation_qparams`."""
-    scale, zero = activation_qparams(x, act)
+def group_scales(x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Per-group symmetric scales: x [M, K], groups int64 [K] (each column's weight group) -> float32 [M, G]."""
+    x = x.float()
+    amax = torch.zeros(x.shape[0], int(groups.max()) + 1).scatter_reduce_(
+        1, groups.expand(x.shape[0], -1), x.abs(), "amax", include_self=True)
+    return _fix_zero(amax / ((QMAX - QMIN) / 2))
+
+
+def quantize_activations(x: torch.Tensor, act: ActivationQuant,
+                         groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q int8 [M, K], scale float32, zero float32) per :func:`activation_qparams`;
+    with ``act.per_group``, ``groups`` (int64 [K], the weight group of every column) is required and the
+    scale comes back per column, [M, K] (zero 0)."""
+    if act.per_group:
+        if groups is None:
+            raise ValueError("per-group activation quantization needs the weight's column groups")
+        scale = group_scales(x, groups)[:, groups]  # [M, K]
+        zero = torch.zeros(1, 1)
+    else:
+        scale, zero = activation_qparams(x, act)
     q = torch.round(torch.clamp(x.float() / scale + zero, QMIN, QMAX))
     return q.to(torch.int8), scale, zero
 
 
-def fake_quantize_activations(x: torch.Tensor, act: ActivationQuant) -> torch.Tensor:
+def fake_quantize_activations(x: torch.Tensor, act: ActivationQuant,
+                              groups: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize then dequantize ``x`` (float32 result): what an exact int8 kernel sees."""
-    q, scale, zero = quantize_activations(x, act)
+    q, scale, zero = quantize_activations(x, act, groups)
     return (q.float() - zero) * scale

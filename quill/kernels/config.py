@@ -15,6 +15,7 @@ class ActKind(str, Enum):
     FLOAT = "float"  # 16/32-bit float activations (W4A16, W8A16)
     INT8_TOKEN = "int8_dynamic_token"  # int8, one scale per token computed at run time (W4A8, W8A8 dynamic)
     INT8_TENSOR = "int8_static_tensor"  # int8, one scale for the tensor from the checkpoint (W8A8 static)
+    INT8_GROUP = "int8_dynamic_group"  # int8, one scale per token and weight group computed at run time
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class LinearLayerConfig:
 
     def summary(self) -> str:
         """Short human description, e.g. 'W4A16 g128 sym 4096x4096'."""
-        a = {ActKind.FLOAT: "A16", ActKind.INT8_TOKEN: "A8 dyn", ActKind.INT8_TENSOR: "A8 static"}[self.act]
+        a = {ActKind.FLOAT: "A16", ActKind.INT8_TOKEN: "A8 dyn", ActKind.INT8_TENSOR: "A8 static",
+             ActKind.INT8_GROUP: "A8 dyn/group"}[self.act]
         g = "ch" if self.per_channel else f"g{self.group_size}"
         kind = "sym" if self.symmetric else ("offset" if self.has_offsets else "asym")
         extra = (" act-order" if self.act_order else "") + (" 2-level" if self.two_level else "")
@@ -65,4 +67,6 @@ class LinearLayerConfig:
 def act_kind(a: ActivationQuant | None) -> ActKind:
     if a is None:
         return ActKind.FLOAT
-    return ActKind.INT8_TOKEN if a.dynamic else ActKind.INT8_TENSOR
+    if not a.dynamic:
+        return ActKind.INT8_TENSOR
+    return ActKind.INT8_GROUP if a.per_group else ActKind.INT8_TOKEN

@@ -17,7 +17,7 @@ from quill.kernels.config import ActKind, LinearLayerConfig
 from quill.kernels.dense import DenseLayerConfig, NativeDenseKernel, as_16bit
 from quill.kernels.selection import KernelSelector, Selection
 
-ACTIVATION_CHOICES = ("none", "int8")
+ACTIVATION_CHOICES = ("none", "int8", "int8-group")
 
 
 def resolve_activation(weight: QuantizedWeight, requested: str | None) -> ActivationQuant | None:
@@ -25,7 +25,8 @@ def resolve_activation(weight: QuantizedWeight, requested: str | None) -> Activa
 
     A checkpoint that prescribes one (W8A8) is honoured as written.  Otherwise
     activations stay float unless the user asked for ``"int8"`` (W4A8 / W8A8
-    dynamic per token, symmetric): never silently.
+    dynamic per token, symmetric) or ``"int8-group"`` (one scale per token and
+    weight group): never silently.
     """
     if requested not in (None,) + ACTIVATION_CHOICES:
         raise ConfigError(f"activation_quant '{requested}' is not supported; "
@@ -34,6 +35,8 @@ def resolve_activation(weight: QuantizedWeight, requested: str | None) -> Activa
         return weight.activation
     if requested == "int8":
         return ActivationQuant(bits=8, dynamic=True, symmetric=True)
+    if requested == "int8-group":
+        return ActivationQuant(bits=8, dynamic=True, symmetric=True, per_group=True)
     return None
 
 

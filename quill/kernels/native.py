@@ -38,7 +38,7 @@ from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.errors import KernelError
 from quill.kernels.base import LinearKernel
 from quill.kernels.config import ActKind, LinearLayerConfig
-from quill.native.pack import PackedWeight, pack
+from quill.native.pack import INT8_MAX_SEGMENT, PackedWeight, pack
 from quill.platform import Platform
 
 # What a saved PackedWeight holds (the prepacked cache): its tensors, and the facts beside them.
@@ -72,7 +72,7 @@ def make_handle(packed: PackedWeight, name: str, act: ActivationQuant | None, is
         act_zero=float(act.zero_point or 0) if static else 0.0, threads=threads, hplane=packed.hplane,
         super_scales=packed.super_scales, super_offsets=packed.super_offsets,
         zconst=None if packed.zconst is None else float(packed.zconst), sub_bits=packed.sub_bits,
-        sub_bias=packed.sub_bias)
+        sub_bias=packed.sub_bias, act_per_segment=act is not None and act.per_group)
 
 
 # Native code widths and the stored widths each runs (exactly: same codes, zero spelt out).
@@ -115,6 +115,9 @@ class _NativeKernel(LinearKernel):
                     "activation_quant='int8' asks")
         if not cls.int8 and cfg.act != ActKind.FLOAT:
             return f"runs float activations, found {cfg.act.value}"
+        limit = INT8_MAX_SEGMENT[cfg.bits]  # the int8 stream's segments: groups cut to keep int32 sums
+        if cfg.act == ActKind.INT8_GROUP and cfg.group_size > limit:
+            return f"one activation scale per group needs groups of at most {limit} columns, found {cfg.group_size}"
         return None
 
     @classmethod

@@ -22,6 +22,7 @@ from quill.kernels.config import LinearLayerConfig
 class ReferenceState:
     weight: torch.Tensor  # float32 [out, in], act-order already resolved by the dequantization
     activation: ActivationQuant | None
+    groups: torch.Tensor | None = None  # int64 [in], each column's weight group (per-group int8 activations)
 
 
 class ReferenceKernel(LinearKernel):
@@ -33,14 +34,16 @@ class ReferenceKernel(LinearKernel):
 
     @classmethod
     def prepare(cls, weight: QuantizedWeight, cfg: LinearLayerConfig) -> ReferenceState:
-        return ReferenceState(weight.dequantize().contiguous(), weight.activation)
+        act = weight.activation
+        return ReferenceState(weight.dequantize().contiguous(), act,
+                              weight.group_index() if act is not None and act.per_group else None)
 
     @classmethod
     def apply(cls, state: ReferenceState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k).float()  # [M, K]
         if state.activation is not None:
-            x2 = fake_quantize_activations(x2, state.activation)
+            x2 = fake_quantize_activations(x2, state.activation, state.groups)
         y = x2 @ state.weight.T  # [M, N]
         if bias is not None:
             y = y + bias.float()

@@ -23,7 +23,7 @@ from quill.canonical import ActivationQuant, QuantizedWeight
 from quill.kernels.act_order import group_order
 from quill.kernels.activation import fake_quantize_activations
 from quill.kernels.base import LinearKernel
-from quill.kernels.config import LinearLayerConfig
+from quill.kernels.config import ActKind, LinearLayerConfig
 
 INT4PACK_GROUPS = (256, 128, 64, 32)
 INT4PACK_INNER_K_TILES = 8
@@ -77,6 +77,8 @@ class TorchKernel(LinearKernel):
 
     @classmethod
     def can_implement(cls, cfg: LinearLayerConfig) -> str | None:
+        if cfg.act == ActKind.INT8_GROUP:
+            return "int8 activations with one scale per group run on the native and reference kernels only"
         return None  # the dense path runs any layer
 
     @classmethod

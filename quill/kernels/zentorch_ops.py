@@ -208,6 +208,8 @@ class ZentorchKernel(_ZentorchBase):
                     "weights (4-bit weight-only layers: kernel 'zentorch_woq')")
         if cfg.act == ActKind.FLOAT:
             return "zentorch has no weight-only int8 op (W8A16); its int8 GEMM needs int8 activations"
+        if cfg.act == ActKind.INT8_GROUP:
+            return "zentorch_qlinear takes one activation scale per token, not one per group"
         if not cfg.symmetric or cfg.has_offsets:
             return "zentorch_qlinear takes symmetric int8 weights; this layer has zero points or offsets"
         if not cfg.per_channel:

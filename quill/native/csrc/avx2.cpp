@@ -12,119 +12,12 @@
 #include <immintrin.h>
 
 #include "scalar_util.h"
+#include "simd256.h"
 
 namespace quill {
 namespace {
 
-QUILL_INLINE __m256 load8(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::F16:
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
-    case DType::BF16: {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    case DType::F32:
-    default:
-      return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-  }
-}
-
-QUILL_INLINE __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-
-// (v >> n) & mask per int32 lane, n not a compile-time constant.
-QUILL_INLINE __m256i bits_at(__m256i v, int n, int mask) {
-  return _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(n)), _mm256_set1_epi32(mask));
-}
-
-// Lanes 8h..8h+7's integer sub-values of segment s (sub_value).
-QUILL_INLINE __m256i sub8(const void* sub, const Weights& w, int nb, int s, int h) {
-  if (w.sub_bits == 8)
-    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(sub) + seg_index(w, nb, s, 8 * h))));
-  const uint8_t* p = static_cast<const uint8_t*>(sub) + int64_t(nb) * sub_rows(w.sub_bits, w.nseg) * LANES + 8 * h;
-  __m256i u;
-  if (w.sub_bits == 4) {
-    u = bits_at(u8x8(p + (s / 2) * LANES), 4 * (s & 1), 15);
-  } else {
-    const int g = s / 4, j = s & 3;
-    u = _mm256_or_si256(bits_at(u8x8(p + (3 * g + j / 2) * LANES), 4 * (j & 1), 15),
-                        _mm256_slli_epi32(bits_at(u8x8(p + (3 * g + 2) * LANES), 2 * j, 3), 4));
-  }
-  return _mm256_sub_epi32(u, _mm256_set1_epi32(w.sub_bias));
-}
-
-// Two-level weights: the super-block scale (and offset) of lanes 8h..8h+7 of one row block,
-// converted once per super-block (gps segments) instead of once per segment (simd512.h Supers).
-struct Supers8 {
-  int g = -1;  // the super-block held (-1: none yet)
-  alignas(32) float scale[8], offset[8];
-};
-
-// One level: 8 stored values at i.  Two levels: super * integer sub-values (level_at), the super
-// value `held`.
-QUILL_INLINE __m256 level8(const void* sub, const void* sup, const Weights& w, int nb, int s, int h, int64_t i,
-                           const float* held) {
-  if (!sup) return load8(sub, w.scale_dtype, i);
-  return _mm256_mul_ps(_mm256_load_ps(held), _mm256_cvtepi32_ps(sub8(sub, w, nb, s, h)));
-}
-
-// Scale, zero and offset of segment s for lanes 8h..8h+7, loaded once per segment and shared by
-// every token of a tile.
-struct Seg8 {
-  __m256 scale, zero, offset;
-  __m256i zero_i;  // the zero point as int32 (split kernels subtract it before rounding)
-  bool has_offset;
-  bool has_zero;  // false: no zeros and zero point 0 (K-quants with mins), nothing to take off
-};
-
-QUILL_INLINE Seg8 seg8(const Weights& w, int nb, int s, int h, Supers8& sup) {
-  const int64_t i = seg_index(w, nb, s, 8 * h);
-  if (w.super_scales && s / w.gps != sup.g) {
-    sup.g = s / w.gps;
-    const int64_t si = super_index(w, nb, s, 8 * h);
-    _mm256_store_ps(sup.scale, load8(w.super_scales, w.scale_dtype, si));
-    if (w.super_offsets) _mm256_store_ps(sup.offset, load8(w.super_offsets, w.scale_dtype, si));
-  }
-  Seg8 c;
-  c.has_zero = w.zeros || w.zconst != 0.0f;
-  if (!w.zeros)
-    c.zero_i = _mm256_set1_epi32(int32_t(w.zconst));
-  else if (w.bits != 8)
-    c.zero_i = u8x8(static_cast<const uint8_t*>(w.zeros) + i);
-  else
-    c.zero_i = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int16_t*>(w.zeros) + i)));
-  c.zero = _mm256_cvtepi32_ps(c.zero_i);
-  c.scale = level8(w.scales, w.super_scales, w, nb, s, h, i, sup.scale);
-  c.has_offset = w.offsets != nullptr;
-  c.offset = c.has_offset ? level8(w.offsets, w.super_offsets, w, nb, s, h, i, sup.offset) : _mm256_setzero_ps();
-  return c;
-}
-
-// f += scale * (d - zero * x) [+ offset * x] for lanes 8h..8h+7 of one segment (seg_epilogue).
-QUILL_INLINE __m256 epilogue(const Seg8& c, __m256 d, __m256 x, __m256 f) {
-  const __m256 t = _mm256_fnmadd_ps(c.zero, x, d);
-  f = _mm256_fmadd_ps(c.scale, t, f);
-  if (c.has_offset) f = _mm256_fmadd_ps(c.offset, x, f);
-  return f;
-}
-
-// f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo)) [+ (offset * xscale) * (65536 * Xhi + Xlo)]
-// for lanes 8h..8h+7 (split_epilogue).
-QUILL_INLINE __m256 epilogue_split(const Seg8& c, __m256i dhi, __m256i dlo, int32_t xhi, int32_t xlo, float xscale,
-                                   __m256 f) {
-  __m256i ehi = dhi, elo = dlo;
-  if (c.has_zero) {
-    ehi = _mm256_sub_epi32(dhi, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xhi)));
-    elo = _mm256_sub_epi32(dlo, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xlo)));
-  }
-  const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ehi), _mm256_set1_ps(65536.0f), _mm256_cvtepi32_ps(elo));
-  const __m256 xs = _mm256_set1_ps(xscale);
-  f = _mm256_fmadd_ps(_mm256_mul_ps(c.scale, xs), t, f);
-  if (c.has_offset)
-    f = _mm256_fmadd_ps(_mm256_mul_ps(c.offset, xs), _mm256_set1_ps(std::fma(float(xhi), 65536.0f, float(xlo))), f);
-  return f;
-}
+using namespace v256;  // the segment helpers (simd256.h)
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -264,6 +157,8 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
         __m256 fn;
         if constexpr (SPLIT)
           fn = epilogue_split(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo);
+        else if (a.gscale)
+          fn = epilogue_g(sc, _mm256_cvtepi32_ps(acc[m][h][1]), float(a.qsum[i]), a.gscale[i], fo);
         else
           fn = epilogue(sc, _mm256_cvtepi32_ps(acc[m][h][1]), _mm256_cvtepi32_ps(_mm256_set1_epi32(a.qsum[i])), fo);
         if constexpr (NH == 1) fr[m] = fn;
@@ -350,12 +245,43 @@ inline float hmax(__m256 v) {
   return r;
 }
 
-void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, float* scale, float* zero, int m0,
-              int m1) {
+// One token's stream with one scale per segment (quantize_segments_row), identity order: whole
+// vectors of 8 inside [p0, K), the rest by the scalar formula.
+void quantize_segments(const RawX& in, const void* row, int8_t* out, float* gscale) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 qmin = _mm256_set1_ps(-128.0f), qmax = _mm256_set1_ps(127.0f);
+  for (int s = 0, p0 = 0; s < in.nseg; p0 = in.seg_end[s++] * in.chunk) {
+    const int64_t p1 = int64_t(in.seg_end[s]) * in.chunk, real = std::min<int64_t>(p1, in.k);
+    const int64_t pv = real - p0 >= 8 ? p0 + (real - p0) / 8 * 8 : p0;  // vector part [p0, pv)
+    __m256 vabs = _mm256_setzero_ps();
+    for (int64_t i = p0; i < pv; i += 8) vabs = _mm256_max_ps(vabs, _mm256_andnot_ps(sign, load_x8(in, row, i)));
+    float amax = hmax(vabs);
+    for (int64_t i = pv; i < real; ++i) amax = std::max(amax, std::fabs(to_float(row, in.dtype, i)));
+    const ActParams ap{fix_zero_scale(amax / 127.5f), 0.0f};
+    gscale[s] = ap.scale;
+    const __m256 vs = _mm256_set1_ps(ap.scale), vz = _mm256_setzero_ps();
+    for (int64_t i = p0; i < pv; i += 8) {
+      const __m256 t = _mm256_add_ps(_mm256_div_ps(load_x8(in, row, i), vs), vz);
+      const __m256i qi = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, qmin), qmax));  // ties to even
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packs_epi16(w16, w16));
+    }
+    for (int64_t i = pv; i < p1; ++i) out[i] = i < in.k ? quantize_one(to_float(row, in.dtype, i), ap) : 0;
+  }
+}
+
+void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, float* scale, float* zero,
+              float* gscale, int m0, int m1) {
   const int esize = in.dtype == DType::F32 ? 4 : 2;
   const int64_t kv = in.k / 8 * 8;  // vector part; the tail runs the scalar formula
   for (int m = m0; m < m1; ++m) {
     const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
+    if (aq.per_segment) {
+      if (in.src) quantize_segments_row(in, m, q + m * in.kp, gscale + m * in.nseg);
+      else quantize_segments(in, row, q + m * in.kp, gscale + m * in.nseg);
+      segment_sums(in, q + m * in.kp, qsum + m * in.nseg);
+      continue;
+    }
     float lo = 0.0f, hi = 0.0f, amax = 0.0f;
     if (aq.dynamic) {
       const __m256 sign = _mm256_set1_ps(-0.0f);

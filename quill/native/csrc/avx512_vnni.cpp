@@ -240,8 +240,11 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         __m512i d = acc[r][m][0];
         QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[r][m][i]);
-        const __m512 x = _mm512_set1_ps(float(a.qsum[(m0 + m) * w.nseg + s]));
-        f[r][m] = v512::epilogue(sc, _mm512_cvtepi32_ps(d), x, f[r][m]);
+        const int64_t i = int64_t(m0 + m) * w.nseg + s;
+        if (a.gscale)
+          f[r][m] = v512::epilogue_g(sc, _mm512_cvtepi32_ps(d), float(a.qsum[i]), a.gscale[i], f[r][m]);
+        else
+          f[r][m] = v512::epilogue(sc, _mm512_cvtepi32_ps(d), _mm512_set1_ps(float(a.qsum[i])), f[r][m]);
         QUILL_UNROLL for (int i = 0; i < NA; ++i) acc[r][m][i] = _mm512_setzero_si512();
       }
     }
@@ -305,11 +308,37 @@ inline __m512 load_x(const RawX& in, const void* row, int64_t i, __mmask16 mask)
 
 inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u); }
 
-void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, float* scale, float* zero, int m0,
-              int m1) {
+// One token's stream with one scale per segment (quantize_segments_row), identity order.
+void quantize_segments(const RawX& in, const void* row, int8_t* out, float* gscale) {
+  const __m512 qmin = _mm512_set1_ps(-128.0f), qmax = _mm512_set1_ps(127.0f);
+  for (int s = 0, p0 = 0; s < in.nseg; p0 = in.seg_end[s++] * in.chunk) {
+    const int64_t p1 = int64_t(in.seg_end[s]) * in.chunk, real = std::min<int64_t>(p1, in.k);
+    __m512 vabs = _mm512_setzero_ps();
+    for (int64_t i = p0; i < real; i += 16)
+      vabs = _mm512_max_ps(vabs, _mm512_abs_ps(load_x(in, row, i, tail_mask(real - i))));  // masked lanes: 0
+    const float g = fix_zero_scale(_mm512_reduce_max_ps(vabs) / 127.5f);
+    gscale[s] = g;
+    const __m512 vs = _mm512_set1_ps(g), vz = _mm512_setzero_ps();
+    for (int64_t i = p0; i < p1; i += 16) {
+      const __mmask16 mk = tail_mask(p1 - i);  // lanes past K load 0 and quantize to 0
+      const __m512 t = _mm512_add_ps(_mm512_div_ps(load_x(in, row, i, real > i ? tail_mask(real - i) : 0), vs), vz);
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(t, qmin), qmax));  // ties to even
+      _mm_mask_storeu_epi8(out + i, mk, _mm512_cvtepi32_epi8(qi));
+    }
+  }
+}
+
+void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, float* scale, float* zero,
+              float* gscale, int m0, int m1) {
   const int esize = in.dtype == DType::F32 ? 4 : 2;
   for (int m = m0; m < m1; ++m) {
     const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
+    if (aq.per_segment) {
+      if (in.src) quantize_segments_row(in, m, q + m * in.kp, gscale + m * in.nseg);
+      else quantize_segments(in, row, q + m * in.kp, gscale + m * in.nseg);
+      segment_sums(in, q + m * in.kp, qsum + m * in.nseg);
+      continue;
+    }
     float lo = 0.0f, hi = 0.0f, amax = 0.0f;
     if (aq.dynamic) {  // max / min are exact, so lane order does not matter
       __m512 vlo = _mm512_setzero_ps(), vhi = vlo, vabs = vlo;

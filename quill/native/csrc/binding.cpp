@@ -23,10 +23,11 @@
 namespace quill {
 namespace {
 
-// Exposed for tests: the activation quantizer alone, x [M, K] -> (q [M, Kp], qsum [M, S], scale [M], zero [M]).
+// Exposed for tests: the activation quantizer alone, x [M, K] -> (q [M, Kp], qsum [M, S], scale [M], zero [M],
+// and with per_segment gscale [M, S]).
 std::vector<at::Tensor> quantize_activations(const at::Tensor& x, at::Tensor seg_end, int64_t chunk,
                                              std::optional<at::Tensor> src, bool dynamic, bool symmetric,
-                                             double scale, double zero, const std::string& isa) {
+                                             double scale, double zero, const std::string& isa, bool per_segment) {
   if (x.dim() != 2 || !x.is_contiguous()) fail("quantize_activations: x should be contiguous [M, K], found ", shape_of(x));
   const int64_t m = x.size(0), k = x.size(1), nseg = seg_end.numel();
   expect(seg_end, at::kInt, {nseg}, "seg_end");
@@ -39,10 +40,13 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, at::Tensor seg
   at::Tensor sc = at::empty({m}, x.options().dtype(at::kFloat)), zp = at::empty({m}, x.options().dtype(at::kFloat));
   RawX in{x.data_ptr(), dtype_of(x.scalar_type(), "x"), k, src ? src->data_ptr<int64_t>() : nullptr, kp,
           seg_end.data_ptr<int32_t>(), int32_t(nseg), int32_t(chunk)};
-  ActQuant aq{dynamic, symmetric, float(scale), float(zero)};
+  ActQuant aq{dynamic, symmetric, float(scale), float(zero), per_segment};
+  if (per_segment && !(dynamic && symmetric)) fail("quantize_activations: per_segment needs dynamic symmetric");
+  at::Tensor gs = at::empty({per_segment ? m : 0, nseg}, x.options().dtype(at::kFloat));
   table_for(isa).quantize(in, aq, q.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(), sc.data_ptr<float>(),
-                                zp.data_ptr<float>(), 0, int(m));
-  return {q, qsum, sc, zp};
+                          zp.data_ptr<float>(), per_segment ? gs.data_ptr<float>() : nullptr, 0, int(m));
+  if (!per_segment) return {q, qsum, sc, zp};
+  return {q, qsum, sc, zp, gs};
 }
 
 // Exposed for tests: the split image of float activations alone (identity order or `src`
@@ -156,5 +160,6 @@ PYBIND11_MODULE(_quill_native, m) {
   m.def("huge_page_copy", &quill::huge_page_copy, py::arg("t"));
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
-        py::arg("src"), py::arg("dynamic"), py::arg("symmetric"), py::arg("scale"), py::arg("zero"), py::arg("isa"));
+        py::arg("src"), py::arg("dynamic"), py::arg("symmetric"), py::arg("scale"), py::arg("zero"), py::arg("isa"),
+        py::arg("per_segment") = false);
 }

@@ -149,6 +149,10 @@ struct I8Acts {
   int64_t ld = 0;
   int32_t m = 0;
   bool asym = false;
+  // [M, S] one scale per token and segment (ActQuant::per_segment), or null: `scale` per token.
+  // Then segment s adds (with X its sum, g its scale, z / scale / offset the weight's):
+  //   xg = X * g;  f += scale * (D * g - z * xg) [+ offset * xg]   (seg_epilogue_g; y = f + bias)
+  const float* gscale = nullptr;
 };
 
 // Output: y[m * ld + n] for n < Weights::n, float32 or bfloat16.
@@ -164,6 +168,7 @@ struct ActQuant {
   bool symmetric = true;
   float scale = 0.0f;  // static only
   float zero = 0.0f;   // static only
+  bool per_segment = false;  // dynamic symmetric: one scale per token and segment (the weight's groups)
 };
 
 // Raw float input of the activation quantizer and stream builders.
@@ -184,9 +189,9 @@ struct KernelTable {
   const char* name;
   void (*gemm_split)(const Weights&, const SplitActs&, const Out&, int nb0, int nb1);
   void (*gemm_i8)(const Weights&, const I8Acts&, const Out&, int nb0, int nb1);
-  // q [M, Kp] int8, qsum [M, S], scale [M], zero [M]
+  // q [M, Kp] int8, qsum [M, S], scale [M], zero [M]; per_segment: gscale [M, S] instead of scale / zero
   void (*quantize)(const RawX&, const ActQuant&, int8_t* q, int32_t* qsum, float* scale, float* zero,
-                   int m0, int m1);
+                   float* gscale, int m0, int m1);
   // the split stream of float activations: x [M, KC * 3 * CK], qsum [M, S, 2], scale [M, S]
   void (*quantize_split)(const RawX&, int8_t* x, int32_t* qsum, float* scale, int m0, int m1);
 };

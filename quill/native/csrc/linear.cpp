@@ -40,7 +40,7 @@ class NativeLinear final : public LinearOp {
                int64_t n, int64_t k, std::string family, std::string isa, bool act_dynamic, bool act_symmetric,
                double act_scale, double act_zero, int64_t threads, std::optional<at::Tensor> hplane,
                std::optional<at::Tensor> super_scales, std::optional<at::Tensor> super_offsets,
-               std::optional<double> zconst, int64_t sub_bits, int64_t sub_bias)
+               std::optional<double> zconst, int64_t sub_bits, int64_t sub_bias, bool act_per_segment)
       : codes_(std::move(codes)), scales_(std::move(scales)), zeros_(std::move(zeros)), offsets_(std::move(offsets)),
         seg_end_(std::move(seg_end)), src_(std::move(src)), wsum_(std::move(wsum)), hplane_(std::move(hplane)),
         super_scales_(std::move(super_scales)), super_offsets_(std::move(super_offsets)), int8_(family == "int8"),
@@ -112,6 +112,9 @@ class NativeLinear final : public LinearOp {
     aq_.symmetric = act_symmetric;
     aq_.scale = float(act_scale);
     aq_.zero = float(act_zero);
+    aq_.per_segment = act_per_segment;
+    if (act_per_segment && !(int8_ && act_dynamic && act_symmetric))
+      fail("native kernel: one activation scale per segment needs int8 activations, dynamic and symmetric");
     if (int8_ && !act_symmetric && !wsum_) fail("native kernel: asymmetric activations need the weight row sums (wsum)");
     set_threads(threads);
   }
@@ -147,7 +150,7 @@ class NativeLinear final : public LinearOp {
     if (int8_) {
       float* sz = reinterpret_cast<float*>(base + t.scale);
       table_.quantize(in, aq_, reinterpret_cast<int8_t*>(base), reinterpret_cast<int32_t*>(base + t.qsum), sz,
-                      sz + m, int(b), int(e));
+                      sz + m, reinterpret_cast<float*>(base + t.gscale), int(b), int(e));
       return;
     }
     auto* xs = reinterpret_cast<int8_t*>(base);
@@ -179,7 +182,9 @@ class NativeLinear final : public LinearOp {
     const auto* qsum = reinterpret_cast<const int32_t*>(base + t.qsum);
     const auto* sc = reinterpret_cast<const float*>(base + t.scale);
     if (int8_)
-      table_.gemm_i8(w, I8Acts{q, qsum, sc, sc + m, kp_, int32_t(m), !aq_.symmetric}, o, int(b), int(e));
+      table_.gemm_i8(w, I8Acts{q, qsum, sc, sc + m, kp_, int32_t(m), !aq_.symmetric,
+                               aq_.per_segment ? reinterpret_cast<const float*>(base + t.gscale) : nullptr},
+                     o, int(b), int(e));
     else
       table_.gemm_split(w, SplitActs{q, qsum, sc, kp_ * SPLIT_PARTS, int32_t(m)}, o, int(b), int(e));
   }
@@ -313,29 +318,31 @@ class NativeLinear final : public LinearOp {
   void run_int8(const Weights& w, const RawX& in, const Out& o, int64_t m) const {
     thread_local std::vector<int8_t> q_buf;
     thread_local std::vector<int32_t> qsum_buf;
-    thread_local std::vector<float> sz_buf;
+    thread_local std::vector<float> sz_buf, gs_buf;
     const int64_t mb = block_tokens(kp_, m);
     int8_t* q = scratch(q_buf, size_t(mb * kp_));            // [MB, Kp]
     int32_t* qsum = scratch(qsum_buf, size_t(mb * w.nseg));  // [MB, S]
     float* sz = scratch(sz_buf, size_t(2 * mb));             // scale [MB], zero [MB]
+    float* gs = aq_.per_segment ? scratch(gs_buf, size_t(mb * w.nseg)) : nullptr;  // [MB, S]
     for_token_blocks(in, o, m, mb, [&](const RawX& bin, const Out& bo, int64_t mm) {
       parallel(prep_threads(mm), mm, [&](int64_t b, int64_t e) {
-        table_.quantize(bin, aq_, q, qsum, sz, sz + mm, int(b), int(e));
+        table_.quantize(bin, aq_, q, qsum, sz, sz + mm, gs, int(b), int(e));
       });
-      gemm(w, I8Acts{q, qsum, sz, sz + mm, kp_, int32_t(mm), !aq_.symmetric}, bo, table_.gemm_i8);
+      gemm(w, I8Acts{q, qsum, sz, sz + mm, kp_, int32_t(mm), !aq_.symmetric, gs}, bo, table_.gemm_i8);
     });
   }
 
   // Byte offsets of the team call's scratch parts (the stream first, at 0).
   struct TeamScratch {
-    int64_t qsum, scale, gathered, end;
+    int64_t qsum, scale, gscale, gathered, end;
   };
   TeamScratch team_layout(int64_t m) const {
     TeamScratch t{};
     const int64_t stream = m * kp_ * (int8_ ? 1 : SPLIT_PARTS);  // int8 [M, Kp (x3)]
     t.qsum = align64(stream);
     t.scale = t.qsum + align64(m * w_.nseg * (int8_ ? 1 : 2) * 4);  // int32 [M, S (x2)]
-    t.gathered = t.scale + align64((int8_ ? 2 * m : m * w_.nseg) * 4);  // float [2M] or [M, S]
+    t.gscale = t.scale + align64((int8_ ? 2 * m : m * w_.nseg) * 4);  // float [2M] or [M, S]
+    t.gathered = t.gscale + (aq_.per_segment ? align64(m * w_.nseg * 4) : 0);  // float [M, S] per-segment scales
     t.end = t.gathered + (src_ && !int8_ ? align64(m * kp_ * 4) : 0);  // float [M, Kp]
     return t;
   }
@@ -363,13 +370,14 @@ void register_linear(pybind11::module_& m) {
       .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, at::Tensor,
                     std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t, int64_t, int64_t, std::string,
                     std::string, bool, bool, double, double, int64_t, std::optional<at::Tensor>,
-                    std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<double>, int64_t, int64_t>(),
+                    std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<double>, int64_t, int64_t,
+                    bool>(),
            py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("offsets"), py::arg("seg_end"),
            py::arg("src"), py::arg("wsum"), py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("family"),
            py::arg("isa"), py::arg("act_dynamic") = true, py::arg("act_symmetric") = true, py::arg("act_scale") = 0.0,
            py::arg("act_zero") = 0.0, py::arg("threads") = 1, py::arg("hplane") = py::none(),
            py::arg("super_scales") = py::none(), py::arg("super_offsets") = py::none(), py::arg("zconst") = py::none(),
-           py::arg("sub_bits") = 8, py::arg("sub_bias") = 0)
+           py::arg("sub_bits") = 8, py::arg("sub_bias") = 0, py::arg("act_per_segment") = false)
       // the GIL is released while the kernel runs (it touches no Python object)
       .def("forward", &NativeLinear::forward, py::arg("x"), py::arg("bias") = py::none(),
            py::call_guard<py::gil_scoped_release>())

@@ -64,16 +64,26 @@ void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) 
             for (int j = 0; j < ck; ++j) d[r] += uint32_t(code_at(w, nb, c, r, j) * int32_t(q[c * ck + j]));
         }
         const float x = float(a.qsum[m * w.nseg + s]);
-        for (int r = 0; r < LANES; ++r) f[r] = seg_epilogue(w, nb, s, r, float(int32_t(d[r])), x, f[r]);
+        if (a.gscale) {
+          const float g = a.gscale[m * w.nseg + s];
+          for (int r = 0; r < LANES; ++r) f[r] = seg_epilogue_g(w, nb, s, r, float(int32_t(d[r])), x, g, f[r]);
+        } else {
+          for (int r = 0; r < LANES; ++r) f[r] = seg_epilogue(w, nb, s, r, float(int32_t(d[r])), x, f[r]);
+        }
       }
       store_int_row(w, a, o, nb, m, f);
     }
   }
 }
 
-void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, float* scale, float* zero, int m0,
-              int m1) {
+void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, float* scale, float* zero,
+              float* gscale, int m0, int m1) {
   for (int m = m0; m < m1; ++m) {
+    if (aq.per_segment) {
+      quantize_segments_row(in, m, q + m * in.kp, gscale + m * in.nseg);
+      segment_sums(in, q + m * in.kp, qsum + m * in.nseg);
+      continue;
+    }
     float lo = 0.0f, hi = 0.0f, amax = 0.0f;
     if (aq.dynamic) {
       for (int64_t i = 0; i < in.k; ++i) {

@@ -37,6 +37,24 @@ inline int8_t quantize_one(float v, const ActParams& p) {
   return static_cast<int8_t>(std::nearbyint(t));
 }
 
+// One token's stream quantized with one symmetric scale per segment (ActQuant::per_segment): the
+// stream positions of segment s map to columns (src, or the identity below k); gscale[s] =
+// max |x| over them / 127.5 and q = quantize_one(x, gscale[s]).  Every variant calls this for
+// act-order streams and runs its arithmetic for the identity order.
+inline void quantize_segments_row(const RawX& in, int64_t m, int8_t* out, float* gscale) {
+  auto col = [&](int64_t p) { return in.src ? in.src[p] : (p < in.k ? p : -1); };
+  int64_t p = 0;
+  for (int s = 0; s < in.nseg; ++s) {
+    const int64_t p0 = p, end = int64_t(in.seg_end[s]) * in.chunk;
+    float amax = 0.0f;
+    for (; p < end; ++p)
+      if (col(p) >= 0) amax = std::max(amax, std::fabs(to_float(in.x, in.dtype, m * in.k + col(p))));
+    const ActParams ap{fix_zero_scale(amax / 127.5f), 0.0f};
+    gscale[s] = ap.scale;
+    for (p = p0; p < end; ++p) out[p] = col(p) < 0 ? 0 : quantize_one(to_float(in.x, in.dtype, m * in.k + col(p)), ap);
+  }
+}
+
 // Exact int32 sums of one token's quantized stream over every segment.
 inline void segment_sums(const RawX& in, const int8_t* q, int32_t* qsum) {
   int64_t p = 0;
@@ -171,6 +189,17 @@ inline float seg_epilogue(const Weights& w, int nb, int s, int r, float d, float
   return f;
 }
 
+// The same with a per-(token, segment) activation scale g (I8Acts::gscale): xg = X * g,
+// f += scale * (D * g - zero * xg) [+ offset * xg].
+inline float seg_epilogue_g(const Weights& w, int nb, int s, int r, float d, float x, float g, float f) {
+  const int64_t i = seg_index(w, nb, s, r);
+  const float xg = x * g;
+  const float t = std::fma(d, g, -(zero_at(w, i) * xg));
+  f = std::fma(scale_at(w, nb, s, r, i), t, f);
+  if (w.offsets) f = std::fma(offset_at(w, nb, s, r, i), xg, f);
+  return f;
+}
+
 inline int32_t zero_int_at(const Weights& w, int64_t i) {
   if (!w.zeros) return static_cast<int32_t>(w.zconst);
   return w.bits != 8 ? int32_t(static_cast<const uint8_t*>(w.zeros)[i]) : int32_t(static_cast<const int16_t*>(w.zeros)[i]);
@@ -236,7 +265,7 @@ inline void store_int_row(const Weights& w, const I8Acts& a, const Out& o, int n
   for (int r = 0; r < LANES && nb * LANES + r < w.n; ++r) {
     const int n = nb * LANES + r;
     float u = a.asym ? std::fma(-a.zero[m], w.wsum[n], f[r]) : f[r];
-    float v = u * a.scale[m];
+    float v = a.gscale ? u : u * a.scale[m];  // per-segment scales are in f already
     if (w.bias) v = v + w.bias[n];
     store_value(o, m, n, v);
   }

@@ -109,6 +109,15 @@ QUILL_INLINE __m512 epilogue(const SegConsts& c, __m512 d, __m512 x, __m512 f) {
   return f;
 }
 
+// f += scale * (d * g - zero * xg) [+ offset * xg], xg = x * g  (seg_epilogue_g, 16 lanes)
+QUILL_INLINE __m512 epilogue_g(const SegConsts& c, __m512 d, float x, float g, __m512 f) {
+  const float xg = x * g;
+  const __m512 t = _mm512_fmsub_ps(d, _mm512_set1_ps(g), _mm512_mul_ps(c.zero, _mm512_set1_ps(xg)));
+  f = _mm512_fmadd_ps(c.scale, t, f);
+  if (c.has_offset) f = _mm512_fmadd_ps(c.offset, _mm512_set1_ps(xg), f);
+  return f;
+}
+
 // f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo))
 //      [+ (offset * xscale) * (65536 * Xhi + Xlo)]   (split_epilogue, 16 lanes)
 QUILL_INLINE __m512 split_epilogue(const SegConsts& c, __m512i dhi, __m512i dlo, int32_t xhi, int32_t xlo, float xscale,
@@ -197,7 +206,7 @@ inline void store_float(const Weights& w, const Out& o, int nb, int m, __m512 f)
 inline void store_int(const Weights& w, const I8Acts& a, const Out& o, int nb, int m, __m512 f) {
   const __mmask16 mask = row_mask(w, nb);
   if (a.asym) f = _mm512_fnmadd_ps(_mm512_set1_ps(a.zero[m]), _mm512_loadu_ps(w.wsum + nb * LANES), f);
-  f = _mm512_mul_ps(f, _mm512_set1_ps(a.scale[m]));
+  if (!a.gscale) f = _mm512_mul_ps(f, _mm512_set1_ps(a.scale[m]));  // per-segment scales are in f already
   if (w.bias) f = _mm512_add_ps(f, _mm512_maskz_loadu_ps(mask, w.bias + nb * LANES));
   store(o, m, nb * LANES, mask, f);
 }
