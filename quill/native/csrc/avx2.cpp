@@ -257,7 +257,7 @@ void quantize_segments(const RawX& in, const void* row, int8_t* out, float* gsca
     for (int64_t i = p0; i < pv; i += 8) vabs = _mm256_max_ps(vabs, _mm256_andnot_ps(sign, load_x8(in, row, i)));
     float amax = hmax(vabs);
     for (int64_t i = pv; i < real; ++i) amax = std::max(amax, std::fabs(to_float(row, in.dtype, i)));
-    const ActParams ap{fix_zero_scale(amax / 127.5f), 0.0f};
+    const ActParams ap = act_params(ActQuant{}, 0.0f, 0.0f, amax);  // dynamic symmetric, over the segment
     gscale[s] = ap.scale;
     const __m256 vs = _mm256_set1_ps(ap.scale), vz = _mm256_setzero_ps();
     for (int64_t i = p0; i < pv; i += 8) {

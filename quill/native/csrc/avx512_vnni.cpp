@@ -316,7 +316,7 @@ void quantize_segments(const RawX& in, const void* row, int8_t* out, float* gsca
     __m512 vabs = _mm512_setzero_ps();
     for (int64_t i = p0; i < real; i += 16)
       vabs = _mm512_max_ps(vabs, _mm512_abs_ps(load_x(in, row, i, tail_mask(real - i))));  // masked lanes: 0
-    const float g = fix_zero_scale(_mm512_reduce_max_ps(vabs) / 127.5f);
+    const float g = act_params(ActQuant{}, 0.0f, 0.0f, _mm512_reduce_max_ps(vabs)).scale;  // dynamic symmetric
     gscale[s] = g;
     const __m512 vs = _mm512_set1_ps(g), vz = _mm512_setzero_ps();
     for (int64_t i = p0; i < p1; i += 16) {

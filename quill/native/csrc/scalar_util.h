@@ -49,7 +49,7 @@ inline void quantize_segments_row(const RawX& in, int64_t m, int8_t* out, float*
     float amax = 0.0f;
     for (; p < end; ++p)
       if (col(p) >= 0) amax = std::max(amax, std::fabs(to_float(in.x, in.dtype, m * in.k + col(p))));
-    const ActParams ap{fix_zero_scale(amax / 127.5f), 0.0f};
+    const ActParams ap = act_params(ActQuant{}, 0.0f, 0.0f, amax);  // dynamic symmetric, over the segment
     gscale[s] = ap.scale;
     for (p = p0; p < end; ++p) out[p] = col(p) < 0 ? 0 : quantize_one(to_float(in.x, in.dtype, m * in.k + col(p)), ap);
   }
