@@ -53,18 +53,26 @@ def test_bench_linears_on_a_fixture(capsys):
     assert "selected 14 linears" in out and "'native_w4a16': 14" in out and "torch    14 linears" in out
 
 
+def test_bench_linears_per_group_activations(capsys):
+    from tests.fixture_util import fixture_path
+    assert main(["bench", "linears", str(fixture_path("ct-w4a16-sym-g128-llama")), "--tokens", "1", "--runs", "1",
+                 "--act-quant", "int8-group"]) == 0
+    out = capsys.readouterr().out
+    assert "'native_w4a8': 14" in out
+
+
 def test_bench_model_tiny_run(tmp_path, capsys):
     shape = LlamaShape(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                        num_hidden_layers=2, vocab_size=100)
     path = write_llama_w4(tmp_path / "ckpt", group_size=32, shape=shape)
     out = tmp_path / "m.json"
     assert main(["bench", "model", str(path), "--prompt", "8", "--gen", "4", "--batch", "2", "--runs", "2",
-                 "--json", str(out)]) == 0
+                 "--modes", "w4a16,w4a8,w4a8g", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "w4a16" in text and "w4a8" in text and "roofline" in text
     data = json.loads(out.read_text())
     modes = {m["mode"]: m for m in data["modes"]}
-    assert set(modes) == {"w4a16", "w4a8"}
+    assert set(modes) == {"w4a16", "w4a8", "w4a8g"}
     m = modes["w4a16"]
     assert m["kernels"] == {"native_w4a16": 15}
     assert len(m["samples"]["decode_tps"]) == len(m["samples"]["dram_gbs"]) == len(m["pct_of_roofline_per_run"]) == 2
@@ -72,6 +80,7 @@ def test_bench_model_tiny_run(tmp_path, capsys):
     # bytes per decoded token: every linear as stored, plus the KV cache averaged over positions 8 .. 11
     assert m["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4 * (8 + 1.5) // 1
     assert modes["w4a8"]["kernels"] == {"native_w4a8": 15}
+    assert modes["w4a8g"]["kernels"] == {"native_w4a8": 15} and modes["w4a8g"]["decode_tps"] > 0
 
 
 def test_llamacpp_bench_writes_a_gguf_quill_runs(tmp_path):

@@ -5,7 +5,8 @@
 Without a checkpoint it writes the 1B Llama-shaped W4 checkpoint
 (:func:`quill.bench.checkpoint.write_llama_w4`, every linear 4-bit including an untied
 lm_head) to a cache directory once.  For each activation mode (W4A16: float activations;
-W4A8: ``activation_quant="int8"``) it measures, as medians of several runs:
+W4A8: ``activation_quant="int8"``; W4A8g: ``"int8-group"``, one scale per token and weight group)
+it measures, as medians of several runs:
 
 * prefill tokens/s of a ``prompt``-token prompt,
 * decode tokens/s at batch 1 (``gen`` tokens after that prompt),
@@ -36,7 +37,7 @@ from quill.engine.core import EngineConfig
 from quill.errors import GenerationError
 from quill.platform import Platform
 
-MODES = {"w4a16": None, "w4a8": "int8"}  # label -> activation_quant
+MODES = {"w4a16": None, "w4a8": "int8", "w4a8g": "int8-group"}  # label -> activation_quant
 
 
 @dataclass

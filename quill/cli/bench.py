@@ -43,8 +43,9 @@ def register(sub) -> None:
     lin.add_argument("checkpoint", nargs="?", default=None, help="checkpoint path (default: the default model)")
     lin.add_argument("--tokens", type=int, default=10, help="tokens per timed run")
     lin.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
-    lin.add_argument("--act-quant", choices=("none", "int8"), default=None,
-                     help="int8: the linears with int8 activations (W4A8 / W8A8)")
+    lin.add_argument("--act-quant", choices=("none", "int8", "int8-group"), default=None,
+                     help="int8: the linears with int8 activations per token (W4A8 / W8A8); "
+                     "int8-group: per token and weight group")
     lin.set_defaults(func=run_linears)
     c = bsub.add_parser("checkpoint", help="write a 1B Llama-shaped 4-bit checkpoint for the model benchmark")
     c.add_argument("out", type=Path, help="output directory")
@@ -59,7 +60,8 @@ def register(sub) -> None:
     md = bsub.add_parser("model", help="prefill, decode and batched decode of a checkpoint against the roofline")
     md.add_argument("checkpoint", nargs="?", type=Path, default=None,
                     help="checkpoint directory (default: the 1B W4 checkpoint, written to the cache on first use)")
-    md.add_argument("--modes", default="w4a16,w4a8", help="activation modes: w4a16 (float), w4a8 (int8)")
+    md.add_argument("--modes", default="w4a16,w4a8", help="activation modes: w4a16 (float), w4a8 (int8 per token), "
+                    "w4a8g (int8 per token and weight group)")
     md.add_argument("--dtype", choices=("float32",), default="float32",
                     help="compute dtype (bfloat16 is not offered: slower than float32 on CPUs)")
     md.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
@@ -159,6 +161,8 @@ def run_linears(args) -> int:
         from quill.default_model import default_model_path
         args.checkpoint = default_model_path()
     policies = {"selected": KernelPolicy(), "torch": KernelPolicy(force="torch")}
+    if args.act_quant == "int8-group":
+        del policies["torch"]  # torch has no per-group int8 activations (it refuses them); nothing to compare
     linears.run(args.checkpoint, detect(), policies, args.tokens, args.runs, args.act_quant)
     return 0
 
