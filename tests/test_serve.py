@@ -150,6 +150,13 @@ def test_echo(client, server):
     lp = r.choices[0].logprobs
     assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
     assert len(lp.tokens) == r.usage.prompt_tokens + 3
+    # every token's text, the first prompt token's too (it has no log-prob), and offsets into the text
+    assert "".join(lp.tokens) == r.choices[0].text and lp.tokens[0] == "The"
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = client.completions.create(model=server.name, prompt="The capital of France is", max_tokens=3,
+                                         temperature=0, echo=True, logprobs=1, stream=True)
+    tokens = [t for chunk in streamed for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
 
 
 # ---- scheduling through the server ------------------------------------------------------------

@@ -128,6 +128,10 @@ class OpenAIServing:
             return text or ""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def _token_text(self, token: int) -> str:
+        """A prompt token's text for echoed log-probs (generated tokens carry theirs; the id without a tokenizer)."""
+        return str(token) if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
+
     async def _completion_full(self, req, rid, handle, echo, k) -> dict:
         choices = [R.Choice() for _ in range(len(echo) * req.n)]
         usage, prompt_lps = R.Usage(), {}
@@ -145,7 +149,7 @@ class OpenAIServing:
             lp = None
             if k is not None:
                 entries = _prompt_entries(handle, index, prompt_lps.get(index)) if req.echo else []
-                lp = R.completion_logprobs(entries + c.logprobs, 0 if req.echo else len(pre), k)
+                lp = R.completion_logprobs(entries + c.logprobs, 0 if req.echo else len(pre), k, self._token_text)
             out.append(R.completion_choice(index, pre + "".join(c.text), lp, c.finish_reason, c.stop_reason))
         return R.completion_body(rid, R.now(), self.model_name, out, usage)
 
@@ -169,7 +173,7 @@ class OpenAIServing:
                 if k is not None:
                     if chunk.token_id is not None and chunk.logprobs is not None:
                         entries.append((chunk.token_id, chunk.logprobs))
-                    lp = R.completion_logprobs(entries, offsets[index], k)
+                    lp = R.completion_logprobs(entries, offsets[index], k, self._token_text)
                     offsets[index] += sum(len(t) for t in lp["tokens"])
                 finish = R.finish_reason(chunk.finish_reason)
                 choice = R.completion_choice(index, text, lp, finish, chunk.stop_reason if finish else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from quill.engine.output import StreamChunk
@@ -89,13 +90,14 @@ def _top(lps: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 # ---- completions ------------------------------------------------------------------------------
 
-def completion_logprobs(entries: list[tuple[int, dict[int, Logprob] | None]], offset: int, k: int) -> dict:
+def completion_logprobs(entries: list[tuple[int, dict[int, Logprob] | None]], offset: int, k: int,
+                        decode: Callable[[int], str] = str) -> dict:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``; an entry's dict may be None (the first
-    prompt token, which has no log-prob)."""
+    prompt token, which has no log-prob): its text is ``decode(token)``."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, lps in entries:
         if lps is None:
-            text, lp, top = str(token), None, None
+            text, lp, top = decode(token), None, None
         else:
             text = _token_text(lps, token)
             lp = lps[token].logprob
