@@ -152,6 +152,23 @@ def test_a_whole_cached_prompt_still_computes_its_last_token():
     assert b.num_cached == 4  # block 2 would leave nothing to compute: it is recomputed
 
 
+def test_usage_counts_cached_prompt_tokens_of_the_first_admission_only():
+    # preempted and readmitted, a request hits the blocks it wrote itself (its output's too): those are
+    # recomputation saved, not prompt tokens a client had cached
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(6), "a")
+    bm.allocate(a)
+    assert a.num_cached == 0
+    a.output = [7, 8, 9, 10]
+    bm.append_slot(a)
+    a.num_computed = 10
+    bm.register_computed(a)
+    bm.free_blocks(a)
+    a.restart()
+    bm.allocate(a)
+    assert a.num_computed == 8 and a.num_cached == 0 and bm.hit_tokens == 8
+
+
 def test_prompt_logprobs_bypass_the_prefix_cache():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = seq(range(8), "a")

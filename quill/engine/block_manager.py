@@ -111,9 +111,11 @@ class BlockManager:
             self.ref[b] = 1
         seq.block_table = hits + new
         seq.num_hashed = len(hits)
-        seq.num_cached = seq.num_computed = len(hits) * self.block_size
+        seq.num_computed = len(hits) * self.block_size
+        if not seq.admitted:
+            seq.num_cached, seq.admitted = min(seq.num_computed, len(seq.prompt)), True
         self.queried_tokens += seq.num_tokens
-        self.hit_tokens += seq.num_cached
+        self.hit_tokens += seq.num_computed
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether ``seq`` can take one more token (a new block only when its last one is full)."""

@@ -49,7 +49,10 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0
-    num_cached: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    # prompt tokens taken from the prefix cache at the first admission (what usage reports; a recompute after
+    # preemption hits blocks the request wrote itself, its output's among them)
+    num_cached: int = 0
+    admitted: bool = False
     block_table: list[int] = field(default_factory=list)
     num_hashed: int = 0  # leading full blocks registered in the prefix cache
     finish_reason: str | None = None
@@ -89,6 +92,6 @@ class Sequence:
 
     def restart(self) -> None:
         """Back to waiting with nothing computed (preempted): what the prompt's rows gave so far is dropped."""
-        self.status, self.num_computed, self.num_cached = Status.WAITING, 0, 0
+        self.status, self.num_computed = Status.WAITING, 0
         if self.prompt_logprobs is None:
             self.prompt_acc = None  # rebuilt from position 0 (a scorer instead skips what it already holds)
