@@ -164,6 +164,19 @@ def test_unknown_names_everywhere():
         KernelSelector(PLAT, KernelPolicy.from_env({"QUILL_KERNEL": "a", "QUILL_DISABLED_KERNELS": "b"}))
 
 
+def test_a_kernel_forced_by_option_is_named_as_such(eightbit):
+    # LLM(kernel=...) / --kernel: the errors name the option, not an environment variable the user never set
+    from quill.layers.context import LoadContext
+    with pytest.raises(KernelSelectionError, match=r"unknown kernel name\(s\) nope in the kernel option; known"):
+        LoadContext.create(ZEN3, torch.float32, kernel="nope", env={})
+    ctx = LoadContext.create(ZEN3, torch.float32, kernel=eightbit, env={"QUILL_DISABLED_KERNELS": "zentorch"})
+    qw = _weight(bits=4)
+    with pytest.raises(KernelSelectionError, match=r"'eightbit' was forced by the kernel option but cannot run it"):
+        ctx.selector.select(LinearLayerConfig.from_weight(qw, ZEN3), qw.name)
+    with pytest.raises(KernelSelectionError, match=r"unknown kernel name\(s\) nope in QUILL_KERNEL/QUILL_DISABLED"):
+        LoadContext.create(ZEN3, torch.float32, kernel="torch", env={"QUILL_DISABLED_KERNELS": "nope"})
+
+
 def test_every_priority_list_names_registered_kernels_and_ends_with_reference():
     for level, names in PRIORITIES.items():
         assert set(names) <= set(KERNELS), level

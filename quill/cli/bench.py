@@ -160,7 +160,7 @@ def run_linears(args) -> int:
     if args.checkpoint is None:
         from quill.default_model import default_model_path
         args.checkpoint = default_model_path()
-    policies = {"selected": KernelPolicy(), "torch": KernelPolicy(force="torch")}
+    policies = {"selected": KernelPolicy(), "torch": KernelPolicy(force="torch", origin="bench linears")}
     if args.act_quant == "int8-group":
         del policies["torch"]  # torch has no per-group int8 activations (it refuses them); nothing to compare
     linears.run(args.checkpoint, detect(), policies, args.tokens, args.runs, args.act_quant)

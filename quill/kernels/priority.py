@@ -58,6 +58,7 @@ class KernelPolicy:
 
     force: str | None = None
     disabled: frozenset[str] = frozenset()
+    origin: str = ""  # who forced ``force``, for messages ("" = the environment variable)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, force_var: str = "QUILL_KERNEL",
@@ -72,9 +73,12 @@ class KernelPolicy:
         named = set(self.disabled) | ({self.force} if self.force else set())
         unknown = sorted(n for n in named if n not in registry.entries)
         if unknown:
+            where = f"{registry.force_var}/{registry.disabled_var}"
+            if self.origin and self.force in unknown:
+                where = self.origin
             raise KernelSelectionError(
-                f"unknown {registry.what} name(s) {', '.join(unknown)} in {registry.force_var}/"
-                f"{registry.disabled_var}; known {registry.what}s: {format_choices(registry.entries)}")
+                f"unknown {registry.what} name(s) {', '.join(unknown)} in {where}; known {registry.what}s: "
+                f"{format_choices(registry.entries)}")
         if self.force and self.force in self.disabled:
             raise KernelSelectionError(f"{registry.what} '{self.force}' is both forced ({registry.force_var}) and "
                                        f"disabled ({registry.disabled_var})")
@@ -129,9 +133,10 @@ class PrioritySelector:
             impl = reg.load(self.policy.force)
             reason = self.refusal(impl, cfg)
             if reason:
+                by = self.policy.origin or reg.force_var
                 raise KernelSelectionError(
-                    f"{layer} ({cfg.summary()}): {reg.what} '{impl.name}' was forced by {reg.force_var} but "
-                    f"cannot run it: {reason}")
+                    f"{layer} ({cfg.summary()}): {reg.what} '{impl.name}' was forced by {by} but cannot run it: "
+                    f"{reason}")
             return self._chosen(Selection(impl, (), True), cfg, layer)
         refusals: list[tuple[str, str]] = []
         for name in self.priorities:

@@ -52,10 +52,11 @@ class LoadContext:
         ``threads`` (default: the physical cores) is what every native kernel is built with."""
         policy = KernelPolicy.from_env(env)
         if kernel is not None:
-            policy = KernelPolicy(force=kernel, disabled=policy.disabled - {kernel})
+            policy = KernelPolicy(force=kernel, disabled=policy.disabled - {kernel}, origin="the kernel option")
         moe_policy = MOE_REGISTRY.policy_from_env(env)
         if moe_backend is not None:
-            moe_policy = KernelPolicy(force=moe_backend, disabled=moe_policy.disabled - {moe_backend})
+            moe_policy = KernelPolicy(force=moe_backend, disabled=moe_policy.disabled - {moe_backend},
+                                      origin="the moe_backend option")
         return cls(KernelSelector(platform, policy, threads=threads), MoESelector(platform, moe_policy), activation,
                    dtype, where)
 
