@@ -207,13 +207,16 @@ def test_every_m_and_thread_count(m):
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
-@pytest.mark.parametrize("gs", [128, -1, 40])
-def test_long_inputs_run_in_token_and_k_blocks(gs, bits):
+@pytest.mark.parametrize("gs", [128, -1, 40, 32])
+@pytest.mark.parametrize("sym", [False, True], ids=["asym", "sym"])
+def test_long_inputs_run_in_token_and_k_blocks(sym, gs, bits):
     # K = 8192: the activation block of the split stream holds 30 tokens and the int8 one 60, so
     # 70 tokens take several blocks (with a partial last one); K blocks of 64 chunks cut
-    # per-channel and 40-wide (padded to 48) segments in the middle
+    # per-channel and 40-wide (padded to 48) segments in the middle.  Symmetric: one zero point for
+    # the layer, which the float kernels fold into the segment sums (carried across K blocks), and
+    # 4-bit codes in segments of 32 positions also form T in int32 (common.h Weights::fuse_t)
     k = 8160 if gs == 40 else 8192
-    qw = _weight(20, k, bits, gs, False)
+    qw = _weight(20, k, bits, gs, sym)
     qa = qw.with_(activation=ActivationQuant())
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     ref = x.float() @ qw.dequantize().T

@@ -71,10 +71,11 @@ inline const int8_t* stream_of(const SplitActs& a) { return a.x; }
 // 1 holds Dlo = 256 * sum(code * mid) + sum(code * lo) (mid enters vpmaddwd with weight 256).
 // Halves [H0, H0 + NH) of the row block (8 rows each) into f: NH = 2 walks K once for both halves;
 // NH = 1 walks it for one half, its accumulators and float sums in registers (see tile()).
-template <int BITS, int PARTS, int MT, int H0, int NH, class Acts>
+template <int BITS, int PARTS, int EPI, int MT, int H0, int NH, class Acts>
 QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, float (*f)[LANES]) {
   constexpr int CK = chunk_k(BITS), STRIDE = PARTS * CK;
   constexpr bool SPLIT = PARTS == SPLIT_PARTS;
+  constexpr bool FOLD = SPLIT && EPI >= 1, FUSE = SPLIT && EPI == 2;  // the split epilogue's shortcuts (gemm_split)
   const __m256i low = _mm256_set1_epi8(0x0F);
   // vpmaddwd weights of the int16 pair sums: [part][nibble] (8-bit codes = 16 * high nibble + low),
   // and the accumulator each part feeds
@@ -93,6 +94,15 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
     __m256i acc[MT][2][2];  // [token][half][Dhi, D or Dlo]
     QUILL_UNROLL for (int m = 0; m < MT; ++m)
       QUILL_UNROLL for (int h = 0; h < 2; ++h) acc[m][h][0] = acc[m][h][1] = _mm256_setzero_si256();
+    if (FOLD)  // Dhi and Dlo start at -z * Xhi, -z * Xlo (common.h Weights::fold_zero)
+      QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+        const int64_t i = int64_t(m0 + m) * w.nseg + s;
+        const int32_t z = int32_t(w.zconst);
+        QUILL_UNROLL for (int h = H0; h < H0 + NH; ++h) {
+          acc[m][h][0] = _mm256_set1_epi32(-z * a.qsum[2 * i]);
+          acc[m][h][1] = _mm256_set1_epi32(-z * a.qsum[2 * i + 1]);
+        }
+      }
     __m256i q16[MT];  // I16: int16 pair sums of up to 4 chunks
     QUILL_UNROLL for (int m = 0; m < MT; ++m) q16[m] = _mm256_setzero_si256();
     int n16 = 0;
@@ -150,13 +160,16 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
       }
     }
     QUILL_UNROLL for (int h = H0; h < H0 + NH; ++h) {
-      const Seg8 sc = seg8(w, nb, s, h, sup[h]);
+      Seg8 sc = seg8(w, nb, s, h, sup[h]);
+      sc.has_zero = sc.has_zero && !FOLD;
+      sc.has_offset = sc.has_offset && !FOLD;  // folded layers have none (linear.cpp): known at compile time
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
         const __m256 fo = NH == 1 ? fr[m] : _mm256_load_ps(f[m] + 8 * h);
         __m256 fn;
         if constexpr (SPLIT)
-          fn = epilogue_split(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo);
+          fn = epilogue_split(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo,
+                              FUSE);
         else if (a.gscale)
           fn = epilogue_g(sc, _mm256_cvtepi32_ps(acc[m][h][1]), float(a.qsum[i]), a.gscale[i], fo);
         else
@@ -177,14 +190,14 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
 // activations, which then also sum 4 chunks in int16: 3-5 %).  Single tokens keep one pass (the
 // second pass cost more than the spills: W4A8 M = 1 +30-45 %), as do other int8 codes.  Either
 // way each half's sums run in the same order: the same bits.
-template <int BITS, int PARTS, int MT, class Acts>
+template <int BITS, int PARTS, int EPI, int MT, class Acts>
 void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
   alignas(32) float f[MT][LANES] = {};
   if constexpr ((PARTS == SPLIT_PARTS || BITS == 4) && MT > 1) {
-    tile_halves<BITS, PARTS, MT, 0, 1>(w, a, nb, m0, f);
-    tile_halves<BITS, PARTS, MT, 1, 1>(w, a, nb, m0, f);
+    tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f);
+    tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f);
   } else {
-    tile_halves<BITS, PARTS, MT, 0, 2>(w, a, nb, m0, f);
+    tile_halves<BITS, PARTS, EPI, MT, 0, 2>(w, a, nb, m0, f);
   }
   QUILL_UNROLL for (int m = 0; m < MT; ++m) {
     if constexpr (PARTS == SPLIT_PARTS) store_float_row(w, o, nb, m0 + m, f[m]);
@@ -193,16 +206,16 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0) {
 }
 
 // Row blocks [nb0, nb1) x all tokens in tiles of up to 4 tokens.
-template <int BITS, int PARTS, class Acts>
+template <int BITS, int PARTS, class Acts, int EPI = 0>
 void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   for (int nb = nb0; nb < nb1; ++nb)
     for (int m0 = 0; m0 < a.m;) {
       const int left = a.m - m0;
-      if (BITS == 4 && PARTS == 1 && left >= 8) { tile<BITS, PARTS, 8>(w, a, o, nb, m0); m0 += 8; }
-      else if (left >= 4) { tile<BITS, PARTS, 4>(w, a, o, nb, m0); m0 += 4; }
-      else if (left == 3) { tile<BITS, PARTS, 3>(w, a, o, nb, m0); m0 += 3; }
-      else if (left == 2) { tile<BITS, PARTS, 2>(w, a, o, nb, m0); m0 += 2; }
-      else { tile<BITS, PARTS, 1>(w, a, o, nb, m0); m0 += 1; }
+      if (BITS == 4 && PARTS == 1 && left >= 8) { tile<BITS, PARTS, EPI, 8>(w, a, o, nb, m0); m0 += 8; }
+      else if (left >= 4) { tile<BITS, PARTS, EPI, 4>(w, a, o, nb, m0); m0 += 4; }
+      else if (left == 3) { tile<BITS, PARTS, EPI, 3>(w, a, o, nb, m0); m0 += 3; }
+      else if (left == 2) { tile<BITS, PARTS, EPI, 2>(w, a, o, nb, m0); m0 += 2; }
+      else { tile<BITS, PARTS, EPI, 1>(w, a, o, nb, m0); m0 += 1; }
     }
 }
 
@@ -218,7 +231,13 @@ void run_bits(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   }
 }
 
+// The epilogue's shortcuts (common.h Weights::fold_zero / fuse_t) where they occur: 4-bit symmetric layers
+// (GGUF Q4_0, GPTQ / compressed-tensors symmetric) and 8-bit ones (folding only), as on AVX-512.
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  const int epi = w.fold_zero ? (w.fuse_t ? 2 : 1) : 0;
+  if (w.bits == 4 && epi == 2) return run<4, SPLIT_PARTS, SplitActs, 2>(w, a, o, nb0, nb1);
+  if (w.bits == 4 && epi == 1) return run<4, SPLIT_PARTS, SplitActs, 1>(w, a, o, nb0, nb1);
+  if (w.bits == 8 && epi) return run<8, SPLIT_PARTS, SplitActs, 1>(w, a, o, nb0, nb1);
   run_bits<SPLIT_PARTS>(w, a, o, nb0, nb1);
 }
 

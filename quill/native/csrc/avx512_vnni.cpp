@@ -31,9 +31,12 @@ inline __m512i bcast4(const int8_t* p) {
 // so they enter parts 0 and 2).
 // The row blocks share the activation broadcasts; NA accumulators per part (4-bit:
 // nibble x chunk parity, 8-bit: chunk parity) keep enough vpdpbusd chains in flight.
-template <int BITS, int MT, int RB>
+// EPI: the epilogue's shortcuts (common.h Weights::fold_zero / fuse_t): 0 none, 1 the zero point folded
+// into the segment sums, 2 that and T formed in int32.  Compile-time, so the per-segment work has no branch.
+template <int BITS, int EPI, int MT, int RB>
 void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
   constexpr int PARTS = SPLIT_PARTS, CK = chunk_k(BITS), STRIDE = PARTS * CK;
+  constexpr bool FOLD = EPI >= 1, FUSE = EPI == 2;
   constexpr int NSUB = CK / 4;  // byte vectors per chunk: 1 (8-bit), 2 (4-6 bit), 4 (2/3-bit)
   constexpr int CHAINS = RB * MT * PARTS;
   constexpr int NA = CHAINS == 1 ? 4 : (CHAINS <= 6 ? 2 : 1);
@@ -57,11 +60,22 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
   // the open segment's exact sums: Dhi, Dlo
   auto dhi = [&](int r, int m) { return part(r, m, 0); };
   auto dlo = [&](int r, int m) { return _mm512_add_epi32(_mm512_slli_epi32(part(r, m, 1), 8), part(r, m, 2)); };
+  // FOLD: segment s's Dhi and Dlo accumulators start at -z * Xhi, -z * Xlo
+  const int32_t zc = int32_t(w.zconst);
+  auto open = [&](int r, int m, int s) {  // after a reset
+    const int64_t i = int64_t(m0 + m) * w.nseg + s;
+    acc[r][m][0][0] = _mm512_set1_epi32(-zc * a.qsum[2 * i]);
+    acc[r][m][2][0] = _mm512_set1_epi32(-zc * a.qsum[2 * i + 1]);
+  };
   QUILL_UNROLL for (int r = 0; r < RB; ++r)
     QUILL_UNROLL for (int m = 0; m < MT; ++m) {
       reset(r, m);
-      acc[r][m][0][0] = _mm512_load_si512(st[r][m].d2);
-      acc[r][m][2][0] = _mm512_load_si512(st[r][m].d);
+      if (FOLD && c0 == 0) {
+        open(r, m, s);  // a row block's first segment (later ones open at the reset below)
+      } else {
+        acc[r][m][0][0] = _mm512_load_si512(st[r][m].d2);
+        acc[r][m][2][0] = _mm512_load_si512(st[r][m].d);
+      }
       f[r][m] = _mm512_load_ps(st[r][m].f);
     }
   // one chunk into accumulator set PAR (0 or 1: chunk parity)
@@ -108,11 +122,15 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     if (c < end) chunk(c++, Even{});
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
     QUILL_UNROLL for (int r = 0; r < RB; ++r) {
-      const v512::SegConsts sc = v512::seg_consts(w, nb + r, s, sup[r]);
+      v512::SegConsts sc = v512::seg_consts(w, nb + r, s, sup[r]);
+      sc.has_zero = sc.has_zero && !FOLD;
+      sc.has_offset = sc.has_offset && !FOLD;  // folded layers have none (linear.cpp): known at compile time
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
-        f[r][m] = v512::split_epilogue(sc, dhi(r, m), dlo(r, m), a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], f[r][m]);
+        f[r][m] = v512::split_epilogue(sc, dhi(r, m), dlo(r, m), a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], f[r][m],
+                                       FUSE);
         reset(r, m);
+        if (FOLD && s + 1 < w.nseg) open(r, m, s + 1);  // carried in st when it starts in the next K block
       }
     }
   }
@@ -124,12 +142,12 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     }
 }
 
-template <int BITS, int RB>
+template <int BITS, int EPI, int RB>
 void tile_mt(int mt, const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s,
              LaneState<int32_t>* const* st) {
   by_tokens(mt, [&](auto tokens) {
     constexpr int MT = decltype(tokens)::value;
-    tile<BITS, MT, (MT <= 3 ? RB : 1)>(w, a, nb, m0, c0, c1, s, st);  // (registers: 2 row blocks up to 3 tokens)
+    tile<BITS, EPI, MT, (MT <= 3 ? RB : 1)>(w, a, nb, m0, c0, c1, s, st);  // (registers: 2 row blocks up to 3 tokens)
   });
 }
 
@@ -139,11 +157,11 @@ void tile_mt(int mt, const Weights& w, const SplitActs& a, int nb, int m0, int c
 // streams its weights from DRAM, and one row block after the other is one sequential stream
 // (Zen 5, one token through the native step: 1.2B Q4_0 W4A16 +29 %, the default model +14 %;
 // with weights cached, two per pass are faster, 179 vs 258 us at 4096 x 4096, but decode is not cached).
-template <int BITS>
+template <int BITS, int EPI>
 void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
   auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
-    if (rb == 2 && mt >= 2 && mt <= 3) return tile_mt<BITS, 2>(mt, w, a, nb, m0, c0, c1, s, st);
-    for (int r = 0; r < rb; ++r) tile_mt<BITS, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
+    if (rb == 2 && mt >= 2 && mt <= 3) return tile_mt<BITS, EPI, 2>(mt, w, a, nb, m0, c0, c1, s, st);
+    for (int r = 0; r < rb; ++r) tile_mt<BITS, EPI, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
   };
   auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
     v512::store_float(w, o, nb, m, _mm512_load_ps(st.f));
@@ -154,14 +172,20 @@ void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int 
   run_kblocked<int32_t, 2, decltype(tiles), decltype(finish), 3>(w, a.m, nb0, nb1, tiles, finish);
 }
 
+// The epilogue's shortcuts are instantiated where they occur: 4-bit symmetric layers (GGUF Q4_0, GPTQ /
+// compressed-tensors symmetric; T in int32 up to 32 positions a segment) and 8-bit ones (Q8_0: folding only).
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  const int epi = w.fold_zero ? (w.fuse_t ? 2 : 1) : 0;
   switch (w.bits) {
-    case 2: return run_split<2>(w, a, o, nb0, nb1);
-    case 3: return run_split<3>(w, a, o, nb0, nb1);
-    case 4: return run_split<4>(w, a, o, nb0, nb1);
-    case 5: return run_split<5>(w, a, o, nb0, nb1);
-    case 6: return run_split<6>(w, a, o, nb0, nb1);
-    default: return run_split<8>(w, a, o, nb0, nb1);
+    case 2: return run_split<2, 0>(w, a, o, nb0, nb1);
+    case 3: return run_split<3, 0>(w, a, o, nb0, nb1);
+    case 4:
+      if (epi == 2) return run_split<4, 2>(w, a, o, nb0, nb1);
+      if (epi == 1) return run_split<4, 1>(w, a, o, nb0, nb1);
+      return run_split<4, 0>(w, a, o, nb0, nb1);
+    case 5: return run_split<5, 0>(w, a, o, nb0, nb1);
+    case 6: return run_split<6, 0>(w, a, o, nb0, nb1);
+    default: return epi ? run_split<8, 1>(w, a, o, nb0, nb1) : run_split<8, 0>(w, a, o, nb0, nb1);
   }
 }
 

@@ -105,6 +105,7 @@ class NativeLinear final : public LinearOp {
              "] given instead of zeros");
       w_.zconst = float(*zconst);
     }
+    split_shortcuts(se);
     w_.hplane = hplane_ ? hplane_->data_ptr<uint8_t>() : nullptr;
     w_.super_scales = super_scales_ ? super_scales_->data_ptr() : nullptr;
     w_.super_offsets = super_offsets_ ? super_offsets_->data_ptr() : nullptr;
@@ -117,6 +118,17 @@ class NativeLinear final : public LinearOp {
       fail("native kernel: one activation scale per segment needs int8 activations, dynamic and symmetric");
     if (int8_ && !act_symmetric && !wsum_) fail("native kernel: asymmetric activations need the weight row sums (wsum)");
     set_threads(threads);
+  }
+
+  // Weights::fold_zero / fuse_t (common.h): whether the split epilogue's shortcuts give its exact bits.
+  void split_shortcuts(const int32_t* se) {
+    int64_t positions = 0;  // the longest segment
+    for (int64_t s = 0; s < w_.nseg; ++s)
+      positions = std::max<int64_t>(positions, (se[s] - (s ? se[s - 1] : 0)) * chunk_k(w_.bits));
+    const double qmax = double((1 << w_.bits) - 1);
+    const double dev = zeros_ ? qmax : std::max<double>(w_.zconst, qmax - w_.zconst);  // max |code - z|
+    w_.fold_zero = !int8_ && !zeros_ && !offsets_ && w_.zconst != 0.0f;
+    w_.fuse_t = !int8_ && dev * double(positions) * double(SPLIT_QMAX) < 2147483648.0;
   }
 
   void set_threads(int64_t t) {
