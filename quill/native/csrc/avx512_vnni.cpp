@@ -194,10 +194,13 @@ void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int
 // MT tokens x RB row blocks x chunks [c0, c1), starting in segment s; partial results in/out
 // through st[r] (kblock.h).  The row blocks share the activation broadcasts.  NA int32
 // accumulators per (row block, token), summed exactly, keep enough vpdpbusd chains in flight.
-template <int BITS, int MT, int RB>
+// FOLD (per-token scales only): each segment's sum starts at -z X (common.h Weights::fold_zero).
+template <int BITS, bool FOLD, int MT, int RB>
 void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
              LaneState<int32_t>* const* st) {
   constexpr int CK = chunk_k(BITS);
+  const int32_t zc = int32_t(w.zconst);
+  auto open = [&](int m, int s) { return _mm512_set1_epi32(-zc * a.qsum[int64_t(m0 + m) * w.nseg + s]); };
   constexpr int CHAINS = RB * MT;
   constexpr int NA = CHAINS <= 2 ? 4 : (CHAINS <= 6 ? 2 : 1);
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -211,7 +214,7 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
   QUILL_UNROLL for (int r = 0; r < RB; ++r)
     QUILL_UNROLL for (int m = 0; m < MT; ++m) {
       f[r][m] = _mm512_load_ps(st[r][m].f);
-      acc[r][m][0] = _mm512_load_si512(st[r][m].d);
+      acc[r][m][0] = FOLD && c0 == 0 ? open(m, s) : _mm512_load_si512(st[r][m].d);  // c0 = 0: a fresh state
       QUILL_UNROLL for (int i = 1; i < NA; ++i) acc[r][m][i] = _mm512_setzero_si512();
     }
   // accumulator of sub-vector j (nibble / 2-bit pair / chunk half) in chunk parity H: any
@@ -265,11 +268,14 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
         __m512i d = acc[r][m][0];
         QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[r][m][i]);
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
-        if (a.gscale)
+        if (FOLD)  // d holds D - z X: t = cvt(d) is epilogue()'s t (no offsets where folded)
+          f[r][m] = _mm512_fmadd_ps(sc.scale, _mm512_cvtepi32_ps(d), f[r][m]);
+        else if (a.gscale)
           f[r][m] = v512::epilogue_g(sc, _mm512_cvtepi32_ps(d), float(a.qsum[i]), a.gscale[i], f[r][m]);
         else
           f[r][m] = v512::epilogue(sc, _mm512_cvtepi32_ps(d), _mm512_set1_ps(float(a.qsum[i])), f[r][m]);
         QUILL_UNROLL for (int i = 0; i < NA; ++i) acc[r][m][i] = _mm512_setzero_si512();
+        if (FOLD && s + 1 < w.nseg) acc[r][m][0] = open(m, s + 1);  // carried in st into the next K block
       }
     }
   }
@@ -282,21 +288,21 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
     }
 }
 
-template <int BITS, int RB>
+template <int BITS, bool FOLD, int RB>
 void tile_i8_mt(int mt, const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
                 LaneState<int32_t>* const* st) {
-  by_tokens(mt, [&](auto tokens) { tile_i8<BITS, decltype(tokens)::value, RB>(w, a, nb, m0, c0, c1, s, st); });
+  by_tokens(mt, [&](auto tokens) { tile_i8<BITS, FOLD, decltype(tokens)::value, RB>(w, a, nb, m0, c0, c1, s, st); });
 }
 
 // From PAIRED_I8_TOKENS tokens, two row blocks per pass sharing the activation broadcasts (half
 // the broadcast loads per vpdpbusd; Zen 5, 32-128 tokens: -5..-15 %); fewer tokens run one row
 // block at a time (at 8-16 tokens pairing measured 13-50 % slower at 4096 x 4096).
 constexpr int PAIRED_I8_TOKENS = 32;
-template <int BITS>
+template <int BITS, bool FOLD = false>
 void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
-    if (rb == 2 && mt >= 2 && BITS >= 4) return tile_i8_mt<BITS, 2>(mt, w, a, nb, m0, c0, c1, s, st);
-    for (int r = 0; r < rb; ++r) tile_i8_mt<BITS, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
+    if (rb == 2 && mt >= 2 && BITS >= 4) return tile_i8_mt<BITS, FOLD, 2>(mt, w, a, nb, m0, c0, c1, s, st);
+    for (int r = 0; r < rb; ++r) tile_i8_mt<BITS, FOLD, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
   };
   auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
     v512::store_int(w, a, o, nb, m, _mm512_load_ps(st.f));
@@ -305,14 +311,17 @@ void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   run_kblocked<int32_t, 2>(w, a.m, nb0, nb1, tiles, finish);
 }
 
+// The zero point folded (Weights::fold_zero) for 4- and 8-bit symmetric layers with per-token scales
+// (W4A8 at 128 tokens, Q4_0-shaped: -8 % on Zen 5); per-group scales keep epilogue_g.
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  const bool fold = w.fold_zero && !a.gscale;
   switch (w.bits) {
     case 2: return run_i8<2>(w, a, o, nb0, nb1);
     case 3: return run_i8<3>(w, a, o, nb0, nb1);
-    case 4: return run_i8<4>(w, a, o, nb0, nb1);
+    case 4: return fold ? run_i8<4, true>(w, a, o, nb0, nb1) : run_i8<4>(w, a, o, nb0, nb1);
     case 5: return run_i8<5>(w, a, o, nb0, nb1);
     case 6: return run_i8<6>(w, a, o, nb0, nb1);
-    default: return run_i8<8>(w, a, o, nb0, nb1);
+    default: return fold ? run_i8<8, true>(w, a, o, nb0, nb1) : run_i8<8>(w, a, o, nb0, nb1);
   }
 }
 

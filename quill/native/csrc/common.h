@@ -105,10 +105,11 @@ struct Weights {
   int32_t kc = 0;    // chunks per row block
   int32_t nseg = 0;  // segments
   float zconst = 8.0f;  // zero point when zeros == null
-  // Shortcuts of the split (float-activation) kernels' epilogue, set with the layout (linear.cpp); both
-  // give the bits of split_epilogue (scalar_util.h), which the scalar twin keeps computing in full:
-  //   fold_zero: one zero point z != 0 for the whole layer (zconst) and no offsets: a segment's Dhi / Dlo accumulators
-  //     start at -z * Xhi / -z * Xlo, so they end holding Dhi - z Xhi and Dlo - z Xlo (the same int32).
+  // Shortcuts of the segment epilogue, set with the layout (linear.cpp); both give the bits of
+  // split_epilogue / seg_epilogue (scalar_util.h), which the scalar twin keeps computing in full:
+  //   fold_zero: one zero point z != 0 for the whole layer (zconst) and no offsets: a segment's
+  //     accumulators start at -z X (split: Dhi / Dlo at -z Xhi / -z Xlo), so they end holding D - z X,
+  //     the same int32 (int8 kernels: only while |D| <= 2^24, where their float D - z X is exact too).
   //   fuse_t: |T| = |65536 (Dhi - z Xhi) + (Dlo - z Xlo)| < 2^31 in every segment (max |code - z| x
   //     positions x SPLIT_QMAX; Q4_0 at 32 positions is 8 x 32 x 8355711 < 2^31), so T is summed in
   //     int32 (wrapping on the way, exact at the end) and rounded once: the same float as the fmadd of

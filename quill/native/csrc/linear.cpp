@@ -120,14 +120,16 @@ class NativeLinear final : public LinearOp {
     set_threads(threads);
   }
 
-  // Weights::fold_zero / fuse_t (common.h): whether the split epilogue's shortcuts give its exact bits.
+  // Weights::fold_zero / fuse_t (common.h): whether the epilogue's shortcuts give its exact bits.
   void split_shortcuts(const int32_t* se) {
     int64_t positions = 0;  // the longest segment
     for (int64_t s = 0; s < w_.nseg; ++s)
       positions = std::max<int64_t>(positions, (se[s] - (s ? se[s - 1] : 0)) * chunk_k(w_.bits));
     const double qmax = double((1 << w_.bits) - 1);
     const double dev = zeros_ ? qmax : std::max<double>(w_.zconst, qmax - w_.zconst);  // max |code - z|
-    w_.fold_zero = !int8_ && !zeros_ && !offsets_ && w_.zconst != 0.0f;
+    // int8 kernels fold only while every D is exact in float (their epilogue converts it before subtracting)
+    const bool exact_d = !int8_ || qmax * 128.0 * double(positions) <= double(1 << 24);
+    w_.fold_zero = !zeros_ && !offsets_ && w_.zconst != 0.0f && exact_d;
     w_.fuse_t = !int8_ && dev * double(positions) * double(SPLIT_QMAX) < 2147483648.0;
   }
 
