@@ -231,14 +231,25 @@ void run_bits(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   }
 }
 
-// The epilogue's shortcuts (common.h Weights::fold_zero / fuse_t) where they occur: 4-bit symmetric layers
-// (GGUF Q4_0, GPTQ / compressed-tensors symmetric) and 8-bit ones (folding only), as on AVX-512.
+// The epilogue's shortcuts (common.h Weights::fold_zero / fuse_t) where they occur, as on AVX-512: the zero
+// point folded for every layer with one, T in int32 for 3/4-bit ones that allow it.
+template <int BITS>
+void run_split_epi(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  if (!w.fold_zero) return run<BITS, SPLIT_PARTS>(w, a, o, nb0, nb1);
+  if constexpr (BITS <= 4)
+    if (w.fuse_t) return run<BITS, SPLIT_PARTS, SplitActs, 2>(w, a, o, nb0, nb1);
+  run<BITS, SPLIT_PARTS, SplitActs, 1>(w, a, o, nb0, nb1);
+}
+
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  const int epi = w.fold_zero ? (w.fuse_t ? 2 : 1) : 0;
-  if (w.bits == 4 && epi == 2) return run<4, SPLIT_PARTS, SplitActs, 2>(w, a, o, nb0, nb1);
-  if (w.bits == 4 && epi == 1) return run<4, SPLIT_PARTS, SplitActs, 1>(w, a, o, nb0, nb1);
-  if (w.bits == 8 && epi) return run<8, SPLIT_PARTS, SplitActs, 1>(w, a, o, nb0, nb1);
-  run_bits<SPLIT_PARTS>(w, a, o, nb0, nb1);
+  switch (w.bits) {
+    case 2: return run<2, SPLIT_PARTS>(w, a, o, nb0, nb1);
+    case 3: return run_split_epi<3>(w, a, o, nb0, nb1);
+    case 4: return run_split_epi<4>(w, a, o, nb0, nb1);
+    case 5: return run_split_epi<5>(w, a, o, nb0, nb1);
+    case 6: return run_split_epi<6>(w, a, o, nb0, nb1);
+    default: return run_split_epi<8>(w, a, o, nb0, nb1);
+  }
 }
 
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) { run_bits<1>(w, a, o, nb0, nb1); }

@@ -172,20 +172,26 @@ void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int 
   run_kblocked<int32_t, 2, decltype(tiles), decltype(finish), 3>(w, a.m, nb0, nb1, tiles, finish);
 }
 
-// The epilogue's shortcuts are instantiated where they occur: 4-bit symmetric layers (GGUF Q4_0, GPTQ /
-// compressed-tensors symmetric; T in int32 up to 32 positions a segment) and 8-bit ones (Q8_0: folding only).
+// The epilogue's shortcuts are instantiated where they occur: T in int32 for 3/4-bit symmetric layers (GGUF
+// Q4_0, Q3_K, GPTQ / compressed-tensors symmetric g32: Weights::fuse_t); the zero point folded for
+// every layer with one (Q3_K's 4, Q5_0's 16, Q6_K's 32, Q8_0's 128, symmetric GPTQ / CT); 2-bit layers
+// (Q2_K) have offsets instead.
+template <int BITS>
+void run_split_epi(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  if (!w.fold_zero) return run_split<BITS, 0>(w, a, o, nb0, nb1);
+  if constexpr (BITS <= 4)
+    if (w.fuse_t) return run_split<BITS, 2>(w, a, o, nb0, nb1);
+  run_split<BITS, 1>(w, a, o, nb0, nb1);
+}
+
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  const int epi = w.fold_zero ? (w.fuse_t ? 2 : 1) : 0;
   switch (w.bits) {
     case 2: return run_split<2, 0>(w, a, o, nb0, nb1);
-    case 3: return run_split<3, 0>(w, a, o, nb0, nb1);
-    case 4:
-      if (epi == 2) return run_split<4, 2>(w, a, o, nb0, nb1);
-      if (epi == 1) return run_split<4, 1>(w, a, o, nb0, nb1);
-      return run_split<4, 0>(w, a, o, nb0, nb1);
-    case 5: return run_split<5, 0>(w, a, o, nb0, nb1);
-    case 6: return run_split<6, 0>(w, a, o, nb0, nb1);
-    default: return epi ? run_split<8, 1>(w, a, o, nb0, nb1) : run_split<8, 0>(w, a, o, nb0, nb1);
+    case 3: return run_split_epi<3>(w, a, o, nb0, nb1);
+    case 4: return run_split_epi<4>(w, a, o, nb0, nb1);
+    case 5: return run_split_epi<5>(w, a, o, nb0, nb1);
+    case 6: return run_split_epi<6>(w, a, o, nb0, nb1);
+    default: return run_split_epi<8>(w, a, o, nb0, nb1);
   }
 }
 
@@ -311,16 +317,16 @@ void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   run_kblocked<int32_t, 2>(w, a.m, nb0, nb1, tiles, finish);
 }
 
-// The zero point folded (Weights::fold_zero) for 4- and 8-bit symmetric layers with per-token scales
+// The zero point folded (Weights::fold_zero) for layers with one (3-8 bit) and per-token scales
 // (W4A8 at 128 tokens, Q4_0-shaped: -8 % on Zen 5); per-group scales keep epilogue_g.
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   const bool fold = w.fold_zero && !a.gscale;
   switch (w.bits) {
     case 2: return run_i8<2>(w, a, o, nb0, nb1);
-    case 3: return run_i8<3>(w, a, o, nb0, nb1);
+    case 3: return fold ? run_i8<3, true>(w, a, o, nb0, nb1) : run_i8<3>(w, a, o, nb0, nb1);
     case 4: return fold ? run_i8<4, true>(w, a, o, nb0, nb1) : run_i8<4>(w, a, o, nb0, nb1);
-    case 5: return run_i8<5>(w, a, o, nb0, nb1);
-    case 6: return run_i8<6>(w, a, o, nb0, nb1);
+    case 5: return fold ? run_i8<5, true>(w, a, o, nb0, nb1) : run_i8<5>(w, a, o, nb0, nb1);
+    case 6: return fold ? run_i8<6, true>(w, a, o, nb0, nb1) : run_i8<6>(w, a, o, nb0, nb1);
     default: return fold ? run_i8<8, true>(w, a, o, nb0, nb1) : run_i8<8>(w, a, o, nb0, nb1);
   }
 }
