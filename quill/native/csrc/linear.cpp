@@ -105,7 +105,7 @@ class NativeLinear final : public LinearOp {
              "] given instead of zeros");
       w_.zconst = float(*zconst);
     }
-    split_shortcuts(se);
+    epilogue_shortcuts(se);
     w_.hplane = hplane_ ? hplane_->data_ptr<uint8_t>() : nullptr;
     w_.super_scales = super_scales_ ? super_scales_->data_ptr() : nullptr;
     w_.super_offsets = super_offsets_ ? super_offsets_->data_ptr() : nullptr;
@@ -121,7 +121,7 @@ class NativeLinear final : public LinearOp {
   }
 
   // Weights::fold_zero / fuse_t (common.h): whether the epilogue's shortcuts give its exact bits.
-  void split_shortcuts(const int32_t* se) {
+  void epilogue_shortcuts(const int32_t* se) {
     int64_t positions = 0;  // the longest segment
     for (int64_t s = 0; s < w_.nseg; ++s)
       positions = std::max<int64_t>(positions, (se[s] - (s ? se[s - 1] : 0)) * chunk_k(w_.bits));
