@@ -259,6 +259,30 @@ def test_int32_accumulation_limit_is_respected():
     assert len(stream_order(qw, 32768).seg_end) == 3
 
 
+@pytest.mark.parametrize("gs", [32, 128])
+@pytest.mark.parametrize("zero", [None, 0])
+def test_int16_chunk_sums_at_their_extremes(zero, gs):
+    # 4-bit codes 15 against activations at -amax (every part of the split image -127, every int8
+    # code -127): the kernels that add a segment's chunk sums in int16 (up to 4 chunks of 8
+    # positions, 4 products per lane) meet their bound -30480 exactly, and must not wrap
+    k, n = 512, 32
+    from quill.canonical import QuantizedWeight
+    zeros = None if zero is None else torch.full((n, k // gs), zero, dtype=torch.int16)
+    qw = QuantizedWeight(torch.full((n, k), 15, dtype=torch.uint8), 4, gs, torch.full((n, k // gs), 0.01),
+                         zeros=zeros).validate()
+    qa = qw.with_(activation=ActivationQuant())
+    x = torch.full((3, k), -2.0)
+    ref = x @ qw.dequantize().T
+    ref_q = fake_quantize_activations(x, qa.activation) @ qw.dequantize().T
+    for m in (1, 3):
+        floats = [_run(qw, x[:m], isa, False) for isa in FLOAT_VARIANTS]
+        assert all(torch.equal(y, floats[0]) for y in floats)
+        assert sqnr(floats[0], ref[:m]) >= 80
+        ints = [_run(qa, x[:m], isa, True) for isa in INT8_VARIANTS]
+        assert all(torch.equal(y, ints[0]) for y in ints)
+        assert sqnr(ints[0], ref_q[:m]) >= 80
+
+
 def test_preconditions_raise_kernel_error():
     qw = _weight(16, 64, 4, 32)
     h = make_handle(pack(qw, False), qw.name, qw.activation, "scalar", 1, False)
