@@ -191,8 +191,9 @@ def test_gguf_types_are_held_at_their_stored_bits(type_name):
 
 
 @pytest.mark.parametrize("m", range(1, 18))
-def test_every_m_and_thread_count(m):
-    qw = _weight(48, 128, 4, 32, False)
+@pytest.mark.parametrize("offsets", [False, True], ids=["zeros", "offsets"])
+def test_every_m_and_thread_count(m, offsets):
+    qw = _weight(48, 128, 4, 32, False, offsets=offsets)  # offsets: Q4_1-style codes, no zero point
     qa = qw.with_(activation=ActivationQuant())
     x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     ref_f = (x.float() @ qw.dequantize().T)
