@@ -241,9 +241,8 @@ void run_bits(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
 
 // The epilogue's shortcuts (common.h Weights::fold_zero / fuse_t) where they occur, as on AVX-512: the zero
 // point folded for every layer with one, T in int32 for 3/4-bit ones that allow it.
-// Layers with offsets and no zero point (GGUF Q4_1, Q5_1 and the K-quants' mins: Q2_K, Q4_K, Q5_K) get a variant
-// of their own, whose epilogue has no zero-point terms at compile time (Q4_K M = 1: 5-15 % faster on Zen 5).
-inline bool offsets_only(const Weights& w) { return !w.fold_zero && !w.zeros && w.zconst == 0.0f && w.offsets; }
+// Layers with offsets and no zero point (common.h offsets_only) get a variant of their own, whose epilogue has
+// no zero-point terms at compile time (Q4_K M = 1: 5-15 % faster on Zen 5).
 
 template <int BITS>
 void run_split_epi(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {

@@ -32,11 +32,12 @@ inline __m512i bcast4(const int8_t* p) {
 // The row blocks share the activation broadcasts; NA accumulators per part (4-bit:
 // nibble x chunk parity, 8-bit: chunk parity) keep enough vpdpbusd chains in flight.
 // EPI: the epilogue's shortcuts (common.h Weights::fold_zero / fuse_t): 0 none, 1 the zero point folded
-// into the segment sums, 2 that and T formed in int32.  Compile-time, so the per-segment work has no branch.
+// into the segment sums, 2 that and T formed in int32, 3 offsets and no zero point (run_split_epi).
+// Compile-time, so the per-segment work has no branch.
 template <int BITS, int EPI, int MT, int RB>
 void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
   constexpr int PARTS = SPLIT_PARTS, CK = chunk_k(BITS), STRIDE = PARTS * CK;
-  constexpr bool FOLD = EPI >= 1, FUSE = EPI == 2;
+  constexpr bool FOLD = EPI == 1 || EPI == 2, FUSE = EPI == 2, NOZ = EPI == 3;
   constexpr int NSUB = CK / 4;  // byte vectors per chunk: 1 (8-bit), 2 (4-6 bit), 4 (2/3-bit)
   constexpr int CHAINS = RB * MT * PARTS;
   constexpr int NA = CHAINS == 1 ? 4 : (CHAINS <= 6 ? 2 : 1);
@@ -123,8 +124,8 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
     QUILL_UNROLL for (int r = 0; r < RB; ++r) {
       v512::SegConsts sc = v512::seg_consts(w, nb + r, s, sup[r]);
-      sc.has_zero = sc.has_zero && !FOLD;
-      sc.has_offset = sc.has_offset && !FOLD;  // folded layers have none (linear.cpp): known at compile time
+      sc.has_zero = sc.has_zero && !FOLD && !NOZ;
+      sc.has_offset = NOZ || (sc.has_offset && !FOLD);  // folded layers have none (linear.cpp): known at compile time
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
         f[r][m] = v512::split_epilogue(sc, dhi(r, m), dlo(r, m), a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], f[r][m],
@@ -178,6 +179,7 @@ void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int 
 // (Q2_K) have offsets instead.
 template <int BITS>
 void run_split_epi(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  if (offsets_only(w)) return run_split<BITS, 3>(w, a, o, nb0, nb1);
   if (!w.fold_zero) return run_split<BITS, 0>(w, a, o, nb0, nb1);
   if constexpr (BITS <= 4)
     if (w.fuse_t) return run_split<BITS, 2>(w, a, o, nb0, nb1);
@@ -186,7 +188,7 @@ void run_split_epi(const Weights& w, const SplitActs& a, const Out& o, int nb0, 
 
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
   switch (w.bits) {
-    case 2: return run_split<2, 0>(w, a, o, nb0, nb1);
+    case 2: return offsets_only(w) ? run_split<2, 3>(w, a, o, nb0, nb1) : run_split<2, 0>(w, a, o, nb0, nb1);
     case 3: return run_split_epi<3>(w, a, o, nb0, nb1);
     case 4: return run_split_epi<4>(w, a, o, nb0, nb1);
     case 5: return run_split_epi<5>(w, a, o, nb0, nb1);
