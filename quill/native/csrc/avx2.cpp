@@ -243,7 +243,6 @@ void run_bits(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
 // point folded for every layer with one, T in int32 for 3/4-bit ones that allow it.
 // Layers with offsets and no zero point (common.h offsets_only) get a variant of their own, whose epilogue has
 // no zero-point terms at compile time (Q4_K M = 1: 5-15 % faster on Zen 5).
-
 template <int BITS>
 void run_split_epi(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
   if (offsets_only(w)) return run<BITS, SPLIT_PARTS, SplitActs, 3>(w, a, o, nb0, nb1);
