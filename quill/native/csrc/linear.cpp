@@ -154,13 +154,17 @@ class NativeLinear final : public LinearOp {
   }
 
   void team_prepare(const float* x, int64_t m, void* scratch, int tid, int nt) const override {
-    int64_t b, e;
-    team_share(m, tid, nt, b, e);
-    if (b == e) return;
     const TeamScratch t = team_layout(m);
     char* base = static_cast<char*>(scratch);
     RawX in{x, DType::F32, k_, src_ ? src_->data_ptr<int64_t>() : nullptr, kp_, w_.seg_end, w_.nseg,
             chunk_k(w_.bits)};
+    // one token's segments split, not one thread quantizing for all (a share's chunk ends fit the stack)
+    if (m == 1 && nt > 1 && !int8_ && !src_ && w_.nseg <= kMaxShareSegments * nt)
+      return split_segments(in, reinterpret_cast<int8_t*>(base), reinterpret_cast<int32_t*>(base + t.qsum),
+                            reinterpret_cast<float*>(base + t.scale), tid, nt);
+    int64_t b, e;
+    team_share(m, tid, nt, b, e);
+    if (b == e) return;
     if (int8_) {
       float* sz = reinterpret_cast<float*>(base + t.scale);
       table_.quantize(in, aq_, reinterpret_cast<int8_t*>(base), reinterpret_cast<int32_t*>(base + t.qsum), sz,
@@ -178,6 +182,27 @@ class NativeLinear final : public LinearOp {
     g.k = kp_;
     g.src = nullptr;
     table_.quantize_split(g, xs, qsum, xscale, int(b), int(e));
+  }
+
+  // Segments [s0, s1) of the one token's split image (the team's share tid of nt), through the same
+  // quantizer: its input and outputs start at segment s0, whose chunk ends it sees from there.  Every
+  // segment's image depends on that segment's values alone, so the bits are those of one thread's call.
+  static constexpr int64_t kMaxShareSegments = 512;
+  void split_segments(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int tid, int nt) const {
+    int64_t s0, s1;
+    team_share(w_.nseg, tid, nt, s0, s1);
+    if (s0 == s1) return;
+    const int32_t c0 = s0 ? w_.seg_end[s0 - 1] : 0;
+    int32_t ends[kMaxShareSegments];  // (the team's region allocates nothing)
+    for (int64_t s = s0; s < s1; ++s) ends[s - s0] = w_.seg_end[s] - c0;
+    const int64_t p0 = int64_t(c0) * in.chunk;
+    RawX part = in;
+    part.x = static_cast<const float*>(in.x) + std::min(p0, k_);
+    part.k = std::max<int64_t>(0, k_ - p0);
+    part.kp = int64_t(ends[s1 - s0 - 1]) * in.chunk;
+    part.seg_end = ends;
+    part.nseg = int32_t(s1 - s0);
+    table_.quantize_split(part, xs + p0 * SPLIT_PARTS, qsum + 2 * s0, scale + s0, 0, 1);
   }
 
   void team_gemm(const float* x, const void* scratch, int64_t m, float* y, int64_t ldy, const float* bias,
