@@ -158,10 +158,12 @@ class NativeLinear final : public LinearOp {
     char* base = static_cast<char*>(scratch);
     RawX in{x, DType::F32, k_, src_ ? src_->data_ptr<int64_t>() : nullptr, kp_, w_.seg_end, w_.nseg,
             chunk_k(w_.bits)};
-    // one token's segments split, not one thread quantizing for all (a share's chunk ends fit the stack)
-    if (m == 1 && nt > 1 && !int8_ && !src_ && w_.nseg <= kMaxShareSegments * nt)
+    // one token's segments split, not one thread quantizing for all: where every segment's image or int8
+    // codes depend on that segment alone (float image, int8 per segment); a share's chunk ends fit the stack
+    if (m == 1 && nt > 1 && (!int8_ || aq_.per_segment) && !src_ && w_.nseg <= kMaxShareSegments * nt)
       return split_segments(in, reinterpret_cast<int8_t*>(base), reinterpret_cast<int32_t*>(base + t.qsum),
-                            reinterpret_cast<float*>(base + t.scale), tid, nt);
+                            reinterpret_cast<float*>(base + t.scale), reinterpret_cast<float*>(base + t.gscale), tid,
+                            nt);
     int64_t b, e;
     team_share(m, tid, nt, b, e);
     if (b == e) return;
@@ -184,11 +186,11 @@ class NativeLinear final : public LinearOp {
     table_.quantize_split(g, xs, qsum, xscale, int(b), int(e));
   }
 
-  // Segments [s0, s1) of the one token's split image (the team's share tid of nt), through the same
-  // quantizer: its input and outputs start at segment s0, whose chunk ends it sees from there.  Every
-  // segment's image depends on that segment's values alone, so the bits are those of one thread's call.
+  // Segments [s0, s1) of the one token's split image or int8 codes (the team's share tid of nt), through the
+  // same quantizer: its input and outputs start at segment s0, whose chunk ends it sees from there.  Every
+  // segment's values depend on that segment alone, so the bits are those of one thread's call.
   static constexpr int64_t kMaxShareSegments = 512;
-  void split_segments(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int tid, int nt) const {
+  void split_segments(const RawX& in, int8_t* q, int32_t* qsum, float* scale, float* gscale, int tid, int nt) const {
     int64_t s0, s1;
     team_share(w_.nseg, tid, nt, s0, s1);
     if (s0 == s1) return;
@@ -202,7 +204,9 @@ class NativeLinear final : public LinearOp {
     part.kp = int64_t(ends[s1 - s0 - 1]) * in.chunk;
     part.seg_end = ends;
     part.nseg = int32_t(s1 - s0);
-    table_.quantize_split(part, xs + p0 * SPLIT_PARTS, qsum + 2 * s0, scale + s0, 0, 1);
+    if (!int8_) return table_.quantize_split(part, q + p0 * SPLIT_PARTS, qsum + 2 * s0, scale + s0, 0, 1);
+    // (per-segment int8 writes no per-token scale or zero: `scale` [2] is left alone)
+    table_.quantize(part, aq_, q + p0, qsum + s0, scale, scale + 1, gscale + s0, 0, 1);
   }
 
   void team_gemm(const float* x, const void* scratch, int64_t m, float* y, int64_t ldy, const float* bias,
