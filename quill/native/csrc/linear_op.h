@@ -17,7 +17,7 @@ struct LinearOp {
 
   // The same call split across a team of threads that is already running (step.cpp), in two
   // phases with a barrier between them: every thread calls team_prepare (tokens split; a single token's
-  // segments, where they are independent), then,
+  // segments where they are independent: float image, int8 per segment), then,
   // after the barrier, team_gemm (row blocks split) with the same x.  x float32 [M, K] and y float32 [M, N]
   // contiguous (y's rows `ldy` floats apart); bias float32 [N] or null; scratch: team_scratch(M) bytes shared by the team,
   // 64-byte aligned.  The result is run()'s bits.
