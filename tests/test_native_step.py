@@ -15,12 +15,14 @@ from quill import native
 from quill.engine.core import EngineConfig, EngineCore
 from quill.errors import KernelError
 from quill.options import DtypeNotOfferedWarning
+from quill.platform import detect
 from tests.fixture_util import fixture_path
 from tests.llamacpp_util import quantize
 from tests.test_fixture_models import DENSE
 from tests.test_moe_fixtures import MOE
 
 pytestmark = pytest.mark.skipif(native.load().module is None, reason="native kernels not built")
+PLATFORM = detect()
 
 PROMPTS = [[5, 17, 99, 42, 8], list(range(20, 57)), [7] * 3, list(range(100, 119)), [250, 3, 9, 77, 31, 64, 12]]
 ARRIVALS = {0: [0, 1], 2: [2], 5: [3], 9: [4]}  # step -> prompts arriving then
@@ -66,6 +68,17 @@ def test_default_model_gives_the_python_layers_bits(activation, threads):
     python = run(llm, False, 24)
     assert run(llm, True, 24) == python
     assert run(llm, True, 24, team=False) == python  # each op splitting its own work
+
+
+@pytest.mark.skipif(not PLATFORM.has("avx512f"), reason="the AVX2 variant is this CPU's own: tested above")
+@pytest.mark.parametrize("activation", [None, "int8-group"])
+def test_avx2_variant_gives_the_python_layers_bits(activation):
+    """The step on the AVX2 kernels where the CPU has AVX-512 (what an AVX2-only CPU runs)."""
+    llm = quill.LLM(default_model.default_model_path(), activation_quant=activation, threads=2,
+                    platform=PLATFORM.limited_to("avx2"))
+    assert llm.engine.cache.isa == "avx2"
+    python = run(llm, False, 24)
+    assert run(llm, True, 24) == python
 
 
 @pytest.mark.parametrize("name", MOE)
