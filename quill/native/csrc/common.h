@@ -119,8 +119,8 @@ struct Weights {
 };
 
 // Offsets and no zero point (GGUF Q4_1, Q5_1 and the K-quants' mins: Q2_K, Q4_K, Q5_K): the float kernels'
-// epilogue variant without zero-point terms.
-inline bool offsets_only(const Weights& w) { return !w.fold_zero && !w.zeros && w.zconst == 0.0f && w.offsets; }
+// epilogue variant without zero-point terms.  (Never fold_zero, which needs a zero point and no offsets.)
+inline bool offsets_only(const Weights& w) { return !w.zeros && w.zconst == 0.0f && w.offsets; }
 
 // Float activations as a fixed-point image, one scale per token and segment
 // (stream_split in each TU; the definition is quantize_split_segment in scalar_util.h):
