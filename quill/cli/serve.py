@@ -10,7 +10,6 @@ SIGTERM or Ctrl-C stops accepting connections, lets running requests finish for 
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -62,6 +61,9 @@ def register(sub) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks across requests")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued beyond the running batch; more get 503 (default 256)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="tokens a streamed request gathers before they are sent together (default 1: each at "
+                        "once); larger values cost the host less per token, vLLM's option of the same name")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -90,6 +92,8 @@ _RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_reques
 
 
 def run(args) -> int:
+    if args.stream_interval < 1:  # before the model loads
+        raise ConfigError(f"--stream-interval: expected an integer >= 1, found {args.stream_interval}")
     if any(getattr(args, k) is not None for k in _RAY_FLAGS):
         return run_ray(args)
     import uvicorn
@@ -102,11 +106,10 @@ def run(args) -> int:
                                  kv_cache_memory=kv, enable_prefix_caching=not args.no_prefix_caching,
                                  kv_cache_dtype=args.kv_cache_dtype)
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
-    # The model is loaded on the thread that will step it (see quill.serving.engine.AsyncEngine).
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="quill-engine")
-    llm = executor.submit(build_llm, args, engine_config=engine_config).result()
-    config = ServeConfig(args.served_model_name, args.api_key, args.max_waiting)
-    app = create_app(llm, config, executor)
+    # Loaded on this thread, which runs the event loop that steps it (quill.serving.engine.AsyncEngine).
+    llm = build_llm(args, engine_config=engine_config)
+    config = ServeConfig(args.served_model_name, args.api_key, args.max_waiting, args.stream_interval)
+    app = create_app(llm, config)
     stats = llm.engine.stats()
     host, port = sock.getsockname()[:2]
     print(f"quill serve: '{config.model_name or default_model_name(llm.path)}' at http://{_url_host(host)}:{port}/v1 "
@@ -115,10 +118,7 @@ def run(args) -> int:
           f"sequences at once)", file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                     timeout_graceful_shutdown=args.shutdown_timeout))
-    try:
-        server.run(sockets=[sock])
-    finally:
-        executor.shutdown(wait=False, cancel_futures=True)
+    server.run(sockets=[sock])
     return 0
 
 
@@ -157,6 +157,7 @@ def run_ray(args) -> int:
                               threads_per_replica=threads, ingress_replicas=args.ingress_replicas or 1,
                               llm=llm, engine=engine,
                               model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting,
+                              stream_interval=args.stream_interval,
                               shutdown_timeout=args.shutdown_timeout)
     return serve_on_ray(options, args.host, args.port, args.ray_address, args.log_level)
 

@@ -43,6 +43,7 @@ class ServeConfig:
     model_name: str | None = None  # the name clients use; default: the checkpoint's file or directory name
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     max_waiting: int = 256  # requests queued beyond the running batch before 503
+    stream_interval: int = 1  # tokens a streamed request gathers before they are sent (AsyncEngine)
 
 
 class _EventStream(StreamingResponse):
@@ -203,9 +204,12 @@ def default_model_name(path: str | os.PathLike) -> str:
 def create_app(llm, config: ServeConfig = ServeConfig(), executor=None) -> FastAPI:
     """A server for a loaded ``quill.LLM``: its own ``AsyncEngine``, started and stopped by the app's lifespan.
 
-    ``executor``: the one-thread executor that loaded ``llm``, to step it on the same thread."""
+    The engine steps on the server's event loop (load ``llm`` on the thread that will run the loop, as
+    ``uvicorn.run`` in the same thread does); ``executor``: step on this one-thread executor instead, the
+    one that loaded ``llm``."""
     name = config.model_name or default_model_name(llm.path)
-    engine = AsyncEngine(llm, config.max_waiting, executor=executor)
+    engine = AsyncEngine(llm, config.max_waiting, executor=executor, stream_interval=config.stream_interval,
+                         on_loop=executor is None)
     metrics = ServerMetrics(engine.stats, name)
     engine.metrics = metrics
     serving = OpenAIServing(engine, llm.tokenizer, name, llm.context_length)

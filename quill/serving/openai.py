@@ -27,15 +27,32 @@ class EventStream:
 
     def __init__(self, events: AsyncIterator[str], handle):
         self.events, self.handle = events, handle
+        self._joined = self._join()
 
     def __aiter__(self) -> AsyncIterator[str]:
-        return self.events
+        return self._joined
+
+    async def _join(self) -> AsyncIterator[str]:
+        """The events, those of chunks that arrived together joined into one write (one send, one
+        wake-up of the client) -- a handle with ``ready()`` says whether another chunk is waiting."""
+        ready = getattr(self.handle, "ready", None)
+        parts = []
+        async for event in self.events:
+            parts.append(event)
+            if ready is None or not ready():
+                yield "".join(parts)
+                parts.clear()
+        if parts:
+            yield "".join(parts)
 
     async def aclose(self) -> None:
         try:
-            await self.events.aclose()
+            await self._joined.aclose()
         finally:
-            self.handle.close()
+            try:
+                await self.events.aclose()
+            finally:
+                self.handle.close()
 
 
 class OpenAIServing:

@@ -67,11 +67,12 @@ class RayServeOptions:
     api_key: str | None = None
     max_waiting: int = 256  # per replica, beyond its running batch; the router queues as many more
     imbalance: int = 4  # queue-length lead past which a chat leaves its home replica
+    stream_interval: int = 1  # tokens a streamed request gathers in its replica before they are sent
     shutdown_timeout: float = 30.0  # seconds a stopping replica lets running requests finish
 
     def __post_init__(self):
         for name in ("min_replicas", "max_replicas", "threads_per_replica", "ingress_replicas", "max_waiting",
-                     "imbalance"):
+                     "imbalance", "stream_interval"):
             _check_int(name, getattr(self, name), 0 if name in ("max_waiting", "imbalance") else 1)
         if self.replicas is not None:
             _check_int("replicas", self.replicas, 1)
@@ -130,7 +131,8 @@ class QuillReplica:
         self.llm = self._executor.submit(lambda: LLM(options.model, threads=options.threads_per_replica,
                                                      engine_config=options.engine_config, progress=False,
                                                      **options.llm)).result()
-        self.engine = AsyncEngine(self.llm, options.max_waiting, executor=self._executor)
+        self.engine = AsyncEngine(self.llm, options.max_waiting, executor=self._executor,
+                                  stream_interval=options.stream_interval)
         self.engine.start()
         self.who = {"replica": serve.get_replica_context().replica_id.unique_id, "pid": os.getpid(),
                     "node": ray.get_runtime_context().get_node_id()[:12]}
@@ -262,8 +264,8 @@ def application(options: RayServeOptions):
 
 
 _INTS = {"replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "threads_per_replica",
-         "ingress_replicas", "max_waiting", "imbalance", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
-         "max_model_len"}
+         "ingress_replicas", "max_waiting", "imbalance", "stream_interval", "max_num_seqs", "max_num_batched_tokens",
+         "kv_cache_memory", "max_model_len"}
 _LLM = {"dtype", "activation_quant", "kernel", "moe_backend", "max_model_len", "offline"}
 _ENGINE = {f.name for f in dataclasses.fields(EngineConfig)}
 
