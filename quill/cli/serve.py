@@ -10,6 +10,7 @@ SIGTERM or Ctrl-C stops accepting connections, lets running requests finish for 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -64,6 +65,10 @@ def register(sub) -> None:
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="tokens a streamed request gathers before they are sent together (default 1: each at "
                         "once); larger values cost the host less per token, vLLM's option of the same name")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="step the engine on a thread of its own instead of the server's event loop: /health and "
+                        "/metrics answer within milliseconds even during long prefill steps, for ~0.1-0.3 ms more "
+                        "host time per streamed token (measured on 2 cores)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -106,10 +111,16 @@ def run(args) -> int:
                                  kv_cache_memory=kv, enable_prefix_caching=not args.no_prefix_caching,
                                  kv_cache_dtype=args.kv_cache_dtype)
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
-    # Loaded on this thread, which runs the event loop that steps it (quill.serving.engine.AsyncEngine).
-    llm = build_llm(args, engine_config=engine_config)
+    # The model is loaded on the thread that will step it (quill.serving.engine.AsyncEngine): this one,
+    # which runs the event loop, or with --engine-thread a thread of its own.
+    executor = None
+    if args.engine_thread:
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="quill-engine")
+        llm = executor.submit(build_llm, args, engine_config=engine_config).result()
+    else:
+        llm = build_llm(args, engine_config=engine_config)
     config = ServeConfig(args.served_model_name, args.api_key, args.max_waiting, args.stream_interval)
-    app = create_app(llm, config)
+    app = create_app(llm, config, executor)
     stats = llm.engine.stats()
     host, port = sock.getsockname()[:2]
     print(f"quill serve: '{config.model_name or default_model_name(llm.path)}' at http://{_url_host(host)}:{port}/v1 "
@@ -118,7 +129,11 @@ def run(args) -> int:
           f"sequences at once)", file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                     timeout_graceful_shutdown=args.shutdown_timeout))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
     return 0
 
 
