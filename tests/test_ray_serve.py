@@ -148,6 +148,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def server(cluster):
     s = ServerProcess("--replicas", "2", "--threads-per-replica", "1", "--max-num-seqs", "16",
+                      "--stream-interval", "3",  # a replica's Ray items carry up to 3 tokens (n = 1)
                       "--ray-address", cluster.address, startup_timeout=300)
     with s:
         yield s

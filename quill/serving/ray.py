@@ -145,13 +145,15 @@ class QuillReplica:
                 "model_name": default_model_name(self.llm.path),
                 "tokenizer": None if tok is None else spec_to_dict(tok.spec), **self.who}
 
-    async def generate(self, requests: list, affinity: str | None = None):
-        """("replica", who) once it is queued (or ("busy" | "stopped", why)), then ("chunk", index, chunk)s
-        (or a last ("stopped" | "invalid", why)).
+    async def generate(self, requests: list, affinity: str | None = None, streamed: bool = True):
+        """("replica", who) once it is queued (or ("busy" | "stopped", why)), then ("chunks", [(index,
+        chunk), ...]) -- the chunks the engine handed over together, one Ray item -- (or a last
+        ("stopped" | "invalid", why)).
 
-        ``affinity`` was read by the router already.  Cancelling the call aborts the requests."""
+        ``affinity`` was read by the router already; ``streamed=False``: nothing is sent before the end
+        (AsyncEngine.submit).  Cancelling the call aborts the requests."""
         try:
-            handle = self.engine.submit(requests)
+            handle = self.engine.submit(requests, streamed=streamed)
         except ServerBusy as e:
             yield ("busy", str(e))
             return
@@ -160,8 +162,11 @@ class QuillReplica:
             return
         try:
             yield ("replica", self.who)
-            async for index, chunk in handle:
-                yield ("chunk", index, chunk)
+            async for item in handle:
+                batch = [item]
+                while handle.pending and handle.ready():  # each Ray item costs the ingress ~1 ms of CPU
+                    batch.append(await handle.__anext__())
+                yield ("chunks", batch)
         except EngineStopped as e:
             yield ("stopped", str(e))
         except QuillError as e:  # the engine refused a request the ingress let through (a smaller KV pool)

@@ -98,6 +98,7 @@ class RemoteHandle:
         self.closed = False
         self._stream = None
         self._buffer: deque | None = None  # streamed=False: every chunk, gathered before the first is given
+        self._ready: deque = deque()  # the rest of the last item's chunks
         self._arrival = time.monotonic()
         self._last: dict[int, float] = {}
 
@@ -105,8 +106,9 @@ class RemoteHandle:
         """Send the submission and wait for a replica to take it (retrying once if one dies first)."""
         while True:
             self._last = {}
+            self._ready.clear()
             self._stream = self.engine.replicas.options(stream=True).generate.remote(
-                self.sub.requests, affinity=self.affinity)
+                self.sub.requests, affinity=self.affinity, streamed=self.streamed)
             try:
                 first = await self._stream.__anext__()
             except BaseException as e:
@@ -146,6 +148,10 @@ class RemoteHandle:
     def __aiter__(self) -> "RemoteHandle":
         return self
 
+    def ready(self) -> bool:
+        """Whether a chunk is here already, so the next ``__anext__`` returns without waiting."""
+        return bool(self._ready)
+
     async def __anext__(self) -> tuple:
         if self.streamed:
             while (item := await self._next()) is None:
@@ -168,6 +174,8 @@ class RemoteHandle:
 
     async def _next(self) -> tuple | None:
         """The next ``(index, chunk)`` from the replica; None when the call was just sent again."""
+        if self._ready:
+            return self._ready.popleft()
         try:
             item = await self._stream.__anext__()
         except StopAsyncIteration:
@@ -179,10 +187,11 @@ class RemoteHandle:
                 return None
             self.close()
             raise self._mapped(e) from None
-        if item[0] == "chunk":
-            _, index, chunk = item
-            self._observe(index, chunk)
-            return index, chunk
+        if item[0] == "chunks":
+            for index, chunk in item[1]:
+                self._observe(index, chunk)
+            self._ready.extend(item[1])
+            return self._ready.popleft()
         self.close()
         raise GenerationError(item[1]) if item[0] == "invalid" else EngineStopped(item[1])
 
