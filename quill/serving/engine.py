@@ -20,8 +20,8 @@ frees their KV blocks before the next step.  Two drivers:
   loop is busy for the length of a step (a few ms in decode, up to one chunked-prefill step).
   Nothing crosses threads: a hand-over to another thread wakes it, and on a small host that
   wake-up took a step more than the loop's work itself (2-core Zen 5, default model: ~0.3 ms of
-  a 3 ms token, so single-client decode through the server was 0.85-0.92x ``LLM.generate``,
-  and 0.97x on the loop).
+  a 3 ms token; single-client decode through the server 0.85-0.92x of ``LLM.generate`` with the
+  thread, 0.92-0.98x on the loop).
 * otherwise (a Ray Serve replica, whose methods must stay responsive): a thread of its own (or
   ``executor``'s) steps the core and blocks on the inbox when there is nothing to do.
 

@@ -163,10 +163,16 @@ class QuillReplica:
         try:
             yield ("replica", self.who)
             async for item in handle:
-                batch = [item]
+                batch, error = [item], None
                 while handle.pending and handle.ready():  # each Ray item costs the ingress ~1 ms of CPU
-                    batch.append(await handle.__anext__())
+                    try:
+                        batch.append(await handle.__anext__())
+                    except QuillError as e:  # after the chunks before it
+                        error = e
+                        break
                 yield ("chunks", batch)
+                if error is not None:
+                    raise error
         except EngineStopped as e:
             yield ("stopped", str(e))
         except QuillError as e:  # the engine refused a request the ingress let through (a smaller KV pool)
