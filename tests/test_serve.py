@@ -318,9 +318,10 @@ def test_openai_client_raises_on_bad_request(client, server):
 
 # ---- a small server: API key, full queue, SIGTERM ------------------------------------------------
 
-def test_api_key_full_queue_and_graceful_sigterm():
+@pytest.mark.parametrize("driver", [[], ["--engine-thread"]], ids=["loop", "engine-thread"])
+def test_api_key_full_queue_and_graceful_sigterm(driver):
     with ServerProcess("--api-key", "sk-test", "--max-num-seqs", "1", "--max-waiting", "1",
-                       "--shutdown-timeout", "60", "--engine-thread") as s:  # the engine on its own thread
+                       "--shutdown-timeout", "60", *driver) as s:
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
