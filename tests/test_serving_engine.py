@@ -22,19 +22,16 @@ def llm():
     return quill.LLM()
 
 
-class _CountingEngine:
-    """An ``AsyncEngine`` that records how many chunks each hand-over to the event loop carries."""
+class _Counting(AsyncEngine):
+    """An ``AsyncEngine`` that records each hand-over to the event loop (per chunk: does it carry a token)."""
 
-    @staticmethod
-    def make(llm, stream_interval: int, on_loop: bool = False):
-        class Counting(AsyncEngine):
-            def _hand_over(self, sub, items):
-                self.groups.append([chunk.token_id is not None for _, chunk in items])
-                super()._hand_over(sub, items)
+    def __init__(self, llm, stream_interval: int, on_loop: bool = False):
+        super().__init__(llm, stream_interval=stream_interval, on_loop=on_loop)
+        self.groups = []
 
-        engine = Counting(llm, stream_interval=stream_interval, on_loop=on_loop)
-        engine.groups = []
-        return engine
+    def _hand_over(self, sub, items):
+        self.groups.append([chunk.token_id is not None for _, chunk in items])
+        super()._hand_over(sub, items)
 
 
 def _collect(engine, requests, streamed=True):
@@ -68,7 +65,7 @@ def test_stream_interval_groups_tokens_and_keeps_them_all(llm, interval, streame
     ids = llm.tokenizer.encode("Once upon a time")
     params = quill.SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY)
     want = llm.generate([ids], params)[0]
-    engine = _CountingEngine.make(llm, interval, on_loop)
+    engine = _Counting(llm, interval, on_loop)
     out = _collect(engine, [("r-0", ids, params)], streamed)
     assert [c.token_id for _, c in out] == want.token_ids and "".join(c.text for _, c in out) == want.text
     assert [len(g) for g in engine.groups] == sizes
@@ -77,7 +74,7 @@ def test_stream_interval_groups_tokens_and_keeps_them_all(llm, interval, streame
 
 def test_held_tokens_of_an_aborted_request_are_dropped(llm):
     ids = llm.tokenizer.encode("Count to one hundred:")
-    engine = _CountingEngine.make(llm, 8)
+    engine = _Counting(llm, 8)
 
     async def main():
         handle = engine.submit([("r-0", ids, quill.SamplingParams(max_tokens=500, ignore_eos=True))])

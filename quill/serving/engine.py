@@ -292,14 +292,9 @@ class AsyncEngine:
     def _fail(self, e: BaseException) -> None:
         log.exception("the engine failed")
         self.error = e
-        self._stopping = True
-        rids = list(self._subs)
-        for rid in rids:
-            self._deliver(rid, EngineStopped(f"the engine failed: {type(e).__name__}: {e}"))
-        try:  # free what they hold in the core too, if it still can
-            for rid in rids:
-                self.processor.abort(rid)
-        except Exception:
+        try:
+            self._end_all(f"the engine failed: {type(e).__name__}: {e}")
+        except Exception:  # the core could not free what they hold; every client has its error already
             log.exception("aborting the requests of the failed engine failed too")
 
     def _add(self, sub: _Submission) -> None:
@@ -378,11 +373,17 @@ class AsyncEngine:
                 self.processor.abort(rid)
 
     def _stop(self) -> None:
-        self._stopping = True
-        for rid in list(self._subs):
-            self._deliver(rid, EngineStopped("the server is shutting down"))
-            self.processor.abort(rid)
+        self._end_all("the server is shutting down")
         self._stats = self.core.stats()
+
+    def _end_all(self, why: str) -> None:
+        """Tell every request's handler ``EngineStopped(why)``, then abort them all in the core."""
+        self._stopping = True
+        rids = list(self._subs)
+        for rid in rids:
+            self._deliver(rid, EngineStopped(why))
+        for rid in rids:
+            self.processor.abort(rid)
 
 
 def _put_all(queue: asyncio.Queue, items: list) -> None:
