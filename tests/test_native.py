@@ -260,17 +260,19 @@ def test_int32_accumulation_limit_is_respected():
     assert len(stream_order(qw, 32768).seg_end) == 3
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 128])
 @pytest.mark.parametrize("zero", [None, 0])
-def test_int16_chunk_sums_at_their_extremes(zero, gs):
-    # 4-bit codes 15 against activations at -amax (every part of the split image -127, every int8
-    # code -127): the kernels that add a segment's chunk sums in int16 (up to 4 chunks of 8
-    # positions, 4 products per lane) meet their bound -30480 exactly, and must not wrap
+def test_int16_chunk_sums_at_their_extremes(zero, gs, bits):
+    # The largest codes (15, or 255 = two nibbles of 15) against activations at -amax (every part of
+    # the split image -127, every int8 code -127): the kernels that add a segment's chunk sums in
+    # int16 (4-bit: up to 4 chunks of 8 positions; AVX2 8-bit x int8: each nibble's over up to 8
+    # chunks of 4) meet their bound -30480 exactly, and must not wrap
     k, n = 512, 32
     from quill.canonical import QuantizedWeight
     zeros = None if zero is None else torch.full((n, k // gs), zero, dtype=torch.int16)
-    qw = QuantizedWeight(torch.full((n, k), 15, dtype=torch.uint8), 4, gs, torch.full((n, k // gs), 0.01),
-                         zeros=zeros).validate()
+    qw = QuantizedWeight(torch.full((n, k), 2**bits - 1, dtype=torch.uint8), bits, gs,
+                         torch.full((n, k // gs), 0.01), zeros=zeros).validate()
     qa = qw.with_(activation=ActivationQuant())
     x = torch.full((9, k), -2.0)
     ref = x @ qw.dequantize().T

@@ -91,6 +91,11 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
   // widening a larger share: M = 1-128 4-8 % faster on Zen 5; without the fold the epilogue's zero
   // point and offset terms then spill, 7-10 % slower, so those keep int32 sums).  Integer sums: the same bits.
   constexpr bool I16 = BITS == 4 && ((PARTS == 1 && NH == 1) || ((FOLD || NOZ) && (NH == 1 || MT == 1)));
+  // 8-bit codes x int8 activations, one half a pass: the low and high nibbles' pair sums (|q| <= 2 * 15 * 128
+  // a chunk) added in int16 over up to 8 chunks, then widened with their weights 1 and 16: two vpmaddwd
+  // and two adds per 8 chunks instead of per chunk.  Integer sums: the same bits.
+  constexpr bool I16_8 = BITS == 8 && PARTS == 1 && NH == 1;
+  constexpr int I16_CHUNKS = I16_8 ? 8 : 4;
   const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
   Supers8 sup[2];  // per half
   __m256 fr[MT];  // NH = 1: half H0's float sums
@@ -114,9 +119,12 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
         QUILL_UNROLL for (int h = H0; h < H0 + NH; ++h) acc[m][h][1] = _mm256_set1_epi32(zx);
       }
     __m256i q16[MT][2][PARTS];  // I16: int16 pair sums of up to 4 chunks, per token, half and part
-    QUILL_UNROLL for (int m = 0; m < MT; ++m)
+    __m256i q16h[MT];           // I16_8: the high nibbles' sums (q16 holds the low ones)
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+      q16h[m] = _mm256_setzero_si256();
       QUILL_UNROLL for (int h = 0; h < 2; ++h)
         QUILL_UNROLL for (int p = 0; p < PARTS; ++p) q16[m][h][p] = _mm256_setzero_si256();
+    }
     int n16 = 0;
     for (int c = c0, c1 = w.seg_end[s]; c < c1; ++c) {
       const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
@@ -155,6 +163,11 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
               d = _mm256_madd_epi16(q, wt[p][0]);
             } else {  // code = 16 * hi + lo at positions 4c..4c+3
               const __m256i xa = bcast4(xp);
+              if constexpr (I16_8) {
+                q16[m][h][0] = _mm256_add_epi16(q16[m][h][0], _mm256_maddubs_epi16(lo, xa));
+                q16h[m] = _mm256_add_epi16(q16h[m], _mm256_maddubs_epi16(hi, xa));
+                continue;
+              }
               d = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xa), wt[p][0]),
                                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xa), wt[p][1]));
             }
@@ -162,14 +175,19 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
           }
         }
       }
-      if constexpr (I16)
-        if (++n16 == 4 || c + 1 == c1) {
+      if constexpr (I16 || I16_8)
+        if (++n16 == I16_CHUNKS || c + 1 == c1) {
           QUILL_UNROLL for (int m = 0; m < MT; ++m)
-            QUILL_UNROLL for (int h = H0; h < H0 + NH; ++h)
+            QUILL_UNROLL for (int h = H0; h < H0 + NH; ++h) {
               QUILL_UNROLL for (int p = 0; p < PARTS; ++p) {
                 acc[m][h][dest[p]] = _mm256_add_epi32(acc[m][h][dest[p]], _mm256_madd_epi16(q16[m][h][p], wt[p][0]));
                 q16[m][h][p] = _mm256_setzero_si256();
               }
+              if constexpr (I16_8) {
+                acc[m][h][1] = _mm256_add_epi32(acc[m][h][1], _mm256_madd_epi16(q16h[m], wt[0][1]));
+                q16h[m] = _mm256_setzero_si256();
+              }
+            }
           n16 = 0;
         }
     }
@@ -283,7 +301,7 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool sh
       tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f);
       tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f);
     }
-  } else if constexpr ((PARTS == SPLIT_PARTS || BITS == 4) && MT > 1) {
+  } else if constexpr ((PARTS == SPLIT_PARTS || BITS == 4 || BITS == 8) && MT > 1) {
     tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f);
     tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f);
   } else {
