@@ -217,7 +217,7 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
     QUILL_UNROLL for (int m = 0; m < MT; ++m) _mm256_store_ps(f[m] + 8 * H0, fr[m]);
 }
 
-// Whether every segment is at most 4 chunks (tile8_i4_fold).
+// Whether every segment is at most 4 chunks (tile8_i4).
 inline bool short_segments(const Weights& w) {
   for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++])
     if (w.seg_end[s] - c0 > 4) return false;
@@ -247,20 +247,24 @@ QUILL_INLINE void chunk8_i4(__m256i lo, __m256i hi, const int8_t* const* x, int6
 }
 #undef QUILL_I4_TOKEN
 
-// The prefill tile of 4-bit codes x int8 activations per token with the zero point folded (Q4_0, GPTQ
-// symmetric at groups of <= 32): 8 tokens x half h of row block nb, all of K, every segment at most 4
-// chunks; the sums and epilogue of tile_halves<4, 1, 1, 8, h, 1> in the same order (the same bits).
-// Written out because the generic template's codegen spilled sums and recomputed the 8 token addresses
-// in the chunk loop: 2.43 -> 2.08 cycles per token, chunk and half in a stand-alone harness (Zen 5,
-// 1024 x 2048 at 128 tokens).  A segment's int16 sums (<= 4 chunks: |sum| <= 4 * 2 * 2 * 15 * 128) widen
-// straight into its epilogue.  (Longer segments and the other epilogues written the same way ran 5-20 %
-// slower than the template, gcc again: they keep it.)
-QUILL_INLINE void tile8_i4_fold(const Weights& w, const I8Acts& a, int nb, int m0, int h, float (*f)[LANES]) {
+// The prefill tile of 4-bit codes x int8 activations for segments of at most 4 chunks (groups of <= 32:
+// GGUF Q4_0 / Q4_1, GPTQ / compressed-tensors g32): 8 tokens x half h of row block nb, all of K, with
+// per-token scales and the zero point folded (GROUP false: tile_halves<4, 1, 1, 8, h, 1>'s epilogue) or
+// one scale per token and segment (GROUP: epilogue_g, any zero point and offsets); the sums and epilogue
+// of the template in the same order (the same bits).  Written out because the generic template's codegen
+// spilled sums and recomputed the 8 token addresses in the chunk loop: in a stand-alone harness (Zen 5,
+// 1024 x 2048 at 128 tokens) 2.43 -> 2.08 cycles per token, chunk and half folded, 2.60 -> 2.44 with
+// per-group scales.  A segment's int16 sums (<= 4 chunks: |sum| <= 4 * 2 * 2 * 15 * 128) widen straight
+// into its epilogue.  (Longer segments and the per-token zero-point epilogue written the same way ran
+// 5-20 % slower than the template, gcc again: they keep it.)
+template <bool GROUP>
+QUILL_INLINE void tile8_i4(const Weights& w, const I8Acts& a, int nb, int m0, int h, float (*f)[LANES]) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const uint8_t* codes = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES + 32 * h;  // [KC, 64], half h
   const int8_t* x[8];                                                          // [Kp] each
   QUILL_UNROLL for (int m = 0; m < 8; ++m) x[m] = a.q + int64_t(m0 + m) * a.ld;
   const int32_t* qsum = a.qsum + int64_t(m0) * w.nseg;  // [8, S]
+  const float* gscale = GROUP ? a.gscale + int64_t(m0) * w.nseg : nullptr;  // [8, S]
   const int32_t z = int32_t(w.zconst);
   Supers8 sup;
   __m256 fr[8];
@@ -275,9 +279,15 @@ QUILL_INLINE void tile8_i4_fold(const Weights& w, const I8Acts& a, int nb, int m
       chunk8_i4(_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low), x, int64_t(c) * 8, q16);
     }
     const Seg8 sc = seg8(w, nb, s, h, sup);
-    QUILL_UNROLL for (int m = 0; m < 8; ++m) {  // D - z X, exact in float (Weights::fold_zero): epilogue()'s t
-      const __m256i t = _mm256_sub_epi32(_mm256_madd_epi16(q16[m], ones), _mm256_set1_epi32(z * qsum[m * w.nseg + s]));
-      fr[m] = _mm256_fmadd_ps(sc.scale, _mm256_cvtepi32_ps(t), fr[m]);
+    QUILL_UNROLL for (int m = 0; m < 8; ++m) {
+      const __m256i d = _mm256_madd_epi16(q16[m], ones);
+      const int32_t xsum = qsum[m * w.nseg + s];
+      if constexpr (GROUP) {
+        fr[m] = epilogue_g(sc, _mm256_cvtepi32_ps(d), float(xsum), gscale[m * w.nseg + s], fr[m]);
+      } else {  // D - z X, exact in float (Weights::fold_zero): epilogue()'s t
+        const __m256i t = _mm256_sub_epi32(d, _mm256_set1_epi32(z * xsum));
+        fr[m] = _mm256_fmadd_ps(sc.scale, _mm256_cvtepi32_ps(t), fr[m]);
+      }
     }
   }
   QUILL_UNROLL for (int m = 0; m < 8; ++m) _mm256_store_ps(f[m] + 8 * h, fr[m]);
@@ -293,10 +303,13 @@ QUILL_INLINE void tile8_i4_fold(const Weights& w, const I8Acts& a, int nb, int m
 template <int BITS, int PARTS, int EPI, int MT, class Acts>
 void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool short_segs) {
   alignas(32) float f[MT][LANES] = {};
-  if constexpr (BITS == 4 && PARTS == 1 && EPI == 1 && MT == 8) {
-    if (short_segs) {
-      tile8_i4_fold(w, a, nb, m0, 0, f);
-      tile8_i4_fold(w, a, nb, m0, 1, f);
+  if constexpr (BITS == 4 && PARTS == 1 && MT == 8) {
+    if (short_segs && EPI == 1) {
+      tile8_i4<false>(w, a, nb, m0, 0, f);
+      tile8_i4<false>(w, a, nb, m0, 1, f);
+    } else if (short_segs && a.gscale) {
+      tile8_i4<true>(w, a, nb, m0, 0, f);
+      tile8_i4<true>(w, a, nb, m0, 1, f);
     } else {
       tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f);
       tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f);
@@ -316,7 +329,7 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool sh
 // Row blocks [nb0, nb1) x all tokens in tiles of up to 4 tokens (8: 4-bit codes x int8 activations).
 template <int BITS, int PARTS, class Acts, int EPI = 0>
 void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
-  const bool short_segs = BITS == 4 && PARTS == 1 && EPI == 1 && a.m >= 8 && short_segments(w);
+  const bool short_segs = BITS == 4 && PARTS == 1 && a.m >= 8 && short_segments(w);
   for (int nb = nb0; nb < nb1; ++nb)
     for (int m0 = 0; m0 < a.m;) {
       const int left = a.m - m0;
