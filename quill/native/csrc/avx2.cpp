@@ -222,9 +222,11 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
 // halves at once keep 16 accumulators live (Dhi and Dlo per token and half) besides the codes and
 // broadcasts, which spilled to the stack every chunk; the second half's pass reads the block's
 // chunks from L1 / L2 (W4A16 at M = 16-128: 10-12 % faster on Zen 5; 4-bit codes with int8
-// activations, which then also sum 4 chunks in int16: 3-5 %).  Single tokens keep one pass (the
-// second pass cost more than the spills: W4A8 M = 1 +30-45 %), as do other int8 codes.  Either
-// way each half's sums run in the same order: the same bits.
+// activations, which then also sum 4 chunks in int16: 3-5 %; 8-bit codes with int8 activations, which
+// sum 8 chunks: +25-30 %).  Single tokens keep one pass (the second pass cost more than the spills:
+// W4A8 M = 1 +30-45 %), as do 2/3/5/6-bit codes with int8 activations.  Either way each half's sums
+// run in the same order: the same bits.  The 8-token tiles of 4-bit codes with short segments are
+// written out (avx2_tile8.h).
 template <int BITS, int PARTS, int EPI, int MT, class Acts>
 void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool short_segs) {
   alignas(32) float f[MT][LANES] = {};
