@@ -9,6 +9,7 @@ import quill
 from quill import native
 from quill.cli import main
 from quill.default_model import default_model_path
+from quill.errors import ConfigError
 from tests.fixture_util import fixture_names, fixture_path
 from tests.model_util import hf_model, save_hf_dir
 
@@ -54,6 +55,21 @@ def test_generate_with_int8_activations_per_group(capsys):
     quantized = [info for info in grouped.loaded.layers if info.kind == "quantized"]
     assert quantized and all("A8 dyn/group" in info.summary for info in quantized)
     assert out == grouped.generate("the capital", quill.SamplingParams(max_tokens=5, temperature=0))[0].text + "\n"
+
+
+def test_isa_avx2_runs_the_avx2_variants_with_the_same_text(capsys):
+    """--isa avx2 (LLM(isa=...)): the kernel variants an AVX2-only CPU runs, on this one; every variant
+    computes the same bits, so the greedy text is the native one."""
+    argv = ["generate", "--isa", "avx2", "--no-chat-template", "--max-tokens", "8", "the capital"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    greedy = quill.SamplingParams(max_tokens=8, temperature=0)
+    assert out == quill.LLM().generate("the capital", greedy)[0].text + "\n"
+    avx2 = quill.LLM(isa="avx2")
+    if quill.platform.detect().has("avx2", "fma", "f16c"):
+        assert avx2.platform.isa_level == "avx2" and avx2.engine.cache.isa == "avx2"  # (the ISA chosen at load)
+    with pytest.raises(ConfigError, match="sse"):
+        quill.LLM(isa="sse")
 
 
 def test_chat_reads_stdin_with_reset_and_exit(model_dir, llm, capsys, monkeypatch):

@@ -149,6 +149,7 @@ def cluster():
 def server(cluster):
     s = ServerProcess("--replicas", "2", "--threads-per-replica", "1", "--max-num-seqs", "16",
                       "--stream-interval", "3",  # a replica's Ray items carry up to 3 tokens (n = 1)
+                      "--isa", "avx2",  # the replicas run the AVX2 variants (the same bits as the native ones)
                       "--ray-address", cluster.address, startup_timeout=300)
     with s:
         yield s

@@ -431,10 +431,11 @@ def test_errors_after_acceptance_are_openai_errors(error, status):
 # ---- --stream-interval ------------------------------------------------------------------------------
 
 def test_stream_interval_through_the_server(llm):
-    """``--stream-interval 3``: the same tokens, text and log-probabilities, one event per token."""
+    """``--stream-interval 3``: the same tokens, text and log-probabilities, one event per token.  The server
+    runs the AVX2 kernel variants (``--isa avx2``), which compute the bits of the native ones."""
     prompt = "The capital of France is"
     want = llm.generate([prompt], quill.SamplingParams(max_tokens=11, logprobs=1, **GREEDY))[0]
-    with ServerProcess("--stream-interval", "3") as s:
+    with ServerProcess("--stream-interval", "3", "--isa", "avx2") as s:
         client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
         chunks = [c for c in client.completions.create(model=s.name, prompt=prompt, max_tokens=11, temperature=0,
                                                        logprobs=1, stream=True) if c.choices]

@@ -28,7 +28,7 @@ from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.scoring import PromptScores, ScoreSpec
 from quill.engine.sequence import Timings
 from quill.engine.startup import load_model
-from quill.errors import GenerationError
+from quill.errors import ConfigError, GenerationError
 from quill.layers import LoadContext
 from quill.options import RunOptions
 from quill.platform import Platform, detect
@@ -78,6 +78,16 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
+
+def _limited(platform: Platform, isa: str | None) -> Platform:
+    """``platform`` without the ISA levels above ``isa`` (None: as it is)."""
+    if isa is None:
+        return platform
+    try:
+        return platform.limited_to(isa)
+    except ValueError as e:
+        raise ConfigError(f"isa: {e}") from None
+
 class LLM:
     """A loaded model with its tokenizer, ready to generate.
 
@@ -98,6 +108,10 @@ class LLM:
         seed: seed of the sampler used by requests that give no seed of their own.
         offline: resolve Hub ids from the local cache only.
         progress: show a loading progress bar on stderr (default: when stderr is a terminal).
+        platform: the CPU to choose kernels for (default: this one, ``quill.platform.detect()``).
+        isa: run the kernel variants of a weaker CPU on this one: "avx2" for an AVX2 + FMA + F16C machine
+            such as AMD Zen 2 / 3 (every variant gives the same bits; for comparing speed and checking
+            those paths on an AVX-512 host; torch's own ops follow ``ATEN_CPU_CAPABILITY=avx2``).
         engine_config: the engine core's batching and KV-cache sizes (``quill.engine.core.EngineConfig``).
         kv_cache_dtype: "auto" (float32), "float16" or "bfloat16": the KV cache's element type
             (``EngineConfig.kv_cache_dtype``; given here it overrides engine_config's).
@@ -114,12 +128,13 @@ class LLM:
                  moe_backend: str | None = None,
                  skip_tokenizer_init: bool = False, max_model_len: int | None = None, seed: int = 0,
                  offline: bool = False, progress: bool | None = None, platform: Platform | None = None,
+                 isa: str | None = None,
                  engine_config: EngineConfig | None = None, kv_cache_dtype: str | None = None,
                  cache: bool | None = None, cache_dir: str | os.PathLike | None = None):
         if kv_cache_dtype is not None:  # checked here, before the model loads
             engine_config = dataclasses.replace(engine_config or EngineConfig(), kv_cache_dtype=kv_cache_dtype)
         self.options = RunOptions.parse(dtype, activation_quant, threads, kernel, moe_backend, max_model_len)
-        self.platform = platform or detect()
+        self.platform = _limited(platform or detect(), isa)
         self.threads = self.options.threads or self.platform.physical_cores
         # native kernels get the count explicitly (LoadContext); torch's own ops (attention over
         # prompts, norms on the torch path) only read the process-wide pool size
