@@ -256,7 +256,7 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool sh
 // Row blocks [nb0, nb1) x all tokens in tiles of up to 4 tokens (8: 4-bit codes x int8 activations).
 template <int BITS, int PARTS, class Acts, int EPI = 0>
 void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
-  const bool short_segs = BITS == 4 && PARTS == 1 && a.m >= 8 && short_segments(w);
+  const bool short_segs = BITS == 4 && PARTS == 1 && a.m >= 8 && w.short_segments;
   for (int nb = nb0; nb < nb1; ++nb)
     for (int m0 = 0; m0 < a.m;) {
       const int left = a.m - m0;

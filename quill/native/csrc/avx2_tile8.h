@@ -11,13 +11,6 @@
 namespace quill {
 namespace v256 {
 
-// Whether every segment is at most 4 chunks (tile8_i4).
-inline bool short_segments(const Weights& w) {
-  for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++])
-    if (w.seg_end[s] - c0 > 4) return false;
-  return true;
-}
-
 // One chunk of the prefill tile below for 8 tokens: q16[m] += maddubs(lo, x_m[off .. off + 3]) +
 // maddubs(hi, x_m[off + 4 .. off + 7]).  Written in assembly because gcc, given the same intrinsics, kept
 // fewer sums in registers and recomputed token addresses: 6 % slower in a stand-alone harness (Zen 5).

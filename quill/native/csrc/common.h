@@ -116,6 +116,9 @@ struct Weights {
   //     its two exact halves.
   bool fold_zero = false;
   bool fuse_t = false;
+  // Every segment at most 4 chunks (set with the layout, linear.cpp): AVX2's written-out 8-token tile
+  // of 4-bit codes x int8 activations (avx2_tile8.h) sums a segment in int16 whole.
+  bool short_segments = false;
 };
 
 // Offsets and no zero point (GGUF Q4_1, Q5_1 and the K-quants' mins: Q2_K, Q4_K, Q5_K): the float kernels'

@@ -120,7 +120,8 @@ class NativeLinear final : public LinearOp {
     set_threads(threads);
   }
 
-  // Weights::fold_zero / fuse_t (common.h): whether the epilogue's shortcuts give its exact bits.
+  // Weights::fold_zero / fuse_t (common.h): whether the epilogue's shortcuts give its exact bits; and
+  // Weights::short_segments.
   void epilogue_shortcuts(const int32_t* se) {
     int64_t positions = 0;  // the longest segment
     for (int64_t s = 0; s < w_.nseg; ++s)
@@ -131,6 +132,7 @@ class NativeLinear final : public LinearOp {
     const bool exact_d = !int8_ || qmax * 128.0 * double(positions) <= double(1 << 24);
     w_.fold_zero = !zeros_ && !offsets_ && w_.zconst != 0.0f && exact_d;
     w_.fuse_t = !int8_ && dev * double(positions) * double(SPLIT_QMAX) < 2147483648.0;
+    w_.short_segments = positions <= 4 * chunk_k(w_.bits);
   }
 
   void set_threads(int64_t t) {
