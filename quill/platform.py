@@ -30,6 +30,8 @@ _ISA_CEILINGS = {
     "avx2": frozenset(f for f in ISA_FLAGS if f.startswith(("avx512", "avx_vnni", "amx"))),
 }
 
+ISA_CHOICES = ("native", *_ISA_CEILINGS)  # what --isa / Platform.limited_to take
+
 CPUINFO_PATH = Path("/proc/cpuinfo")
 SYSFS_CPU_ROOT = Path("/sys/devices/system/cpu")
 
@@ -64,9 +66,11 @@ class Platform:
 
     def limited_to(self, isa: str) -> "Platform":
         """This CPU with the ISA flags above ``isa`` removed ('avx2': an AVX2+FMA+F16C machine such
-        as Zen 2/3), so benchmarks can measure the variants a weaker CPU would run."""
+        as Zen 2/3; 'native': as it is), so the variants a weaker CPU would run can be measured and checked."""
+        if isa == "native":
+            return self
         if isa not in _ISA_CEILINGS:
-            raise ValueError(f"unknown ISA ceiling '{isa}'; known: {', '.join(_ISA_CEILINGS)}")
+            raise ValueError(f"unknown ISA ceiling '{isa}'; known: {', '.join(ISA_CHOICES)}")
         return replace(self, flags=self.flags - _ISA_CEILINGS[isa])
 
     @property

@@ -126,6 +126,14 @@ def test_isa_levels(flags, level):
     assert Platform(flags=frozenset(flags)).isa_level == level
 
 
+def test_limited_to_removes_the_levels_above_the_ceiling():
+    zen4 = Platform(flags=frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}))
+    assert zen4.limited_to("avx2").isa_level == "avx2"
+    assert zen4.limited_to("native") is zen4
+    with pytest.raises(ValueError, match="native, avx2"):
+        zen4.limited_to("sse")
+
+
 # ---- sysfs -------------------------------------------------------------------
 
 def _write(path: Path, text: str) -> None:

@@ -29,7 +29,7 @@ from quill.canonical import QuantizedWeight
 from quill.errors import ConfigError, format_choices
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.moe import MOE_BACKENDS, ExpertWeights, MoESelector, build_fused_moe, route
-from quill.platform import Platform, detect
+from quill.platform import ISA_CHOICES, Platform, detect
 from quill.writers.compressed_tensors import (
     quantization_config,
     scheme_config,
@@ -264,7 +264,7 @@ def add_arguments(layer: argparse.ArgumentParser, model: argparse.ArgumentParser
     layer.add_argument("--tokens", default="1,16,128", help="token counts per call (default 1,16,128)")
     layer.add_argument("--backends", default="grouped", help=f"MoE backends ({format_choices(MOE_BACKENDS)})")
     layer.add_argument("--runs", type=int, default=3, help="timed runs per cell; the median is reported")
-    layer.add_argument("--isa", choices=("native", "avx2"), default="native",
+    layer.add_argument("--isa", choices=ISA_CHOICES, default="native",
                        help="'avx2': the kernel variants of an AVX2-only CPU (Zen 2/3)")
     model.add_argument("path", type=Path, help="checkpoint directory (written first when it has no config.json)")
     model.add_argument("--layers", type=int, default=MoEShape.num_hidden_layers)
@@ -294,7 +294,7 @@ def _header(args, platform: Platform) -> int:
 
 
 def run_layer(args) -> int:
-    platform = detect() if args.isa == "native" else detect().limited_to(args.isa)
+    platform = detect().limited_to(args.isa)
     _header(args, platform)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in MOE_BACKENDS]

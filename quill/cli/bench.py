@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from quill.errors import ConfigError, format_choices
-from quill.platform import detect
+from quill.platform import ISA_CHOICES, detect
 
 
 def register(sub) -> None:
@@ -33,7 +33,7 @@ def register(sub) -> None:
     k.add_argument("--min-run-ms", type=float, default=40.0, help="minimum duration of one timed run")
     k.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe buffer (default: 8 x L3, >= 256)")
     k.add_argument("--quick", action="store_true", help="4096x4096 only, M = 1 and 128")
-    k.add_argument("--isa", choices=("native", "avx2"), default="native",
+    k.add_argument("--isa", choices=ISA_CHOICES, default="native",
                    help="'avx2': run the kernel variants of an AVX2-only CPU (Zen 2/3); pair it with "
                         "ATEN_CPU_CAPABILITY=avx2 so torch's kernels do the same")
     k.add_argument("--json", type=Path, default=None, help="write results as JSON here")
@@ -105,9 +105,7 @@ def run_kernels(args) -> int:
 
     if args.plot:
         report.require_matplotlib()  # fail before the run, not after it
-    platform = detect()
-    if args.isa != "native":
-        platform = platform.limited_to(args.isa)
+    platform = detect().limited_to(args.isa)
     threads = args.threads or platform.physical_cores
     torch.set_num_threads(threads)
     shapes = [(4096, 4096)] if args.quick else (_shapes(args.shapes) if args.shapes else list(kb.SHAPES))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from quill.platform import ISA_CHOICES
+
 
 def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -> None:
     """Model location and how to run it (``positional="optional"``: MODEL may be left out for the default)."""
@@ -27,7 +29,7 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -
                    help="compute dtype (bfloat16 is accepted and runs as float32, with a warning: "
                         "slower than float32 on CPUs)")
     p.add_argument("--kernel", default=None, help="force one linear kernel by name (see `quill info`)")
-    p.add_argument("--isa", choices=["native", "avx2"], default="native",
+    p.add_argument("--isa", choices=ISA_CHOICES, default="native",
                    help="avx2: run the kernel variants of an AVX2-only CPU (Zen 2/3) on this one, the same bits "
                         "(pair it with ATEN_CPU_CAPABILITY=avx2 so torch's own ops do the same)")
     p.add_argument("--moe-backend", default=None, help="force one MoE backend by name (grouped, reference)")
@@ -63,16 +65,11 @@ def build_llm(args, skip_tokenizer_init: bool = False, engine_config=None):
     if engine_config is None and getattr(args, "kv_cache_dtype", "auto") != "auto":
         engine_config = EngineConfig(kv_cache_dtype=args.kv_cache_dtype)
     return LLM(args.model, dtype=args.dtype, activation_quant=args.act_quant,
-               threads=args.threads, kernel=args.kernel, moe_backend=args.moe_backend, isa=isa_of(args),
+               threads=args.threads, kernel=args.kernel, moe_backend=args.moe_backend, isa=args.isa,
                max_model_len=args.max_model_len,
                offline=args.offline, skip_tokenizer_init=skip_tokenizer_init, engine_config=engine_config,
                progress=False if args.quiet else None, cache=False if args.no_cache else None,
                cache_dir=args.cache_dir)
-
-
-def isa_of(args) -> str | None:
-    """The ISA ceiling of ``--isa`` for ``LLM(isa=...)`` (None: this CPU's own)."""
-    return None if args.isa == "native" else args.isa
 
 
 def sampling_params(args):

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 
-from quill.cli.common import add_model_args, build_llm, isa_of
+from quill.cli.common import add_model_args, build_llm
 from quill.errors import ConfigError
 
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -161,7 +161,7 @@ def run_ray(args) -> int:
     hi = args.max_replicas if args.max_replicas is not None else lo
     # every replica that may run gets its share of this machine's cores unless told otherwise
     threads = args.threads_per_replica or max(1, detect().physical_cores // (replicas or hi))
-    llm = {"dtype": args.dtype, "activation_quant": args.act_quant, "kernel": args.kernel, "isa": isa_of(args),
+    llm = {"dtype": args.dtype, "activation_quant": args.act_quant, "kernel": args.kernel, "isa": args.isa,
            "moe_backend": args.moe_backend, "max_model_len": args.max_model_len, "offline": args.offline}
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "kv_cache_memory": parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,

@@ -78,15 +78,13 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
-
-def _limited(platform: Platform, isa: str | None) -> Platform:
-    """``platform`` without the ISA levels above ``isa`` (None: as it is)."""
-    if isa is None:
-        return platform
+def _limited(platform: Platform, isa: str) -> Platform:
+    """``platform`` without the ISA levels above ``isa`` (Platform.limited_to), a ConfigError if unknown."""
     try:
         return platform.limited_to(isa)
     except ValueError as e:
         raise ConfigError(f"isa: {e}") from None
+
 
 class LLM:
     """A loaded model with its tokenizer, ready to generate.
@@ -109,9 +107,10 @@ class LLM:
         offline: resolve Hub ids from the local cache only.
         progress: show a loading progress bar on stderr (default: when stderr is a terminal).
         platform: the CPU to choose kernels for (default: this one, ``quill.platform.detect()``).
-        isa: run the kernel variants of a weaker CPU on this one: "avx2" for an AVX2 + FMA + F16C machine
-            such as AMD Zen 2 / 3 (every variant gives the same bits; for comparing speed and checking
-            those paths on an AVX-512 host; torch's own ops follow ``ATEN_CPU_CAPABILITY=avx2``).
+        isa: "native" (default), or run the kernel variants of a weaker CPU on this one: "avx2" for an
+            AVX2 + FMA + F16C machine such as AMD Zen 2 / 3 (every variant gives the same bits; for comparing
+            speed and checking those paths on an AVX-512 host; torch's own ops follow
+            ``ATEN_CPU_CAPABILITY=avx2``).
         engine_config: the engine core's batching and KV-cache sizes (``quill.engine.core.EngineConfig``).
         kv_cache_dtype: "auto" (float32), "float16" or "bfloat16": the KV cache's element type
             (``EngineConfig.kv_cache_dtype``; given here it overrides engine_config's).
@@ -128,7 +127,7 @@ class LLM:
                  moe_backend: str | None = None,
                  skip_tokenizer_init: bool = False, max_model_len: int | None = None, seed: int = 0,
                  offline: bool = False, progress: bool | None = None, platform: Platform | None = None,
-                 isa: str | None = None,
+                 isa: str = "native",
                  engine_config: EngineConfig | None = None, kv_cache_dtype: str | None = None,
                  cache: bool | None = None, cache_dir: str | os.PathLike | None = None):
         if kv_cache_dtype is not None:  # checked here, before the model loads
