@@ -228,6 +228,16 @@ class QuantizedWeight:
             return self.g_idx.long()
         return torch.arange(self.in_features) // self.group_size
 
+    def group_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(perm int64 [K]: the input columns sorted by act-order group, stable; counts int64 [G]: columns
+        per group), for a weight with ``g_idx``.
+
+        The one place act-order columns are sorted: the torch, zentorch and native kernels all start
+        here (kept on the leaf, so native packing and the kernels share it without importing each other).
+        """
+        g = self.g_idx.long()
+        return torch.argsort(g, stable=True), torch.bincount(g, minlength=self.num_groups)
+
     def storage_bytes(self) -> int:
         """Bytes this weight occupies when packed: codes at ``bits`` each, plus scales/zeros/offsets."""
         n = self.out_features * self.in_features * self.bits // 8

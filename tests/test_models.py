@@ -7,7 +7,6 @@ so results agree to float32 rounding (checked at rtol 1e-4, atol 1e-5).
 import pytest
 import torch
 
-from quill.engine.cache import KVCache
 from quill.engine.loader import build_model
 from quill.errors import ModelError
 from quill.formats.checkpoint import open_checkpoint
@@ -16,6 +15,7 @@ from quill.models import model_module, supported_model_types
 from quill.models.base import ForwardContext
 from quill.platform import detect
 from tests.model_util import MemoryCheckpoint, hf_model, save_hf_dir
+from tests.padded_cache import KVCache
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 TOL = dict(rtol=1e-4, atol=1e-5)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import quill
-from quill.engine.cache import KVCache
 from quill.engine.loader import build_model
 from quill.errors import CheckpointError, ModelError
 from quill.formats.checkpoint import open_checkpoint
@@ -23,6 +22,7 @@ from quill.moe import MoESelector
 from quill.platform import detect
 from tests.model_util import MemoryCheckpoint, save_hf_dir
 from tests.moe_models_util import MOE_ARCHS, fuse_experts, hf_moe_model, split_experts
+from tests.padded_cache import KVCache
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -98,7 +98,7 @@ def test_prefill_then_decode_with_cache(saved):
 
 def test_greedy_generation_matches_transformers(saved):
     arch, hf, d = saved
-    llm = quill.LLM(str(d), skip_tokenizer_init=True)
+    llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")  # transformers' float cache
     prompts = [[5, 17, 99, 42], [8, 9, 10, 11, 12, 13, 200]]
     outs = llm.generate(prompts, quill.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):

@@ -3,7 +3,8 @@
 Kernels whose native layout wants contiguous, equal-size groups call
 :func:`contiguous_groups` in ``prepare`` and gather the input columns with the
 returned permutation in ``apply`` (``x[:, perm]``), which leaves ``x @ W^T``
-unchanged.
+unchanged.  The sort itself is ``QuantizedWeight.group_order`` (the leaf), which
+native packing shares.
 """
 
 from __future__ import annotations
@@ -13,15 +14,6 @@ import math
 import torch
 
 from quill.canonical import QuantizedWeight
-
-
-def group_order(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(perm int64 [K]: the input columns sorted by act-order group, stable; counts int64 [G]: columns per group).
-
-    The one place act-order columns are sorted: the torch, zentorch and native kernels all start here.
-    """
-    g = w.g_idx.long()
-    return torch.argsort(g, stable=True), torch.bincount(g, minlength=w.num_groups)
 
 
 def contiguous_groups(w: QuantizedWeight) -> tuple[QuantizedWeight, torch.Tensor | None]:
@@ -35,7 +27,7 @@ def contiguous_groups(w: QuantizedWeight) -> tuple[QuantizedWeight, torch.Tensor
     """
     if w.g_idx is None:
         return w, None
-    perm, counts = group_order(w)  # [K], [G]
+    perm, counts = w.group_order()  # [K], [G]
     present = counts[counts > 0]
     sub = math.gcd(*present.tolist()) if present.numel() else w.in_features
     repeats = counts // sub  # sub-groups per original group (0 for an unused group)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from quill.canonical import ActivationQuant, QuantizedWeight
-from quill.kernels.act_order import group_order
 from quill.kernels.activation import fake_quantize_activations
 from quill.kernels.base import LinearKernel
 from quill.kernels.config import ActKind, LinearLayerConfig
@@ -45,7 +44,7 @@ def _sort_act_order(w: QuantizedWeight) -> tuple[QuantizedWeight, torch.Tensor |
     """Columns sorted by group so groups are contiguous; None perm if that is not possible."""
     if w.g_idx is None:
         return w, None
-    perm, counts = group_order(w)
+    perm, counts = w.group_order()
     if bool((counts != w.group_size).any()) or w.num_groups * w.group_size != w.in_features:
         return w, None  # unequal groups: the dense path handles any g_idx
     return w.with_(codes=w.codes[:, perm].contiguous(), g_idx=None), perm

@@ -20,7 +20,6 @@ import torch
 from quill import native
 from quill.canonical import QuantizedWeight
 from quill.errors import KernelError
-from quill.kernels.act_order import group_order
 
 LANES = 16
 BLOCK_BYTES = 64
@@ -58,7 +57,7 @@ def _group_columns(w: QuantizedWeight) -> list[torch.Tensor]:
     """int64 column indices of every group, in stream order (act-order: sorted by group, stable)."""
     if w.g_idx is None:
         return list(torch.arange(w.in_features).split(w.group_size))
-    order, counts = group_order(w)
+    order, counts = w.group_order()
     return list(order.split(counts.tolist()))
 
 

@@ -1,4 +1,8 @@
-"""KV cache for a batch of left-padded sequences.
+"""KV cache for a batch of left-padded sequences: what the model tests run ``Model.forward`` with.
+
+Not the engine's cache (that is ``quill.engine.kv_cache``, paged); a plain
+``LayerCache`` (``quill.models.base``) to check a model with a cache against
+the same model without one, batched and alone.
 
 Sequences of different lengths are left-padded to a common length, so every
 row appends its next token at the same cache index.  ``pad[b]`` leading slots
