@@ -37,7 +37,7 @@ from quill.engine.core import EngineConfig
 from quill.errors import GenerationError
 from quill.platform import Platform
 
-MODES = {"w4a16": None, "w4a8": "int8", "w4a8g": "int8-group"}  # label -> activation_quant
+MODES = {"w4a16": "none", "w4a8": "int8", "w4a8g": "int8-group"}  # label -> activation_quant
 
 
 @dataclass

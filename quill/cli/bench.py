@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from quill.cli.common import add_option_args
 from quill.errors import ConfigError, format_choices
-from quill.platform import ISA_CHOICES, detect
+from quill.options import ActQuant, is_gguf
+from quill.platform import detect
 
 
 def register(sub) -> None:
@@ -28,14 +30,11 @@ def register(sub) -> None:
     k.add_argument("--shapes", default=None, help="N x K list, e.g. 4096x4096,11008x4096 (default: the four)")
     k.add_argument("--m", default=None, help="token counts, e.g. 1,8,128 (default: 1,8,32,128,512)")
     k.add_argument("--kernels", default=None, help="comma-separated subset of the benchmarked kernels")
-    k.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
     k.add_argument("--runs", type=int, default=5, help="timed runs per cell; the median is reported")
     k.add_argument("--min-run-ms", type=float, default=40.0, help="minimum duration of one timed run")
     k.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe buffer (default: 8 x L3, >= 256)")
     k.add_argument("--quick", action="store_true", help="4096x4096 only, M = 1 and 128")
-    k.add_argument("--isa", choices=ISA_CHOICES, default="native",
-                   help="'avx2': run the kernel variants of an AVX2-only CPU (Zen 2/3); pair it with "
-                        "ATEN_CPU_CAPABILITY=avx2 so torch's kernels do the same")
+    add_option_args(k, only=("threads", "isa"))  # the model commands' --threads and --isa
     k.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     k.add_argument("--plot", type=Path, default=None, help="write a PNG plot here (needs matplotlib)")
     k.set_defaults(func=run_kernels)
@@ -43,9 +42,7 @@ def register(sub) -> None:
     lin.add_argument("checkpoint", nargs="?", default=None, help="checkpoint path (default: the default model)")
     lin.add_argument("--tokens", type=int, default=10, help="tokens per timed run")
     lin.add_argument("--runs", type=int, default=5, help="timed runs; the median is reported")
-    lin.add_argument("--act-quant", choices=("none", "int8", "int8-group"), default=None,
-                     help="int8: the linears with int8 activations per token (W4A8 / W8A8); "
-                     "int8-group: per token and weight group")
+    add_option_args(lin, only=("activation_quant",))  # --act-quant, as for the model commands
     lin.set_defaults(func=run_linears)
     c = bsub.add_parser("checkpoint", help="write a 1B Llama-shaped 4-bit checkpoint for the model benchmark")
     c.add_argument("out", type=Path, help="output directory")
@@ -62,9 +59,7 @@ def register(sub) -> None:
                     help="checkpoint directory (default: the 1B W4 checkpoint, written to the cache on first use)")
     md.add_argument("--modes", default="w4a16,w4a8", help="activation modes: w4a16 (float), w4a8 (int8 per token), "
                     "w4a8g (int8 per token and weight group)")
-    md.add_argument("--dtype", choices=("float32",), default="float32",
-                    help="compute dtype (bfloat16 is not offered: slower than float32 on CPUs)")
-    md.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
+    add_option_args(md, only=("dtype", "threads"))  # the model commands' --dtype and --threads
     md.add_argument("--prompt", type=int, default=512, help="prompt tokens of the prefill / decode runs")
     md.add_argument("--gen", type=int, default=128, help="tokens decoded per run")
     md.add_argument("--batch", type=int, default=8, help="prompts decoded together in the batch runs")
@@ -159,9 +154,11 @@ def run_linears(args) -> int:
         from quill.default_model import default_model_path
         args.checkpoint = default_model_path()
     policies = {"selected": KernelPolicy(), "torch": KernelPolicy(force="torch", origin="bench linears")}
-    if args.act_quant == "int8-group":
+    # "auto" made concrete for the file, as LLM does (a GGUF file: int8-group)
+    request = ActQuant.parse(args.activation_quant).resolve(is_gguf(Path(args.checkpoint))).request
+    if request == "int8-group":
         del policies["torch"]  # torch has no per-group int8 activations (it refuses them); nothing to compare
-    linears.run(args.checkpoint, detect(), policies, args.tokens, args.runs, args.act_quant)
+    linears.run(args.checkpoint, detect(), policies, args.tokens, args.runs, request)
     return 0
 
 

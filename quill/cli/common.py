@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from quill.platform import ISA_CHOICES
+from quill.options import Flag, RunOptions
 
 
 def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -> None:
@@ -20,30 +21,38 @@ def add_model_args(p: argparse.ArgumentParser, positional: bool | str = False) -
         p.add_argument("--model", "-m", default=None,
                        help="checkpoint directory, .gguf file or Hugging Face Hub id (default: the bundled "
                             "SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--act-quant", choices=["none", "int8", "int8-group"], default=None,
-                   help="int8: quantize activations of quantized layers (W4A8/W8A8), one scale per token; "
-                        "int8-group: one per token and weight group (llama.cpp's choice, more accurate); "
-                        "a W8A8 checkpoint always runs with its own")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="compute dtype (bfloat16 is accepted and runs as float32, with a warning: "
-                        "slower than float32 on CPUs)")
-    p.add_argument("--kernel", default=None, help="force one linear kernel by name (see `quill info`)")
-    p.add_argument("--isa", choices=ISA_CHOICES, default="native",
-                   help="avx2: run the kernel variants of an AVX2-only CPU (Zen 2/3) on this one, the same bits "
-                        "(pair it with ATEN_CPU_CAPABILITY=avx2 so torch's own ops do the same)")
-    p.add_argument("--moe-backend", default=None, help="force one MoE backend by name (grouped, reference)")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap the context window")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
-                   help="element type of the KV cache (default auto: the compute dtype, float32); float16 or "
-                        "bfloat16 halve its memory and what decode attention reads at long contexts")
-    p.add_argument("--offline", action="store_true", help="resolve Hub ids from the local cache only")
+    add_option_args(p)
     p.add_argument("--quiet", "-q", action="store_true",
-                   help="no progress bars (they show on a terminal when loading or scoring takes over a second)")
-    p.add_argument("--cache-dir", default=None,
-                   help="the prepacked cache's directory (default: $QUILL_CACHE_DIR, else ~/.cache/quill)")
-    p.add_argument("--no-cache", action="store_true",
-                   help="neither read nor write the prepacked cache (kernel layouts saved after a first load)")
+                   help="no progress bars (they show on a terminal when loading or scoring takes over a second) "
+                        "and no load line")
+
+
+def add_option_args(p, prefix: str = "", only: tuple[str, ...] | None = None, help_suffix: str = "") -> None:
+    """One flag per ``RunOptions`` field (its metadata: name, help, choices), ``dest`` the field's name.
+
+    ``prefix`` / ``only``: a second set for another model (``quill eval compare --other-act-quant``), whose
+    flags default to None (= as the first set)."""
+    for f in dataclasses.fields(RunOptions):
+        if only is not None and f.name not in only:
+            continue
+        flag: Flag = f.metadata["flag"]
+        name = "--" + prefix + flag.name.removeprefix("--")
+        default = None if prefix else f.default
+        kw = {"dest": prefix.replace("-", "_") + f.name, "help": flag.help + help_suffix}
+        if flag.kind == "bool":  # --offline sets True, --no-cache sets cache=False; absent: the default
+            p.add_argument(name, action="store_const", const=not flag.negated, default=default, **kw)
+        else:
+            p.add_argument(name, type=int if flag.kind == "int" else str, choices=flag.choices or None,
+                           default=default, **kw)
+
+
+def run_options(args, prefix: str = "") -> RunOptions:
+    """The ``RunOptions`` the parsed flags give (with ``prefix``: those flags where given, else the first set)."""
+    values = {}
+    for f in dataclasses.fields(RunOptions):
+        value = getattr(args, prefix + f.name, None) if prefix else getattr(args, f.name)
+        values[f.name] = getattr(args, f.name) if value is None and prefix else value
+    return RunOptions(**values)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -59,17 +68,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def build_llm(args, skip_tokenizer_init: bool = False, engine_config=None):
-    from quill.engine.core import EngineConfig
+def build_llm(args, skip_tokenizer_init: bool = False, engine_config=None, options: RunOptions | None = None):
+    """``quill.LLM`` with the options the flags give (or ``options``); says on stderr which arithmetic runs."""
     from quill.engine.llm import LLM
-    if engine_config is None and getattr(args, "kv_cache_dtype", "auto") != "auto":
-        engine_config = EngineConfig(kv_cache_dtype=args.kv_cache_dtype)
-    return LLM(args.model, dtype=args.dtype, activation_quant=args.act_quant,
-               threads=args.threads, kernel=args.kernel, moe_backend=args.moe_backend, isa=args.isa,
-               max_model_len=args.max_model_len,
-               offline=args.offline, skip_tokenizer_init=skip_tokenizer_init, engine_config=engine_config,
-               progress=False if args.quiet else None, cache=False if args.no_cache else None,
-               cache_dir=args.cache_dir)
+    llm = LLM(args.model, **(options or run_options(args)).llm_kwargs(), skip_tokenizer_init=skip_tokenizer_init,
+              engine_config=engine_config, progress=False if args.quiet else None)
+    if not args.quiet:
+        print("quill: " + "; ".join(f"{k}: {v}" for k, v in llm.arithmetic.items()), file=sys.stderr, flush=True)
+    return llm
 
 
 def sampling_params(args):

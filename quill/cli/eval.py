@@ -1,7 +1,7 @@
 """``quill eval``: perplexity over a text, and KL divergence of a model against a base.
 
     quill eval perplexity MODEL --text FILE [--context 512] [--stride 256] [--max-tokens N] [--json [FILE]]
-    quill eval compare BASE [OTHER] --text FILE [--other-act-quant int8] [--save-base FILE]
+    quill eval compare BASE [OTHER] --text FILE [--other-act-quant none] [--other-kv-cache-dtype float32]
 
 BASE may be a model or a base-scores file written earlier by ``--save-base``; OTHER defaults
 to BASE run with the ``--other-*`` settings (e.g. W4A16 against W4A8 of one checkpoint).
@@ -10,12 +10,15 @@ to BASE run with the ``--other-*`` settings (e.g. W4A16 against W4A8 of one chec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from quill.cli.common import add_model_args, build_llm
+from quill.cli.common import add_model_args, add_option_args, build_llm, run_options
 from quill.errors import EvalError
+
+OTHER_OPTIONS = ("activation_quant", "kv_cache_dtype", "kernel", "moe_backend")
 
 
 def register(sub) -> None:
@@ -31,9 +34,8 @@ def register(sub) -> None:
     add_model_args(pc, positional="optional")
     pc.add_argument("other", nargs="?", default=None,
                     help="the model compared with BASE (default: BASE itself with the --other-* settings)")
-    pc.add_argument("--other-act-quant", choices=["none", "int8", "int8-group"], default=None,
-                    help="activation quantization of OTHER (default: as --act-quant)")
-    pc.add_argument("--other-kernel", default=None, help="force one linear kernel for OTHER")
+    # OTHER's own run options (--other-act-quant, --other-kernel, --other-kv-cache-dtype); unset: BASE's
+    add_option_args(pc, prefix="other-", only=OTHER_OPTIONS, help_suffix=" -- for OTHER (default: as BASE)")
     pc.add_argument("--top-k", type=int, default=128,
                     help="base log-probabilities kept per token for KL (default 128; the rest is one outcome)")
     pc.add_argument("--save-base", default=None, metavar="FILE",
@@ -139,12 +141,13 @@ def window_args(args, llm) -> tuple[int, int]:
     return context, max(1, context // 2) if args.stride is None else args.stride
 
 
-def eval_llm(args, context: int | None = None):
+def eval_llm(args, context: int | None = None, options=None):
     """The model, its context capped at the window when the user set no cap: the KV pool is then sized
     for windows (16 sequences x 512 tokens: ~0.4 GB on the default model) instead of full contexts."""
-    if args.max_model_len is None:
-        args = argparse.Namespace(**{**vars(args), "max_model_len": context or args.context or 512})
-    return build_llm(args)
+    options = options or run_options(args)
+    if options.max_model_len is None:
+        options = dataclasses.replace(options, max_model_len=context or args.context or 512)
+    return build_llm(args, options=options)
 
 
 def _windows_total(n: int, context: int, stride: int, max_context: int) -> int:
@@ -167,10 +170,12 @@ def run_perplexity(args) -> int:
     return 0
 
 
-def _describe(model: str | None, act_quant, dtype, kernel) -> str:
-    parts = [model or "default model", f"act-quant {act_quant or 'none'}", dtype]
-    if kernel:
-        parts.append(f"kernel {kernel}")
+def _describe(model: str | None, llm) -> str:
+    """What ran: the model, its activations and KV cache as resolved (not "auto"), dtype, a forced kernel."""
+    parts = [model or "default model", f"act-quant {llm.activation.value}", f"kv-cache {llm.engine.kv_cache_dtype}",
+             llm.options.dtype]
+    if llm.options.kernel:
+        parts.append(f"kernel {llm.options.kernel}")
     return ", ".join(parts)
 
 
@@ -181,8 +186,7 @@ def run_compare(args) -> int:
         raise EvalError("BASE is a saved base-scores file: name the OTHER model to compare with it")
     other_args = argparse.Namespace(**vars(args))
     other_args.model = args.other or args.model
-    other_args.act_quant = args.other_act_quant or args.act_quant
-    other_args.kernel = args.other_kernel or args.kernel
+    other_options = run_options(args, prefix="other_")
     text = read_text(args)  # before any model loads: a bad text fails fast
     if base_file:
         base = BaseScores.load(args.model)
@@ -196,18 +200,17 @@ def run_compare(args) -> int:
         bar = Progress(args, _windows_total(len(tokens), context, stride, llm.context_length), "base")
         try:
             base = score_base(llm, tokens, context, stride, args.top_k,
-                              _describe(args.model, args.act_quant, args.dtype, args.kernel), progress=bar)
+                              _describe(args.model, llm), progress=bar)
         finally:
             bar.close()
         del llm  # the base's memory goes before OTHER loads
         if args.save_base:
             base.save(args.save_base)
-    other = eval_llm(other_args, base.context)
+    other = eval_llm(other_args, base.context, other_options)
     tokens = tokenize(other, other_args, text)
     bar = Progress(args, _windows_total(len(tokens), base.context, base.stride, other.context_length), "other")
     try:
-        result = compare(base, other, tokens, _describe(other_args.model, other_args.act_quant,
-                                                        other_args.dtype, other_args.kernel), progress=bar)
+        result = compare(base, other, tokens, _describe(other_args.model, other), progress=bar)
     finally:
         bar.close()
     _emit(args, result)

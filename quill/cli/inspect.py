@@ -26,6 +26,7 @@ def report(llm) -> str:
         f"context {llm.context_length}, tied embeddings {'yes' if args.tie_word_embeddings else 'no'}",
         f"cpu:        {llm.platform.microarch} ({llm.platform.isa_level}), {llm.threads} threads, "
         f"compute {str(loaded.dtype).removeprefix('torch.')}",
+        *(f"{k + ':':<11} {v}" for k, v in llm.arithmetic.items()),  # activations and KV cache: what and why
         f"decode step: {_step(llm.engine)}",
         *_moe_decode(llm.model),
         "",

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 
-from quill.cli.common import add_model_args, build_llm
+from quill.cli.common import add_model_args, build_llm, run_options
 from quill.errors import ConfigError
 
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -108,8 +108,7 @@ def run(args) -> int:
 
     kv = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 kv_cache_memory=kv, enable_prefix_caching=not args.no_prefix_caching,
-                                 kv_cache_dtype=args.kv_cache_dtype)
+                                 kv_cache_memory=kv, enable_prefix_caching=not args.no_prefix_caching)
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
     # The model is loaded on the thread that will step it (quill.serving.engine.AsyncEngine): this one,
     # which runs the event loop, or with --engine-thread a thread of its own.
@@ -161,11 +160,10 @@ def run_ray(args) -> int:
     hi = args.max_replicas if args.max_replicas is not None else lo
     # every replica that may run gets its share of this machine's cores unless told otherwise
     threads = args.threads_per_replica or max(1, detect().physical_cores // (replicas or hi))
-    llm = {"dtype": args.dtype, "activation_quant": args.act_quant, "kernel": args.kernel, "isa": args.isa,
-           "moe_backend": args.moe_backend, "max_model_len": args.max_model_len, "offline": args.offline}
+    llm = run_options(args).llm_kwargs()  # every model option, as the one-engine server passes them
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "kv_cache_memory": parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
-              "enable_prefix_caching": not args.no_prefix_caching, "kv_cache_dtype": args.kv_cache_dtype}
+              "enable_prefix_caching": not args.no_prefix_caching}
     options = RayServeOptions(model=str(args.model) if args.model else None, replicas=replicas, min_replicas=lo,
                               max_replicas=hi, target_ongoing_requests=args.target_ongoing_requests,
                               autoscaling=_json_object("--autoscaling-config", args.autoscaling_config),

@@ -48,10 +48,10 @@ class EngineConfig:
     # all-decode steps run every decoder layer in one native call when the model allows
     # (quill.engine.native_step); False keeps the Python layers (the same bits, slower)
     native_step: bool = True
-    # element type of the KV pools: "auto" (the compute dtype, float32), or "float16" / "bfloat16":
-    # half the memory a cached token takes and half the bytes decode attention reads per token at long
-    # contexts; each k / v is rounded to nearest even as it is stored, attention still computes in
-    # float32 (llama.cpp's default cache type is float16)
+    # element type of the KV pools: "auto" (the default: float16, llama.cpp's default cache type),
+    # "float32" (exact), "float16" or "bfloat16": a 16-bit pool takes half the memory per cached token
+    # and half the bytes decode attention reads per token at long contexts; each k / v is rounded to
+    # nearest even as it is stored, attention still computes in float32
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
@@ -136,7 +136,7 @@ class EngineCore:
         self.context_length = context_length
         self.vocab = model.args.vocab_size
         args = model.args
-        kv_dtype = model.dtype if self.config.kv_cache_dtype == "auto" else getattr(torch, self.config.kv_cache_dtype)
+        kv_dtype = getattr(torch, "float16" if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype)
         per_block = PagedKVCache.bytes_per_block(args.num_hidden_layers, self.config.block_size,
                                                  args.num_key_value_heads, args.head_dim, kv_dtype)
         num_blocks = max(2, self._pool_bytes(per_block) // per_block)

@@ -30,7 +30,7 @@ from quill.engine.sequence import Timings
 from quill.engine.startup import load_model
 from quill.errors import ConfigError, GenerationError
 from quill.layers import LoadContext
-from quill.options import RunOptions
+from quill.options import ActQuant, RunOptions, describe_activations, describe_kv_cache, is_gguf
 from quill.platform import Platform, detect
 from quill.prepacked.store import PrepackedCache, cache_enabled
 from quill.tokenizer import Tokenizer
@@ -94,10 +94,12 @@ class LLM:
         dtype: "float32" (the default and only compute dtype; exact against float32 references).
             "bfloat16" is accepted and runs as float32 with a warning: it decoded at 0.5-0.9x float32's
             speed on CPUs, so it is not offered.
-        activation_quant: "int8" runs every quantized layer with int8 activations (W4A8 / W8A8), one
-            scale per token; "int8-group" one scale per token and weight group (as llama.cpp does for
-            its 4/8-bit blocks: more accurate, slightly slower); a checkpoint that prescribes its own
-            activation quantization (W8A8) always gets it.
+        activation_quant: "auto" (default): the format's own arithmetic, "int8-group" for GGUF files
+            (llama.cpp's: int8 activations per token and 32-value block) and float activations for AWQ,
+            GPTQ, compressed-tensors and AutoRound checkpoints (their tools' forward); "none": float
+            activations, GGUF too; "int8": int8 activations (W4A8 / W8A8), one scale per token;
+            "int8-group": one scale per token and weight group.  A checkpoint that prescribes its own
+            activation quantization (W8A8) always gets it.  ``llm.activation`` is what it resolved to.
         threads: torch threads (default: the physical cores).
         kernel: force one linear kernel by name (default: the best that can run each layer).
         moe_backend: force one MoE backend by name (default: the best that can run each MoE layer).
@@ -112,18 +114,22 @@ class LLM:
             speed and checking those paths on an AVX-512 host; torch's own ops follow
             ``ATEN_CPU_CAPABILITY=avx2``).
         engine_config: the engine core's batching and KV-cache sizes (``quill.engine.core.EngineConfig``).
-        kv_cache_dtype: "auto" (float32), "float16" or "bfloat16": the KV cache's element type
-            (``EngineConfig.kv_cache_dtype``; given here it overrides engine_config's).
+        kv_cache_dtype: "auto" (float16, llama.cpp's default), "float32" (exact), "float16" or "bfloat16":
+            the KV cache's element type (``EngineConfig.kv_cache_dtype``; given here it overrides
+            engine_config's).
         cache: use the prepacked cache (default: on unless ``$QUILL_CACHE=0``): the kernel layouts are
             saved after the first load (on a thread) and read back on later ones (``quill.prepacked``).
         cache_dir: where (default ``$QUILL_CACHE_DIR``, else ``~/.cache/quill``).
+
+    These keywords (all but model, skip_tokenizer_init, seed, progress, platform and engine_config) are
+    ``quill.options.RunOptions``' fields: ``LLM(model, **options.llm_kwargs())`` runs ``options``.
 
     Every call runs on ``llm.engine`` (an ``EngineCore``: continuous batching over a paged KV cache
     with prefix caching), the same core ``quill serve`` drives.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "float32",
-                 activation_quant: str | None = None, threads: int | None = None, kernel: str | None = None,
+                 activation_quant: str = "auto", threads: int | None = None, kernel: str | None = None,
                  moe_backend: str | None = None,
                  skip_tokenizer_init: bool = False, max_model_len: int | None = None, seed: int = 0,
                  offline: bool = False, progress: bool | None = None, platform: Platform | None = None,
@@ -132,7 +138,9 @@ class LLM:
                  cache: bool | None = None, cache_dir: str | os.PathLike | None = None):
         if kv_cache_dtype is not None:  # checked here, before the model loads
             engine_config = dataclasses.replace(engine_config or EngineConfig(), kv_cache_dtype=kv_cache_dtype)
-        self.options = RunOptions.parse(dtype, activation_quant, threads, kernel, moe_backend, max_model_len)
+        self.options = RunOptions(dtype=dtype, activation_quant=activation_quant, kv_cache_dtype=kv_cache_dtype,
+                                  threads=threads, kernel=kernel, moe_backend=moe_backend, isa=isa,
+                                  max_model_len=max_model_len, offline=offline, cache=cache, cache_dir=cache_dir)
         self.platform = _limited(platform or detect(), isa)
         self.threads = self.options.threads or self.platform.physical_cores
         # native kernels get the count explicitly (LoadContext); torch's own ops (attention over
@@ -141,7 +149,9 @@ class LLM:
         self.path = resolve_model(model, offline)
         if progress is None:
             progress = _stderr_is_tty()
-        ctx = LoadContext.create(self.platform, self.options.dtype, self.options.act_quant.request,
+        # "auto" made concrete for this file: GGUF runs llama.cpp's arithmetic, the HF formats float
+        self.activation: ActQuant = self.options.act_quant.resolve(is_gguf(self.path))
+        ctx = LoadContext.create(self.platform, self.options.torch_dtype, self.activation.request,
                                  self.options.kernel, self.options.moe_backend, threads=self.threads)
         use_cache = cache_enabled() if cache is None else cache
         self.cache = PrepackedCache(cache_dir) if use_cache else None
@@ -157,9 +167,19 @@ class LLM:
             self.context_length = min(self.context_length, max_model_len)
         self.engine = EngineCore(self.model, self.eos_token_ids, self.context_length, engine_config, seed,
                                  isa=ctx.native_isa)
+        self.arithmetic = self._arithmetic(engine_config)
         keep_step_memory()  # steps reuse their intermediates' pages instead of faulting them in again
         self.processor = OutputProcessor(self.engine, self.tokenizer)
         self._ids = itertools.count()
+
+    def _arithmetic(self, engine_config: EngineConfig | None) -> dict[str, str]:
+        """Which activation and KV-cache arithmetic runs and why (the CLI's load line, ``quill inspect``)."""
+        # a float request with int8 layers: the checkpoint prescribes them (W8A8)
+        prescribed = self.activation is ActQuant.NONE and any(
+            i.summary.startswith("W") and "A8" in i.summary.split()[0] for i in self.loaded.layers)
+        acts = describe_activations(self.options.act_quant, self.activation, is_gguf(self.path), prescribed)
+        kv = describe_kv_cache(engine_config.kv_cache_dtype if engine_config else None, self.engine.kv_cache_dtype)
+        return {"activations": acts, "KV cache": kv}
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

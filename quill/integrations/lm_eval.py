@@ -2,15 +2,17 @@
 
     import lm_eval
     from quill.integrations.lm_eval import QuillLM
-    lm_eval.simple_evaluate(model=QuillLM(pretrained="path/or.gguf", act_quant="int8"), tasks=["hellaswag"])
+    lm_eval.simple_evaluate(model=QuillLM(pretrained="path/or.gguf", activation_quant="none"), tasks=["hellaswag"])
 
-or ``lm_eval --model quill --model_args pretrained=PATH`` once this module is imported (it
-registers the name "quill").  Log-likelihoods are scored prompts (``LLM.score``: batched,
-with the contexts' full KV blocks shared through the prefix cache); generation is
-``LLM.generate`` with the task's stop strings.
+or ``lm_eval --model quill --model_args pretrained=PATH,activation_quant=none`` once this module is
+imported (it registers the name "quill").  Every ``quill.options.RunOptions`` field is a model
+argument.  Log-likelihoods are scored prompts (``LLM.score``: batched, with the contexts' full KV
+blocks shared through the prefix cache); generation is ``LLM.generate`` with the task's stop strings.
 """
 
 from __future__ import annotations
+
+import warnings
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -21,7 +23,12 @@ from quill.engine.llm import LLM
 from quill.engine.sampling import SamplingParams
 from quill.engine.scoring import ScoreSpec
 from quill.errors import EvalError
+from quill.formats.registry import QuillDeprecationWarning
+from quill.options import RunOptions
 
+# what lm-eval's create_from_arg_string adds to every model's arguments (meaningless for quill's engine,
+# which batches continuously on the CPU it runs on)
+_LM_EVAL_EXTRAS = frozenset({"batch_size", "max_batch_size", "device"})
 
 @register_model("quill")
 class QuillLM(TemplateLM):
@@ -29,17 +36,17 @@ class QuillLM(TemplateLM):
 
     Args:
         pretrained: what ``quill.LLM`` loads (a directory, a .gguf file, a Hub id; None: the default model).
-        dtype, act_quant, kernel, threads, max_model_len: as for ``quill.LLM``.
         max_gen_toks: the generation budget when a task gives none.
         llm: an already loaded ``quill.LLM`` to use instead of loading ``pretrained``.
+        **options: ``quill.options.RunOptions`` fields (``quill.LLM``'s keywords: dtype, activation_quant,
+            kv_cache_dtype, threads, kernel, isa, ...), strings as lm-eval's model_args give them or not.
+            ``act_quant`` is the deprecated spelling of ``activation_quant``.
     """
 
-    def __init__(self, pretrained: str | None = None, dtype: str = "float32", act_quant: str | None = None,
-                 kernel: str | None = None, threads: int | None = None, max_model_len: int | None = None,
-                 max_gen_toks: int = 256, llm: LLM | None = None, **_ignored):
+    def __init__(self, pretrained: str | None = None, max_gen_toks: int = 256, llm: LLM | None = None, **options):
         super().__init__()
-        self.llm = llm or LLM(pretrained, dtype=dtype, activation_quant=act_quant, kernel=kernel, threads=threads,
-                              max_model_len=max_model_len)
+        self.options = run_options(options)
+        self.llm = llm or LLM(pretrained, **self.options.llm_kwargs())
         if self.llm.tokenizer is None:
             raise EvalError("lm-eval needs the model's tokenizer (this LLM has skip_tokenizer_init=True)")
         self.tokenizer = self.llm.tokenizer
@@ -134,3 +141,18 @@ class QuillLM(TemplateLM):
         for req, text in zip(requests, texts):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return texts
+
+
+def run_options(args: dict) -> RunOptions:
+    """The ``RunOptions`` of QuillLM's keyword arguments (lm-eval's own extras dropped, the old spelling
+    ``act_quant`` accepted with a warning); an unknown key is an error naming the known ones."""
+    args = {k: v for k, v in args.items() if k not in _LM_EVAL_EXTRAS}
+    if "act_quant" in args:
+        if "activation_quant" in args:
+            raise EvalError("give activation_quant only (act_quant is its deprecated spelling)")
+        warnings.warn("QuillLM(act_quant=...) is deprecated; write activation_quant (as quill.LLM does)",
+                      QuillDeprecationWarning, stacklevel=3)
+        args["activation_quant"] = args.pop("act_quant")
+    if "activation_quant" in args and args["activation_quant"] is None:  # lm-eval parses the text "none" to None
+        args["activation_quant"] = "none"
+    return RunOptions.from_mapping(args, "QuillLM")

@@ -37,6 +37,7 @@ from ray.serve.config import RequestRouterConfig
 
 from quill.engine.core import EngineConfig, PromptLimits
 from quill.errors import ConfigError, QuillError
+from quill.options import RunOptions
 from quill.serving.app import build_app as build_http_app
 from quill.serving.app import default_model_name
 from quill.serving.engine import AsyncEngine, EngineStopped, ServerBusy
@@ -61,7 +62,7 @@ class RayServeOptions:
     autoscaling: dict = field(default_factory=dict)  # more of Ray's AutoscalingConfig: upscale_delay_s, ...
     threads_per_replica: int = 1  # CPUs each replica reserves from Ray and runs its kernels on
     ingress_replicas: int = 1  # ingress processes (no model; ~1.3 ms CPU per streamed token each, measured)
-    llm: dict = field(default_factory=dict)  # quill.LLM keywords: dtype, activation_quant, kernel, ...
+    llm: dict = field(default_factory=dict)  # quill.options.RunOptions fields (= quill.LLM keywords), as asdict
     engine: dict = field(default_factory=dict)  # EngineConfig fields
     model_name: str | None = None  # the name clients use (default: the checkpoint's)
     api_key: str | None = None
@@ -81,6 +82,10 @@ class RayServeOptions:
         if self.target_ongoing_requests is not None:
             _check_int("target_ongoing_requests", self.target_ongoing_requests, 1)
         EngineConfig(**self.engine)  # its own checks, here rather than on every replica
+        run = RunOptions.from_mapping(self.llm, "RayServeOptions.llm")  # likewise; every field, by name
+        if run.threads is not None:
+            raise ConfigError(f"llm threads={run.threads}: each replica runs threads_per_replica threads; set that")
+        object.__setattr__(self, "llm", run.llm_kwargs())
         if self.replicas is None:
             _ = self.autoscaling_config  # Ray's own checks, with the field named
         elif self.autoscaling:
@@ -110,6 +115,11 @@ class RayServeOptions:
         return EngineConfig(**engine)
 
     @property
+    def replica_llm_kwargs(self) -> dict:
+        """What each replica's ``quill.LLM`` gets besides the model and engine config: the RunOptions, its threads."""
+        return {**self.llm, "threads": self.threads_per_replica}
+
+    @property
     def cpus_needed(self) -> int:
         return (self.replicas or self.min_replicas) * self.threads_per_replica
 
@@ -128,9 +138,8 @@ class QuillReplica:
 
         # Loaded on the thread that will step it: libgomp keeps one worker pool per thread (see AsyncEngine).
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="quill-engine")
-        self.llm = self._executor.submit(lambda: LLM(options.model, threads=options.threads_per_replica,
-                                                     engine_config=options.engine_config, progress=False,
-                                                     **options.llm)).result()
+        self.llm = self._executor.submit(lambda: LLM(options.model, engine_config=options.engine_config,
+                                                     progress=False, **options.replica_llm_kwargs)).result()
         self.engine = AsyncEngine(self.llm, options.max_waiting, executor=self._executor,
                                   stream_interval=options.stream_interval)
         self.engine.start()
@@ -276,22 +285,29 @@ def application(options: RayServeOptions):
 
 _INTS = {"replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "threads_per_replica",
          "ingress_replicas", "max_waiting", "imbalance", "stream_interval", "max_num_seqs", "max_num_batched_tokens",
-         "kv_cache_memory", "max_model_len"}
-_LLM = {"dtype", "activation_quant", "kernel", "moe_backend", "max_model_len", "offline"}
+         "kv_cache_memory"}
+_LLM = {f.name for f in dataclasses.fields(RunOptions)} - {"threads"}  # threads: threads_per_replica
 _ENGINE = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def build_app(args: dict):
-    """``serve run quill.serving.ray:build_app model=... replicas=2 threads_per_replica=1 ...``.
+    """``serve run quill.serving.ray:build_app model=... replicas=2 threads_per_replica=1 ...``
+    (the keys: ``build_options``)."""
+    return application(build_options(args))
 
-    Keys: RayServeOptions' fields, quill.LLM's keywords (dtype, activation_quant, kernel, ...)
-    and EngineConfig's fields (max_num_seqs, kv_cache_memory, ...); values may be strings."""
+
+def build_options(args: dict) -> RayServeOptions:
+    """``build_app``'s arguments as the options of the application.
+
+    Keys: RayServeOptions' fields, quill.options.RunOptions' fields (quill.LLM's keywords: dtype,
+    activation_quant, kv_cache_dtype, isa, cache, ...; not threads: threads_per_replica) and EngineConfig's
+    other fields (max_num_seqs, kv_cache_memory, ...); values may be strings."""
     own = {f.name for f in dataclasses.fields(RayServeOptions)} - {"llm", "engine", "autoscaling"}
     top, llm, engine = {}, {}, {}
     for key, value in args.items():
         if isinstance(value, str) and key in _INTS:
             value = None if value.lower() in ("", "none", "auto") else _int(key, value)
-        if key in ("enable_prefix_caching", "offline") and isinstance(value, str):
+        if key == "enable_prefix_caching" and isinstance(value, str):
             value = value.lower() in ("1", "true", "yes")
         if key in own:
             top[key] = value
@@ -301,7 +317,7 @@ def build_app(args: dict):
             engine[key] = value
         else:
             raise ConfigError(f"build_app: unknown argument '{key}'; known: {', '.join(sorted(own | _LLM | _ENGINE))}")
-    return application(RayServeOptions(**top, llm=llm, engine=engine))
+    return RayServeOptions(**top, llm=RunOptions.from_mapping(llm, "build_app").llm_kwargs(), engine=engine)
 
 
 def _int(key: str, value: str) -> int:
