@@ -291,7 +291,8 @@ BAD = [
 
 @pytest.mark.parametrize("path,body,param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
 def test_bad_requests_are_4xx_naming_the_field(server, path, body, param):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else \
+        {"json": body}
     r = httpx.post(server.url + path, timeout=30, **kw)
     assert r.status_code == 400, r.text
     err = r.json()["error"]

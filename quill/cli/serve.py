@@ -2,7 +2,7 @@
 
     quill serve --model path/to/model --port 8000 --api-key sk-local
     curl localhost:8000/v1/chat/completions -H 'Authorization: Bearer sk-local' \\
-         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+         -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 SIGTERM or Ctrl-C stops accepting connections, lets running requests finish for at most
 ``--shutdown-timeout`` seconds (then aborts them), and exits 0.
@@ -27,14 +27,14 @@ _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
           "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
 
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512M', '1e9', '1000000' -> bytes (a ConfigError names what was found)."""
+def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
+    """'2GiB', '512M', '1e9', '1000000' -> bytes (a ConfigError names ``flag`` and what was found)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?\s*", text.lower())
     if not m:
-        raise ConfigError(f"--kv-cache-memory: expected bytes such as 2GiB, 512MB or 1000000, found '{text}'")
+        raise ConfigError(f"{flag}: expected bytes such as 2GiB, 512MB or 1000000, found '{text}'")
     value = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
     if value < 1:
-        raise ConfigError(f"--kv-cache-memory: expected a positive size, found '{text}'")
+        raise ConfigError(f"{flag}: expected a positive size, found '{text}'")
     return value
 
 
@@ -72,6 +72,18 @@ def register(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    h = p.add_argument_group("HTTP limits (quill serve without replicas)")
+    h.add_argument("--max-body-size", default=None, metavar="BYTES",
+                   help="largest request body, e.g. 8MiB (default); larger ones get 413 before they are read")
+    h.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                   help="seconds a request's headers may take to arrive, else the connection is closed (default 10)")
+    h.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                   help="seconds a request's body may take after its headers, else 408 (default 30)")
+    h.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                   help="Host names answered besides localhost, 127.0.0.1, ::1 and the --host address; others get "
+                        "400 (stops DNS rebinding); '*': any. Bound to 0.0.0.0 or :: without it: any")
+    h.add_argument("--allowed-origins", default=None, metavar="O1,O2",
+                   help="browser origins (https://app.example) allowed to call the API through CORS (default: none)")
     r = p.add_argument_group("Ray Serve replicas (pip install 'quill[ray]')")
     r.add_argument("--replicas", type=int, default=None,
                    help="serve from this many quill engines on Ray Serve, behind one endpoint")
@@ -94,17 +106,46 @@ def register(sub) -> None:
 
 _RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "autoscaling_config",
               "threads_per_replica", "ingress_replicas", "ray_address")
+_HTTP_FLAGS = ("max_body_size", "header_timeout", "body_timeout", "allowed_hosts", "allowed_origins")
+
+
+def _names(text: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+
+
+def http_options(args) -> dict:
+    """The HTTP-limit flags as ``ServeConfig`` keywords (only those given; checked before the model loads)."""
+    out = {}
+    if args.max_body_size is not None:
+        out["max_body_size"] = parse_bytes(args.max_body_size, "--max-body-size")
+    for flag in ("header_timeout", "body_timeout"):
+        value = getattr(args, flag)
+        if value is not None:
+            if not value > 0:
+                raise ConfigError(f"--{flag.replace('_', '-')}: expected seconds > 0, found {value}")
+            out[flag] = value
+    if args.allowed_hosts is not None:
+        out["allowed_hosts"] = _names(args.allowed_hosts)
+    if args.allowed_origins is not None:
+        out["allowed_origins"] = _names(args.allowed_origins)
+    return out
 
 
 def run(args) -> int:
     if args.stream_interval < 1:  # before the model loads
         raise ConfigError(f"--stream-interval: expected an integer >= 1, found {args.stream_interval}")
     if any(getattr(args, k) is not None for k in _RAY_FLAGS):
+        given = [f"--{k.replace('_', '-')}" for k in _HTTP_FLAGS if getattr(args, k) is not None]
+        if given:  # Ray's proxy owns the sockets there; the ingress keeps the defaults
+            raise ConfigError(f"{', '.join(given)}: not available with replicas (Ray Serve's proxy takes the "
+                              "connections)")
         return run_ray(args)
+    http = http_options(args)
     import uvicorn
 
     from quill.engine.core import EngineConfig
     from quill.serving.app import ServeConfig, create_app, default_model_name
+    from quill.serving.http_limits import protocol_class
 
     kv = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -118,7 +159,11 @@ def run(args) -> int:
         llm = executor.submit(build_llm, args, engine_config=engine_config).result()
     else:
         llm = build_llm(args, engine_config=engine_config)
-    config = ServeConfig(args.served_model_name, args.api_key, args.max_waiting, args.stream_interval)
+    bound = sock.getsockname()[0]
+    if bound != args.host and bound not in ("0.0.0.0", "::"):  # --host named the machine: its address too
+        http["allowed_hosts"] = (*http.get("allowed_hosts", ()), bound)
+    config = ServeConfig(args.served_model_name, args.api_key, args.max_waiting, args.stream_interval,
+                         host=args.host, **http)
     app = create_app(llm, config, executor)
     stats = llm.engine.stats()
     host, port = sock.getsockname()[:2]
@@ -127,7 +172,8 @@ def run(args) -> int:
           f"{llm.engine.kv_cache_dtype}, up to {args.max_num_seqs} "
           f"sequences at once)", file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                    timeout_graceful_shutdown=args.shutdown_timeout))
+                                    timeout_graceful_shutdown=args.shutdown_timeout,
+                                    http=protocol_class(config.header_timeout, config.body_timeout)))
     try:
         server.run(sockets=[sock])
     finally:

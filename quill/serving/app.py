@@ -4,9 +4,11 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 ``build_app`` takes any ``OpenAIServing`` (the Ray ingress builds its own over replicas).
-Every error is OpenAI's schema: invalid fields 400 (the field named), a missing or wrong
-API key 401, an unknown model or route 404, a full queue 503 with ``Retry-After``.  A
-client that goes away has its requests aborted, streamed or not.
+Every error is OpenAI's schema: invalid fields 400 (the field named; also bodies that are not
+JSON, nest too deep or hold a lone UTF-16 surrogate), a missing or wrong API key 401, an unknown
+model or route 404, a full queue 503 with ``Retry-After``, an unexpected exception a logged 500;
+the limits of ``http_limits`` (Host, Content-Type, body size and time) answer 400, 415, 413, 408.
+A client that goes away has its requests aborted, streamed or not.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import hmac
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -29,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from quill import __version__
 from quill.serving.engine import AsyncEngine
+from quill.serving.http_limits import HttpLimits, RequestGuard, allowed_hosts
 from quill.serving.metrics import ServerMetrics
 from quill.serving.openai import OpenAIServing
 from quill.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -44,6 +49,15 @@ class ServeConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     max_waiting: int = 256  # requests queued beyond the running batch before 503
     stream_interval: int = 1  # tokens a streamed request gathers before they are sent (AsyncEngine)
+    max_body_size: int = HttpLimits.max_body_size  # bytes; larger request bodies get 413
+    header_timeout: float = 10.0  # seconds a request's headers may take (the uvicorn protocol's deadline)
+    body_timeout: float = HttpLimits.body_timeout  # seconds its body may take after them, else 408
+    host: str | None = None  # the address the server is bound to: Host headers must name it (or a loopback)
+    allowed_hosts: tuple[str, ...] = ()  # more Host names to answer ("*": any)
+    allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call the API; none by default
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.max_body_size, self.body_timeout, allowed_hosts(self.host, self.allowed_hosts))
 
 
 class _EventStream(StreamingResponse):
@@ -93,20 +107,66 @@ async def _answer(request: Request, stream: bool, work):
     return Response(status_code=499) if body is None else body
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _invalid_json(reason: str) -> APIError:
+    return APIError(400, f"the request body is not valid JSON: {reason}", None, "invalid_json")
+
+
 async def _parse(request: Request, model: type[BaseModel]):
-    """The JSON body as ``model`` whatever the Content-Type (curl -d sends a form type); 400s name the field."""
+    """The JSON body (its Content-Type checked by ``RequestGuard``) as ``model``; 400s name the field."""
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:  # json's C scanner recurses once per nesting level
+        raise _invalid_json("nested too deeply") from None
+    except ValueError as e:  # also bad UTF-8 and integers past Python's 4300-digit limit
+        raise _invalid_json(str(e)) from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, found {type(data).__name__}", None,
                        "invalid_value")
+    path = _lone_surrogate(data)
+    if path is not None:
+        raise APIError(400, f"{path or 'a key'}: the string holds a lone UTF-16 surrogate (an unpaired "
+                            "\\ud800-\\udfff escape), which is not text", path or None, "invalid_value")
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise _invalid_json("nested too deeply") from None
     except ValidationError as e:
         raise _validation_error(e.errors()) from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins a valid pair into one character
+
+
+def _lone_surrogate(data) -> str | None:
+    """The path (``messages[0].content``) of a string in ``data`` holding a lone surrogate, which no
+    encoder will write (the tokenizer or the JSON response would fail on it later); None if none."""
+    todo = [(None, data)]  # a stack, not recursion: the document may nest as deep as json.loads allowed
+    while todo:
+        at, value = todo.pop()  # at: (parent's at, key or index), rendered only if needed
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                return _render(at)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not key.isascii() and _SURROGATE.search(key):
+                    return _render(at)
+                todo.append(((at, key), item))
+        elif isinstance(value, list):  # numbers skipped here: a prompt of token ids is a long list of them
+            todo.extend(((at, i), item) for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
+    return None
+
+
+def _render(at) -> str:
+    parts = []
+    while at is not None:
+        at, key = at
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "".join(reversed(parts)).lstrip(".")
 
 
 def _validation_error(errors: list[dict]) -> APIError:
@@ -137,9 +197,26 @@ def _validation_error(errors: list[dict]) -> APIError:
     return APIError(400, f"{param + ': ' if param else ''}{msg}{shown}", param, "invalid_value")
 
 
+class _CORS(CORSMiddleware):
+    """Starlette's CORS, its refused preflight (an origin or header not allowed) in OpenAI's schema."""
+
+    def preflight_response(self, request_headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        e = APIError(response.status_code, f"CORS preflight refused: {response.body.decode()} "
+                                           "(see --allowed-origins)", None, "cors_refused")
+        return JSONResponse(e.body(), status_code=e.status)
+
+
+DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
 def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None, api_key: str | None = None,
-              healthy: Callable[[], bool] = lambda: True, lifespan=None) -> FastAPI:
-    """The OpenAI routes, /health and /metrics over ``serving``."""
+              healthy: Callable[[], bool] = lambda: True, lifespan=None, limits: HttpLimits = HttpLimits(),
+              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The OpenAI routes, /health and /metrics over ``serving``; ``limits`` on every request, CORS for
+    ``allowed_origins`` only."""
     app = FastAPI(title="quill", version=__version__, lifespan=lifespan)
 
     @app.exception_handler(APIError)
@@ -159,13 +236,18 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None, api_
     if api_key:
         @app.middleware("http")
         async def _auth(request: Request, call_next):
-            if request.url.path.startswith("/v1"):
+            if request.url.path.startswith("/v1") or request.url.path in DOC_PATHS:
                 given = request.headers.get("authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                     e = APIError(401, "a valid API key is needed: send 'Authorization: Bearer <key>'", None,
                                  "invalid_api_key")
                     return JSONResponse(e.body(), status_code=401)
             return await call_next(request)
+
+    app.add_middleware(RequestGuard, limits=limits)
+    if allowed_origins:  # outermost: a preflight carries no API key and must not need one
+        app.add_middleware(_CORS, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.get("/health")
     async def health():
@@ -222,6 +304,7 @@ def create_app(llm, config: ServeConfig = ServeConfig(), executor=None) -> FastA
         finally:
             await asyncio.to_thread(engine.shutdown)
 
-    app = build_app(serving, metrics, config.api_key, lambda: engine.alive, lifespan)
+    app = build_app(serving, metrics, config.api_key, lambda: engine.alive, lifespan, config.http_limits(),
+                    config.allowed_origins)
     app.state.engine = engine
     return app
