@@ -1,4 +1,4 @@
-"""CPU time per streamed token of each Ray process behind `quill serve --replicas` (docs/BENCHMARKS.md).
+"""CPU time per streamed token of each Ray process behind `quill serve --replicas` (docs/lab/BENCHMARKS-notebook.md).
 
     quill serve --replicas 2 --threads-per-replica 1 --port 8124 &
     .venv/bin/python scripts/ray_ingress_cpu.py http://127.0.0.1:8124

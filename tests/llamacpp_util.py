@@ -6,7 +6,6 @@ into quill's interpreter: every call is a subprocess of that virtualenv's python
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -26,13 +25,6 @@ def llama_python() -> str:
 
 def quantize(src: Path, dst: Path, ftype: str) -> Path:
     """``llama_model_quantize(src -> dst)`` with ``LLAMA_FTYPE_MOSTLY_<ftype>`` (e.g. Q4_K_M), once."""
-    return bench_module().quantize_with_llamacpp(llama_python(), src, dst, ftype)
+    from quill.bench.llamacpp import quantize_with_llamacpp
 
-
-def bench_module():
-    """benchmarks/llamacpp.py (not a package): the quantizer and the random-Llama writer live there."""
-    script = REPO / "benchmarks" / "llamacpp.py"
-    spec = importlib.util.spec_from_file_location("bench_llamacpp", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return quantize_with_llamacpp(llama_python(), src, dst, ftype)

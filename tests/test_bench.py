@@ -84,21 +84,19 @@ def test_bench_model_tiny_run(tmp_path, capsys):
 
 
 def test_llamacpp_bench_writes_a_gguf_quill_runs(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
     import quill
+    from quill.bench import llamacpp as mod
     from quill.engine.hub import default_model
 
-    script = Path(__file__).parents[1] / "benchmarks" / "llamacpp.py"
-    spec = importlib.util.spec_from_file_location("bench_llamacpp", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     path = mod.write_1b_gguf(tmp_path, default_model(), hidden=64, ffn=128, heads=4, kv_heads=2, layers=2,
                              name="tiny.gguf")
-    llm = quill.LLM(str(path), threads=1, progress=False)
+    # each arithmetic the bench compares runs on its native kernel, whatever the GGUF default is
+    kernels = {"quill w4a16": "native_w4a16", "quill w4a8": "native_w4a8", "quill w4a8g": "native_w4a8"}
+    assert set(mod.QUILL_MODES) == set(kernels)
+    for engine, act_quant in mod.QUILL_MODES.items():
+        llm = quill.LLM(str(path), threads=1, progress=False, activation_quant=act_quant)
+        assert {i.kernel for i in llm.loaded.layers if i.kind == "quantized"} == {kernels[engine]}, engine
     assert llm.model.args.hidden_size == 64 and llm.model.args.num_hidden_layers == 2
-    assert {i.kernel for i in llm.loaded.layers if i.kind == "quantized"} == {"native_w4a16"}
     out = mod.run_quill(llm, 5, 3)
     assert out["decode_tps"] > 0 and out["prefill_tps"] > 0
     assert llm.tokenizer.encode("Hello") == quill.LLM(str(default_model()), progress=False).tokenizer.encode("Hello")

@@ -18,9 +18,10 @@ from gguf.quants import dequantize
 from gguf_util import F16_FIELDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from llamacpp_util import bench_module, quantize
+from llamacpp_util import quantize
 
 import quill
+from quill.bench.llamacpp import write_1b_gguf
 from quill.canonical import QuantizedWeight
 from quill.default_model import default_model_path
 from quill.engine.scoring import ScoreSpec
@@ -136,8 +137,8 @@ def smol(kq_dir) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def tiny(kq_dir) -> dict[str, Path]:
     """A random-weight Llama (hidden 256, MLP 512, 2 layers) in every ftype, from an F16 copy."""
-    f16 = bench_module().write_1b_gguf(kq_dir, default_model_path(), hidden=256, ffn=512, heads=4, kv_heads=2,
-                                        layers=2, name="tiny-f16.gguf", qtype="F16")
+    f16 = write_1b_gguf(kq_dir, default_model_path(), hidden=256, ffn=512, heads=4, kv_heads=2,
+                        layers=2, name="tiny-f16.gguf", qtype="F16")
     return {t: quantize(f16, kq_dir / f"tiny-{t}.gguf", t) for t in FTYPES}
 
 

@@ -105,7 +105,7 @@ for line in open("/proc/self/maps"):
 def test_keep_step_memory_takes_step_buffers_from_the_heap():
     """The engine's allocator policy serves a step's 24 MiB block from the heap, which keeps freed
     pages for the next step; glibc's defaults (the control) map it apart and unmap it on free, so
-    every step faulted such blocks in again (a 1.2B W4A8 prompt: 200-300K faults, docs/BENCHMARKS.md)."""
+    every step faulted such blocks in again (a 1.2B W4A8 prompt: 200-300K faults, docs/lab/BENCHMARKS-notebook.md)."""
     def run(mode):
         out = subprocess.run([sys.executable, "-c", _WHERE, mode], capture_output=True, text=True, check=True)
         return out.stdout.split()

@@ -27,7 +27,7 @@ ZEN3 = parse_cpuinfo((DATA / "zen3_epyc7763_1s8c16t.txt").read_text())
 ZEN4 = parse_cpuinfo((DATA / "zen4_epyc9654_2s4c16t.txt").read_text())
 SPR = parse_cpuinfo((DATA / "spr_xeon8480_2s4c16t.txt").read_text())
 HOST = detect()
-# The native kernels rank ahead of zentorch (faster at decode, docs/BENCHMARKS.md); these tests
+# The native kernels rank ahead of zentorch (faster at decode, docs/lab/BENCHMARKS-notebook.md); these tests
 # check zentorch's place among the rest, so they run with the native kernels disabled.
 NO_NATIVE = KernelPolicy(disabled=frozenset({"native_w4a16", "native_w4a8", "native_w8a8", "native_w8a16"}))
 INSTALLED = importlib.util.find_spec("zentorch") is not None

@@ -217,7 +217,12 @@ def run(args) -> int:
         gguf = None if args.model else str(default_model_path())
         if gguf is None:
             raise ConfigError("--llama-server needs a GGUF file: pass --gguf (or a .gguf --model)")
-    report = {"cpu": platform.summary(), "threads": threads, "levels": {}}
+    from quill.bench.meta import run_metadata
+
+    meta = run_metadata(platform, threads, llama_server=args.llama_server)
+    # which model and quill mode ran: the page labels its serving rows from these
+    meta |= {"model": str(args.model or default_model_path()), "serve_args": list(args.serve_arg or [])}
+    report = {"cpu": platform.summary(), "threads": threads, "meta": meta, "levels": {}}
     print(f"cpu: {platform.summary()}, {threads} threads per server")
     layouts = ray_layouts(args.ray)
     with ExitStack() as stack:

@@ -52,7 +52,7 @@ def register(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together (default 16)")
     # 128, not the offline engine's 256: a step carrying a prompt chunk is a pause for every decoding
     # client, and halving the chunk halved the p99 inter-token latency at 16 clients (1.2B W4A16 on
-    # Zen 5: 1400 -> 656 ms, llama-server 1106) at the same throughput (docs/BENCHMARKS.md)
+    # Zen 5: 1400 -> 656 ms, llama-server 1106) at the same throughput (docs/lab/BENCHMARKS-notebook.md)
     p.add_argument("--max-num-batched-tokens", type=int, default=SERVE_BATCHED_TOKENS,
                    help=f"tokens computed per step: decodes plus prefill chunks (default {SERVE_BATCHED_TOKENS}; "
                         "smaller steps pause decoding clients for less time)")
@@ -285,4 +285,3 @@ def _server_class():
                     signal.signal(s, handler)
 
     return _Server
-

@@ -44,7 +44,7 @@ KERNELS: dict[str, str] = {
 # extension; zentorch: AMD Zen with AVX-512 only); the lists only say what to try.
 # Registered kernels listed nowhere (zentorch_woq) run only when forced with QUILL_KERNEL.
 # The native kernels come first: decode (M = 1) streams weights ~2x faster than torch
-# int4pack (docs/BENCHMARKS.md); native_w8a8 vs zentorch, 4096x4096, 2 threads: 0.50 vs
+# int4pack (docs/lab/BENCHMARKS-notebook.md); native_w8a8 vs zentorch, 4096x4096, 2 threads: 0.50 vs
 # 0.67 ms at M = 1, 0.85 vs 0.98 at M = 16, but 7.2 vs 5.7 ms at M = 128.
 _NATIVE = ("native_w3a16", "native_w3a8", "native_w4a16", "native_w4a8", "native_w6a16", "native_w6a8",
            "native_w8a8", "native_w8a16")

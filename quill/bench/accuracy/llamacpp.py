@@ -1,7 +1,7 @@
 """What each engine's arithmetic costs on one GGUF file: quill W4A16, W4A8, W4A8g and llama.cpp against
 the float32 forward of the very same weights (quill's ``reference`` kernel: dequantize, float32 matmul).
 
-    .venv/bin/python scripts/accuracy_llamacpp.py --llama-python .venv-llamacpp/bin/python [--gguf FILE]
+    .venv/bin/python -m quill.bench.accuracy.llamacpp --llama-python .venv-llamacpp/bin/python [--gguf FILE]
 
 The text is CPython's ``pydoc_data.topics`` (docs/ACCURACY.md), tokenized by quill; windows of 512
 tokens, each scored on its second half (positions with 256-511 tokens of context), so llama.cpp and
@@ -82,8 +82,9 @@ def main() -> None:
     ids = quill.LLM(path).tokenizer.encode(text)[:args.windows * args.window]
     targets = np.concatenate([ids[w + args.window // 2:w + args.window]
                               for w in range(0, len(ids) - args.window + 1, args.window)])
-    ref = quill_logprobs(path, ids, args.window, kernel="reference")
-    runs = {"quill W4A16": quill_logprobs(path, ids, args.window),
+    # float activations spelled out: a GGUF file's default is llama.cpp's int8 arithmetic (W4A8g)
+    ref = quill_logprobs(path, ids, args.window, kernel="reference", activation_quant="none")
+    runs = {"quill W4A16": quill_logprobs(path, ids, args.window, activation_quant="none"),
             "quill W4A8": quill_logprobs(path, ids, args.window, activation_quant="int8"),
             "quill W4A8g": quill_logprobs(path, ids, args.window, activation_quant="int8-group")}
     with tempfile.TemporaryDirectory() as tmp:

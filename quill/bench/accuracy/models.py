@@ -1,6 +1,6 @@
 """Write the checkpoints docs/ACCURACY.md compares: the default model's weights as a bf16 base, and 4-bit copies.
 
-    .venv/bin/python scripts/accuracy_models.py OUT_DIR [--llama-python /tmp/llamacpp-venv/bin/python]
+    .venv/bin/python -m quill.bench.accuracy.models OUT_DIR [--llama-python .venv-llamacpp/bin/python]
 
 * ``base-bf16``: SmolLM2-135M-Instruct as the default model's GGUF holds it (Q4_1), dequantized by
   transformers into a plain bf16 checkpoint, with the tokenizer quill builds from the GGUF.  No
@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from quill.bench.llamacpp import quantize_with_llamacpp
 from quill.default_model import default_model_path
 from quill.writers.awq import canonical_to_awq
 from quill.writers.compressed_tensors import quantization_config, scheme_config, to_compressed_tensors
@@ -86,15 +86,6 @@ def write_quantized(base: Path, out: Path, writer, quant: dict | None, fmt: str 
             shutil.copy(f, out / f.name)
 
 
-def requantize_gguf(python: str, src: Path, out: Path, ftype: str) -> None:
-    """llama.cpp's own quantizer, run by the llama-cpp-python interpreter (never imported here)."""
-    code = ("import sys, llama_cpp as l\n"
-            "p = l.llama_model_quantize_default_params(); p.ftype = getattr(l, 'LLAMA_FTYPE_MOSTLY_' + sys.argv[3])\n"
-            "p.allow_requantize = True\n"
-            "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))\n")
-    subprocess.run([python, "-c", code, str(src), str(out), ftype], check=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -114,7 +105,7 @@ def main() -> None:
                     fmt="int-quantized", bits=8, group_size=-1)
     if args.llama_python:
         for ftype in ("Q4_0", "Q8_0"):
-            requantize_gguf(args.llama_python, gguf, args.out / f"{ftype.lower()}.gguf", ftype)
+            quantize_with_llamacpp(args.llama_python, gguf, args.out / f"{ftype.lower()}.gguf", ftype)
 
 
 if __name__ == "__main__":

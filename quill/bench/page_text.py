@@ -1,0 +1,194 @@
+"""The Markdown of docs/BENCHMARKS.md: figures from :mod:`quill.bench.page`'s readers, prose that explains them."""
+
+from __future__ import annotations
+
+DASH = "—"
+
+HEAD = """# Benchmarks
+
+quill against llama.cpp on the same GGUF file, and `quill serve` against llama.cpp's `llama-server`,
+on the CPUs measured so far. This page is generated from the raw JSON in [docs/bench/](bench/) by
+`python -m quill.bench.page` (the files are named in `docs/bench/page.json`); a test checks that the
+committed page is what the command makes of the committed JSON. Every run, what changed between them
+and what was tried and dropped: [the lab notebook]({nb}).
+
+quill runs GGUF files in one of two arithmetics, and the tables show both:
+
+* **int8-group** (the default for GGUF; `--act-quant int8-group`): activations quantized to int8 with
+  one scale per token and weight group, which is what llama.cpp's own matmuls do. Same accuracy as
+  llama.cpp: mean KL 0.003 from the float32 forward on the default model
+  ([ACCURACY.md](ACCURACY.md)).
+* **float activations** (`--act-quant none`): float activations against the quantized weights, within
+  1e-5 KL of the float32 forward, and slower where a run is compute-bound (prefill, and decode of
+  larger models on AVX2).
+
+Cells are tok/s, with quill's ratio to llama.cpp in the same run in brackets (above 1: quill faster).
+"—" means not measured or, in a machine's first table, not recorded in that machine's JSON.
+
+![quill / llama.cpp, decode and prefill, per machine, model and ISA]({plot})
+"""
+
+METHOD = """## Method
+
+* Same GGUF file, same thread count (2: each machine is a 2-core VM), same ISA for both engines:
+  AVX-512 rows run llama.cpp built from its sources with `GGML_NATIVE`, AVX2 rows run quill's AVX2
+  kernels (`--isa avx2`, `ATEN_CPU_CAPABILITY=avx2`) against llama.cpp's AVX2 wheel.
+* A prompt of fixed token ids, then greedy decoding (the tokens column); no prefix cache, so every run
+  computes its prompt. llama.cpp runs through llama-cpp-python in its own virtualenv, a fresh process
+  per run.
+* The engines alternate run by run (quill's arithmetics, then llama.cpp, then again), 3-5 runs;
+  the tables show medians. The machines are shared with other VMs, so alternating keeps a ratio fair
+  while the absolute rates move.
+* Before each run a probe reads 8 x L3 from DRAM with every thread; the roofline of a run is the
+  highest bandwidth any probe read in that run (the "best probe" column). Decode of the 1.2B and larger
+  models is a race for that bandwidth.
+* Serving: closed-loop clients, each sending its next streamed `/v1/completions` request when the last
+  one finished; prompts of 48-192 random English words, 32-128 output tokens, greedy, `ignore_eos`;
+  rounds alternate the servers and draw new prompts, medians of the rounds. llama-server gets
+  continuous batching and one slot per client. Output tok/s is generated tokens over the round's wall
+  time; inter-token latency (ITL) is measured at the client. The load generator shares the 2 cores.
+"""
+
+COMMANDS = """## Commands
+
+The commands behind the tables (a JSON written since `quill.bench.meta` also records its own command):
+
+```
+make llamacpp       # llama-cpp-python 0.3.36 into .venv-llamacpp: llama.cpp's quantizer and AVX2 peer
+# llama.cpp row, AVX-512 (LL: a llama.cpp build's bin/ with libllama.so, -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON)
+.venv/bin/python -m quill.bench.llamacpp --llama-python .venv-llamacpp/bin/python --gguf DEFAULT.gguf \\
+    --write-1b /work/gguf1b --runs 3 --llama-lib $LL --json docs/bench/MACHINE/NAME.json
+# AVX2 rows: quill's AVX2 kernels against the AVX2 wheel
+ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m quill.bench.llamacpp ... --isa avx2 --json ...
+# Q4_K_M rows: llama.cpp's own quantizer requantizes the 1.2B Q4_0 first
+.venv/bin/python -m quill.bench.llamacpp ... --gguf /work/gguf1b/llama-1b-q4_0.gguf --types q4_k_m --json ...
+# 8B-shaped rows (not measured yet): hidden 4096, MLP 14336, 32 layers, Q4_0, then Q4_K_M
+.venv/bin/python -m quill.bench.llamacpp ... --write-8b /work/gguf8b --json ...
+.venv/bin/python -m quill.bench.llamacpp ... --gguf /work/gguf8b/llama-8b-q4_0.gguf --types q4_k_m --json ...
+# serving rows (LS: llama-server from the same llama.cpp build); --act-quant none for float activations
+.venv/bin/quill bench serve --llama-server $LS [--model /work/gguf1b/llama-1b-q4_0.gguf] \\
+    --serve-arg=--act-quant --serve-arg=int8-group --clients 1,16 --rounds 2 --json docs/bench/MACHINE/serve-NAME.json
+# then: name the JSON in docs/bench/page.json and regenerate this page
+.venv/bin/python -m quill.bench.page
+```
+
+Kernel, model-level, MoE and load-time benchmarks (`quill bench kernels | model | moe-layer | load`)
+and where each lives: [quill/bench/README.md](../quill/bench/README.md); their figures are in the notebook.
+"""
+
+LIMITS = """## Known limits
+
+* Two cores, shared hosts: absolute rates move between runs with the neighbours (see the DRAM probe
+  ranges), so compare ratios within a row, not rates across rows.
+  A 1.2B decode ratio follows the host's DRAM state: at its best probe quill reads closer to the
+  DRAM's rate than llama.cpp, at a low one both wait for the same memory.
+* No 8B-shaped model has been measured yet: its rows are empty until the lead's run (commands above).
+* Float activations cost three int8 products per weight where llama.cpp's arithmetic costs one: the
+  1.2B's prefill with them is mostly below llama.cpp's (the float column), and on AVX2 its decode is
+  compute-bound. int8-group is the comparison in kind.
+* The 1.2B and 8B-shaped files have random weights (written by `--write-1b` / `--write-8b` with
+  SmolLM2's tokenizer): speed does not depend on the values, but their text is noise.
+* quill's KV cache is float32 by default, llama.cpp's float16; at long contexts that is a difference
+  in bytes read (`--kv-cache-dtype float16` closes it; notebook, fifth session).
+* The Intel Xeon and Zen 4 runs predate int8-group activations (their per-token int8 runs, a third
+  arithmetic, are in the notebook); the Zen 4 runs also predate the native decode step, so they show
+  an older quill.
+* The JSON written before `quill.bench.meta` (all of it so far) records no date, commit, torch or
+  llama.cpp version, and the llama.cpp comparisons no CPU: those fields show "—" here. The notebook
+  sections linked under each table say when and on which build each session ran.
+"""
+
+
+def tps(v: float, digits: int) -> str:
+    return f"{v:.{digits}f}"
+
+
+def cell(run, arith: str) -> str:
+    """'decode (ratio) / prefill (ratio)' of one arithmetic, or a dash."""
+    m, lc = run.medians.get(arith), run.medians.get("llama.cpp")
+    if m is None or lc is None:
+        return DASH
+    if arith == "llama.cpp":
+        return f"{tps(m['decode_tps'], 1)} / {tps(m['prefill_tps'], 0)}"
+    return (f"{tps(m['decode_tps'], 1)} ({m['decode_tps'] / lc['decode_tps']:.2f}x) / "
+            f"{tps(m['prefill_tps'], 0)} ({m['prefill_tps'] / lc['prefill_tps']:.2f}x)")
+
+
+def llamacpp_table(machine) -> list[str]:
+    out = ["| model | ISA | tokens (prompt + decoded) | quill, int8-group (default for GGUF) | "
+           "quill, float activations | llama.cpp | best probe GB/s | JSON |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in machine.runs:
+        if r.file is None:
+            missing = " | ".join(["not measured"] * 3)
+            out.append(f"| {r.model} | {r.isa} | {DASH} | {missing} | {DASH} | {DASH} |")
+            continue
+        probe = DASH if r.best_probe is None else f"{r.best_probe:.0f}"
+        out.append(f"| {r.model} | {r.isa} | {r.prompt} + {r.gen} | {cell(r, 'int8-group')} | {cell(r, 'float')} | "
+                   f"{cell(r, 'llama.cpp')} | {probe} | [{r.file}](bench/{r.file}) |")
+    return out
+
+
+ARITH = {"int8-group": "int8-group (default for GGUF)", "float": "float activations"}
+
+
+def serve_table(machine) -> list[str]:
+    out = ["| model | quill arithmetic | clients | quill out tok/s | llama-server out tok/s | ratio | "
+           "ITL p99 ms, quill / llama-server | JSON |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s in machine.serves:
+        for clients, lv in sorted(s.levels.items()):
+            q, ll = lv["quill"], lv["llama"]
+            out.append(f"| {s.model} | {ARITH[s.arithmetic]} | {clients} | {q['output_tok_s']:.1f} | "
+                       f"{ll['output_tok_s']:.1f} | {q['output_tok_s'] / ll['output_tok_s']:.2f}x | "
+                       f"{q['itl_p99_ms']:.0f} / {ll['itl_p99_ms']:.0f} | [{s.file}](bench/{s.file}) |")
+    return out
+
+
+FIELDS = (("cpu", "CPU (model, microarchitecture, cores / threads, ISA)"), ("cpu_family", "CPUID family / model"),
+          ("cores", "cores"), ("threads", "threads per engine"), ("date", "date"), ("commit", "quill commit"),
+          ("torch", "torch"), ("llama_cpp", "llama.cpp"))
+
+
+def field_value(machine, key: str) -> str:
+    values = machine.fields.get(key, {})
+    return "; ".join(values) if values else DASH
+
+
+def field_sources(machine) -> str:
+    """Which files record a field that not every file of the machine records (the rest show it as a dash)."""
+    files = {r.file for r in machine.runs if r.file} | {s.file for s in machine.serves}
+    notes = {}
+    for key, name in FIELDS:
+        covered = {f for where in machine.fields.get(key, {}).values() for f in where}
+        if covered and covered != files:
+            notes.setdefault(", ".join(sorted(covered)), []).append(name.split(" (")[0])
+    return " ".join(f"{' and '.join(names)}: recorded by {where} only." for where, names in notes.items())
+
+
+def machine_table(machine) -> list[str]:
+    probes = [r.best_probe for r in machine.runs if r.best_probe is not None]
+    probe = f"{min(probes):.0f}-{max(probes):.0f} GB/s" if probes else DASH
+    names = [name for _, name in FIELDS] + ["DRAM probe (best of each run)"]
+    cells = [field_value(machine, key) for key, _ in FIELDS] + [probe]
+    out = ["| " + " | ".join(names) + " |", "|" + " --- |" * len(names), "| " + " | ".join(cells) + " |"]
+    sources = field_sources(machine)
+    return out + (["", sources] if sources else [])
+
+
+def machine_section(machine, notebook: str, anchor) -> list[str]:
+    link = f"[notebook: {machine.notebook}]({notebook}#{anchor(machine.notebook)})"
+    out = [f"## {machine.title}", "", f"{machine.note} Detail: {link}.", "",
+           *machine_table(machine), "",
+           "### Against llama.cpp, same GGUF file (decode / prefill tok/s)", "", *llamacpp_table(machine)]
+    if machine.serves:
+        out += ["", "### Serving: `quill serve` against `llama-server`, 1 and 16 clients", "", *serve_table(machine)]
+    return out + [""]
+
+
+def page(manifest: dict, machines: list, notebook: str, anchor) -> str:
+    lines = [HEAD.format(nb=notebook, plot=f"bench/{manifest['plot']}")]
+    for m in machines:
+        lines += machine_section(m, notebook, anchor)
+    lines += [METHOD, COMMANDS, LIMITS.rstrip("\n"), ""]
+    return "\n".join(lines)
