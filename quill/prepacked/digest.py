@@ -17,6 +17,8 @@ from pathlib import Path
 
 import xxhash
 
+from quill.prepacked.leftovers import temp_path
+
 _CHUNK = 16 << 20
 
 
@@ -76,7 +78,7 @@ def digest(path: Path, sources_dir: Path) -> str:
 
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temp_path(path)
     try:
         tmp.write_text(text)
         os.replace(tmp, path)

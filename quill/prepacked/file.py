@@ -1,12 +1,15 @@
-"""One prepacked cache file: safetensors with a checksum, written whole and renamed, read whole into place.
+"""One prepacked cache file: safetensors with checksums, written whole and renamed, read whole into place.
 
 A plain safetensors file (any safetensors reader opens it) whose ``__metadata__`` holds
-quill's facts (``quill``: JSON) and the tokenizer (``tokenizer``: its JSON), and whose
-``quill`` facts carry an XXH3-128 checksum of the data section.  Tensors are laid out
+quill's facts (``quill``: JSON) and the tokenizer (``tokenizer``: its JSON).  Every byte a
+load uses is checked: the ``quill`` facts carry an XXH3-128 checksum of the data section, and
+``header_checksum``, the header's first entry (so at a fixed offset), is the XXH3-128 of the
+length prefix and the header with that value written as zeros: a flipped digit of a stored
+``rope_theta`` is caught before anything reads it.  Tensors are laid out
 largest alignment first (the power of two dividing their size, up to 64), after a header
 padded to 64 bytes, so every kernel array starts on a cache line and the data section
 is memory-mapped whole: the tensors are views of the page cache's pages, not copies.  A file that is truncated,
-whose header does not parse, or whose checksum differs raises :class:`CacheError`.
+whose header does not parse, or whose header or data checksum differs raises :class:`CacheError`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import math
 import mmap
 import os
 import struct
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +28,18 @@ import xxhash
 
 from quill.errors import CacheError
 from quill.formats.safetensors_io import DTYPES
+from quill.prepacked.leftovers import temp_path
 
 ALIGN = 64
 _CHUNK = 64 << 20  # bytes per read/write call
 _MAX_HEADER = 256 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h (the mmap module does not name it everywhere)
 DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}  # safetensors' names, the readers' table
+HEADER_SUM = "header_checksum"
+_START = f'{{"__metadata__":{{"{HEADER_SUM}":"'.encode()  # how every checked header begins
+_SUM_AT = len(_START)  # where the checksum's 32 hex digits start in the header JSON
+_SUM_LEN = 32
+_UNSET = b"0" * _SUM_LEN
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -56,33 +64,48 @@ def _order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
 
 
 def _header(order: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
-    """The header JSON, padded so the data section starts on a multiple of ALIGN."""
+    """The length prefix and header JSON, padded so the data section starts on a multiple of ALIGN, with its
+    checksum filled in."""
+    if HEADER_SUM in metadata:
+        raise CacheError(f"metadata key '{HEADER_SUM}' is the file's own; pick another name")
     entries, offset = {}, 0
     for name, t in order:
         n = t.numel() * t.element_size()
         entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
-    text = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
-    return text + b" " * (-(8 + len(text)) % ALIGN)  # safetensors allows trailing spaces in the header
+    text = json.dumps({"__metadata__": {HEADER_SUM: _UNSET.decode(), **metadata}, **entries},
+                      separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)  # safetensors allows trailing spaces in the header
+    head = struct.pack("<Q", len(text)) + text
+    digest = _header_digest(head)
+    return head[:8 + _SUM_AT] + digest + head[8 + _SUM_AT + _SUM_LEN:]
+
+
+def _header_digest(head: bytes) -> bytes:
+    """XXH3-128 (hex) of the length prefix and header ``head``, its checksum's digits counted as zeros."""
+    h = xxhash.xxh3_128(head[:8 + _SUM_AT])
+    h.update(_UNSET)
+    h.update(head[8 + _SUM_AT + _SUM_LEN:])
+    return h.hexdigest().encode()
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], facts: dict) -> int:
     """Write ``tensors`` to ``path`` (via a temporary name in the same directory, then an atomic rename).
 
-    ``facts`` go under ``__metadata__['quill']`` with the data's checksum added; returns the file size.
+    ``facts`` go under ``__metadata__['quill']`` with the data's checksum added, and the header's checksum
+    beside them; returns the file size.
     Tensors must stay unchanged while this runs (it may run on a background thread).
     """
     order = _order(tensors)
     h = xxhash.xxh3_128()
     for _, t in order:
         h.update(_bytes(t))
-    header = _header(order, {**metadata, "quill": json.dumps({**facts, "checksum": h.hexdigest()},
-                                                             separators=(",", ":"))})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    head = _header(order, {**metadata, "quill": json.dumps({**facts, "checksum": h.hexdigest()},
+                                                           separators=(",", ":"))})
+    tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
+            f.write(head)
             for _, t in order:
                 view = _bytes(t)
                 for start in range(0, len(view), _CHUNK):
@@ -105,18 +128,24 @@ class Header:
     data_len: int
 
 
-def read_header(path: Path) -> Header:
-    """Parse and check ``path``'s header against its size (a CacheError names what is wrong)."""
+def read_header(path: Path, verify: bool = True) -> Header:
+    """Parse and check ``path``'s header against its checksum and size (a CacheError names what is wrong).
+
+    ``verify=False`` skips the checksum and accepts older files without one: only to decide which files a
+    new one supersedes, never to load one."""
     size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
+        prefix = f.read(8)
+        if len(prefix) < 8:
             raise CacheError(f"{path}: truncated ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
+        (n,) = struct.unpack("<Q", prefix)
         if n > _MAX_HEADER or 8 + n > size:
             raise CacheError(f"{path}: truncated or corrupt: header of {n} bytes, file of {size}")
+        raw = f.read(n)
+        if verify:
+            _check_header(path, prefix + raw)
         try:
-            header = json.loads(f.read(n))
+            header = json.loads(raw)
             metadata = header.pop("__metadata__")
             facts = json.loads(metadata["quill"])
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
@@ -134,6 +163,17 @@ def read_header(path: Path) -> Header:
     if 8 + n + end_max != size:
         raise CacheError(f"{path}: truncated or corrupt: data ends at byte {8 + n + end_max}, file has {size}")
     return Header(facts, metadata, entries, 8 + n, end_max)
+
+
+def _check_header(path: Path, head: bytes) -> None:
+    """A CacheError unless ``head`` (length prefix and header) carries its checksum and matches it."""
+    stored = head[8 + _SUM_AT:8 + _SUM_AT + _SUM_LEN]
+    if head[8:8 + _SUM_AT] != _START or len(stored) != _SUM_LEN or head[8 + _SUM_AT + _SUM_LEN:][:1] != b'"':
+        raise CacheError(f"{path}: corrupt, or not written by this quill: the header does not begin with its "
+                         f"'{HEADER_SUM}'")
+    if _header_digest(head) != stored:
+        raise CacheError(f"{path}: corrupt: the header's checksum differs from the one written "
+                         f"({stored.decode(errors='replace')})")
 
 
 @dataclass
@@ -177,7 +217,8 @@ def map_data(path: Path, header: Header) -> MappedData:
     view = memoryview(mm)[header.data_start:header.data_start + header.data_len]
     try:
         if xxhash.xxh3_128(view).hexdigest() != header.facts.get("checksum"):
-            raise CacheError(f"{path}: corrupt: the data's checksum differs from the one written")
+            raise CacheError(f"{path}: corrupt: the data's checksum differs from the one written "
+                             f"({header.data_len} bytes from byte {header.data_start})")
     finally:
         view.release()
     buf = torch.frombuffer(mm, dtype=torch.uint8, offset=header.data_start, count=header.data_len)

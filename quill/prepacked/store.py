@@ -2,14 +2,17 @@
 
     <cache>/prepacked/<key>.safetensors   a loaded model's kernel layouts (quill.prepacked.file)
     <cache>/sources/<path hash>.json      a checkpoint's content digest and its files' fingerprint
+    <cache>/*/.<name>.<pid>.<random>.tmp  a file being written (quill.prepacked.leftovers)
 
 ``<cache>`` is ``--cache-dir`` / ``LLM(cache_dir=)``, else ``$QUILL_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/quill`` (``~/.cache/quill``).  The key hashes the checkpoint's content
 digest, what decides each layer's kernel (the kernel and MoE policies, activation
 quantization, compute dtype), the CPU's ISA flags, and quill's version with the native
 extension's build: a change to any of them is a different file, so a stale entry is never
-read (``quill cache clear`` removes old ones).  A file that fails its checks is deleted and
-rebuilt from the checkpoint.
+read (``quill cache clear`` removes old ones).  A file that fails its checks is deleted with a
+warning naming it and the check, and rebuilt from the checkpoint.  Temporary files of writers
+that were killed are deleted after the next write (``quill cache list`` shows them,
+``quill cache prune`` deletes them and unusable files at once).
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ import xxhash
 from quill.errors import CacheError
 from quill.prepacked import digest as digests
 from quill.prepacked.file import Header, MappedData, map_data, read_header, write_file
+from quill.prepacked.leftovers import Leftover, find_leftovers, remove_stale
 
 log = logging.getLogger("quill.prepacked")
 
-CACHE_FORMAT = 1  # bump when a saved layout (a kernel's state, a slot's facts) changes meaning
+# Bump when a saved layout (a kernel's state, a slot's facts) or the file changes meaning.  2: the header's
+# own checksum (format 1 files checked the data only: they are superseded and rebuilt, never read).
+CACHE_FORMAT = 2
 SUFFIX = ".safetensors"
 _OFF = ("0", "off", "false", "no")
 
@@ -148,8 +154,11 @@ class PrepackedCache:
         return PendingRead(path, header)
 
     def discard(self, path: Path, why: Exception) -> None:
-        """Delete an unusable cache file (it will be rebuilt), saying why."""
-        log.warning("prepacked cache: %s; rebuilding it from the checkpoint", why)
+        """Delete an unusable cache file (it will be rebuilt), saying which and why."""
+        reason = str(why).removeprefix(f"{path}: ")
+        if not isinstance(why, (CacheError, OSError)):  # a fact the restore could not use (KeyError: 'x')
+            reason = f"{type(why).__name__}: {reason}"
+        log.warning("prepacked cache: deleted %s, unusable: %s; rebuilding it from the checkpoint", path, reason)
         path.unlink(missing_ok=True)
 
     def save(self, key: CacheKey, export: Callable[[], tuple[dict, dict[str, torch.Tensor], dict[str, str]]]) -> \
@@ -180,6 +189,8 @@ class PrepackedCache:
             size = write_file(path, tensors, metadata, facts)
             log.info("prepacked cache: wrote %s (%.1f MB)", path, size / 1e6)
             self._prune(path, facts)
+            for left in remove_stale(self._dirs()):
+                log.info("prepacked cache: removed %s, left by a writer that stopped", left.describe())
         except (OSError, CacheError) as e:  # a full or read-only disk costs the next load, nothing else
             log.warning("prepacked cache: could not write %s: %s", path, e)
 
@@ -194,9 +205,9 @@ class PrepackedCache:
             if path == written:
                 continue
             try:
-                old = read_header(path).facts
+                old = read_header(path, verify=False).facts  # older formats too: they are superseded
             except (CacheError, OSError):
-                continue  # unreadable files are for `quill cache clear`
+                continue  # unreadable files are for `quill cache prune`
             if old.get("source") == facts["source"] and choice(old) == choice(facts):
                 path.unlink(missing_ok=True)
                 log.info("prepacked cache: removed %s (superseded by %s)", path.name, written.name)
@@ -217,8 +228,25 @@ class PrepackedCache:
                                       ", ".join(f.get("kernels", [])), f.get("created", 0.0),
                                       str(f.get("key", {}).get("quill", "?"))))
             except (CacheError, OSError) as e:
-                out.append(CacheEntry(path, path.stat().st_size, "?", "?", "", path.stat().st_mtime, "?", str(e)))
+                out.append(CacheEntry(path, path.stat().st_size, "?", "?", "", path.stat().st_mtime, "?",
+                                      str(e).removeprefix(f"{path}: ")))
         return sorted(out, key=lambda e: -e.created)
+
+    def _dirs(self) -> list[Path]:
+        return [self.files_dir, self.sources_dir]
+
+    def leftovers(self) -> list[Leftover]:
+        """Temporary files of writers, running or killed (``Leftover.stale``: safe to delete)."""
+        return find_leftovers(self._dirs())
+
+    def prune(self) -> tuple[list[Path], int]:
+        """Delete stale temporary files and cache files that fail their header check; (paths, bytes) removed."""
+        gone = [(left.path, left.size) for left in remove_stale(self._dirs())]
+        for e in self.entries():
+            if e.problem is not None:
+                e.path.unlink(missing_ok=True)
+                gone.append((e.path, e.size))
+        return [p for p, _ in gone], sum(n for _, n in gone)
 
     def clear(self) -> tuple[int, int]:
         """Delete every cache file, temporary file and digest record; (files, bytes) removed."""
