@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quill
+from quill.engine import core as core_module
 from quill.engine.block_manager import BlockManager
 from quill.engine.core import EngineConfig, EngineCore
+from quill.engine.output import RequestFailed
 from quill.engine.sequence import Sequence
 from quill.errors import GenerationError
 from quill.models.base import ForwardContext
@@ -333,3 +335,78 @@ def test_step_layout_slots_by_their_definition(seqs, block_size, rnd):
     assert [(s, n) for s, n, _ in lay.prefills] == [(sum(pc[2] for pc in pieces[:i]), pc[2]) for i, pc in prefill]
     for (_, _, ctx), (_, (t, d, n)) in zip(lay.prefills, prefill):
         assert ctx.tolist() == [slot(t, p) for p in range(d + n)]
+
+
+# ---- faults stay with their request ------------------------------------------------------------
+
+def test_token_ids_of_params_are_checked_before_anything_runs(llm):
+    core = engine(llm)
+    vocab = llm.model.args.vocab_size
+    bad = quill.SamplingParams(stop_token_ids=[vocab], min_tokens=1)  # indexed the logits: an IndexError
+    with pytest.raises(GenerationError, match=rf"SamplingParams.stop_token_ids: token id {vocab} is outside"):
+        core.add_request("a", [1, 2], bad)
+    assert not core.has_unfinished_requests()
+    with pytest.raises(GenerationError, match="SamplingParams.stop_token_ids"):
+        llm.generate(PROMPTS[:2], [quill.SamplingParams(max_tokens=4), bad])
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats().kv_blocks_used == 0
+
+
+def test_a_temperature_below_the_greedy_threshold_is_greedy(llm, oracle):
+    out = llm.generate(PROMPTS[0], quill.SamplingParams(max_tokens=12, temperature=1e-40, ignore_eos=True))[0]
+    assert out.token_ids == oracle[0]
+
+
+def _failing_for(params):
+    """process_logits that raises for requests with exactly these ``params`` (one request's own fault)."""
+    real = core_module.process_logits
+
+    def process(logits, p, *args):
+        if p is params:
+            raise RuntimeError("injected sampling fault")
+        return real(logits, p, *args)
+    return process
+
+
+def test_a_request_that_fails_in_the_step_fails_alone(llm, oracle, monkeypatch):
+    bad = quill.SamplingParams(max_tokens=12, **GREEDY)
+    good = quill.SamplingParams(max_tokens=12, **GREEDY)
+    monkeypatch.setattr("quill.engine.core.process_logits", _failing_for(bad))
+    failed_before = llm.engine.stats().num_failed
+    outs = llm.generate(PROMPTS[:3], [good, bad, good])
+    assert outs[1].finish_reason == "error" and outs[1].outputs[0].error == "RuntimeError: injected sampling fault"
+    assert outs[1].token_ids == []
+    assert [outs[0].token_ids, outs[2].token_ids] == [oracle[0], oracle[2]]
+    s = llm.engine.stats()
+    assert s.kv_blocks_used == 0 and s.num_failed == failed_before + 1
+    with pytest.raises(RequestFailed, match="injected sampling fault"):
+        list(llm.stream(PROMPTS[1], bad))
+
+
+def test_a_forward_that_fails_with_one_request_fails_it_alone(llm, oracle, monkeypatch):
+    """The batch's forward raises while the bad request is in it: each request runs alone once, the bad
+    one fails, the others get their tokens; a forward that fails for every request is the engine's fault."""
+    core = llm.engine
+    bad = quill.SamplingParams(max_tokens=12, **GREEDY)
+    good = quill.SamplingParams(max_tokens=12, **GREEDY)
+    real = core._forward
+
+    def forward(batch, scored):
+        if any(seq.params is bad for seq, _ in batch):
+            raise RuntimeError("injected forward fault")
+        return real(batch, scored)
+
+    monkeypatch.setattr(core, "_forward", forward)
+    outs = llm.generate(PROMPTS[:3], [good, bad, good])
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert [outs[0].token_ids, outs[2].token_ids] == [oracle[0], oracle[2]]
+    assert core.stats().kv_blocks_used == 0
+
+    def broken(batch, scored):
+        raise RuntimeError("the model is broken")
+
+    monkeypatch.setattr(core, "_forward", broken)
+    with pytest.raises(RuntimeError, match="the model is broken"):
+        llm.generate(PROMPTS[:2], good)
+    monkeypatch.setattr(core, "_forward", real)
+    assert core.stats().kv_blocks_used == 0 and not core.has_unfinished_requests()
+    assert llm.generate(PROMPTS[0], good)[0].token_ids == oracle[0]  # it serves again

@@ -236,3 +236,44 @@ def test_bad_options(tiny, tmp_path):
                           (dict(max_model_len=-1), "max_model_len: expected a positive integer")):
         with pytest.raises(ModelError, match=match):
             quill.LLM(str(tmp_path), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(seed=2**64), "seed"), (dict(seed=-2**63 - 1), "seed"), (dict(temperature=float("inf")), "temperature"),
+    (dict(repetition_penalty=1e-300), "repetition_penalty"), (dict(repetition_penalty=1e3), "repetition_penalty"),
+    (dict(top_p=float("nan")), "top_p"), (dict(presence_penalty=float("-inf")), "presence_penalty"),
+])
+def test_sampling_params_outside_their_real_range(kwargs, field):
+    """Values that once stopped the server's engine (torch refused the seed, the logits overflowed)."""
+    with pytest.raises(GenerationError, match=f"SamplingParams.{field}: expected a"):
+        quill.SamplingParams(**kwargs)
+
+
+def test_sampling_params_at_the_ends_of_their_range(tiny):
+    _, llm = tiny
+    assert quill.SamplingParams(temperature=1e-40).greedy and not quill.SamplingParams(temperature=1e-5).greedy
+    prompt = [5, 17, 99, 42]
+    for seed in (2**64 - 1, -2**63):
+        params = quill.SamplingParams(max_tokens=4, seed=seed, repetition_penalty=0.01, ignore_eos=True)
+        a, b = llm.generate([prompt, prompt], params)
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 4
+
+
+def test_a_request_whose_text_fails_ends_alone(tiny, monkeypatch):
+    """Detokenizing one request raises: that request ends with "error", the others get their text."""
+    from quill.engine.text import SequenceText
+    _, llm = tiny
+    real = SequenceText.add
+
+    def add(self, *args, **kw):
+        if "@@" in self.stops:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(self, *args, **kw)
+
+    want = llm.generate(["hello there"], quill.SamplingParams(max_tokens=6, **GREEDY))[0]
+    monkeypatch.setattr(SequenceText, "add", add)
+    outs = llm.generate(["hello world", "hello there"], [quill.SamplingParams(max_tokens=6, stop=["@@"], **GREEDY),
+                                                         quill.SamplingParams(max_tokens=6, **GREEDY)])
+    assert outs[0].finish_reason == "error" and outs[0].outputs[0].error.startswith("UnicodeDecodeError")
+    assert outs[1].text == want.text and outs[1].token_ids == want.token_ids
+    assert llm.engine.stats().kv_blocks_used == 0 and not llm.engine.has_unfinished_requests()

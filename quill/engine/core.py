@@ -13,6 +13,7 @@ it aborts the request when one appears.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from quill.engine.sequence import Sequence, Status
 from quill.errors import GenerationError
 from quill.models.base import ForwardContext
 
+LONE_FAULTS = 3  # one-request steps whose forward failed, in a row, before the engine is called broken
+
+log = logging.getLogger("quill.engine")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -77,11 +81,12 @@ class StepOutput:
     new_token_ids: list[int]  # tokens sampled this step (0 or 1)
     logprobs: list[dict[int, Logprob]] | None  # one dict per new token when params.logprobs is set
     prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, with the first token, if asked
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort" at the end
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error" at the end
     stop_reason: int | None  # the stop token id that ended it, if any
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens taken from the prefix cache (not recomputed)
     scores: PromptScores | None = None  # once, with the first token, for a scored request
+    error: str | None = None  # finish_reason "error": what failed ("ExceptionType: message")
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,14 @@ class PromptLimits:
                                   f"({self.num_blocks * self.block_size} tokens)")
         return ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """A GenerationError naming the field if ``params`` refer to token ids outside the vocabulary
+        (``SamplingParams`` checks everything that does not depend on the model itself)."""
+        bad = [t for t in params.stop_token_ids if t >= self.vocab]
+        if bad:
+            raise GenerationError(f"SamplingParams.stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self.vocab})")
+
 
 @dataclass
 class EngineStats:
@@ -122,6 +135,8 @@ class EngineStats:
     prompt_tokens_total: int  # prompt tokens computed (cache hits excluded)
     generation_tokens_total: int
     num_preemptions: int
+    num_aborted: int = 0  # requests ended by their caller before they finished (cumulative)
+    num_failed: int = 0  # requests ended by an error of their own in the engine (cumulative)
 
 
 class EngineCore:
@@ -154,6 +169,8 @@ class EngineCore:
         self._arrivals = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_aborted = self.num_failed = 0
+        self._forward_faults = 0  # steps in a row whose forward failed for every request
 
     def _pool_bytes(self, per_block: int) -> int:
         c = self.config
@@ -172,7 +189,7 @@ class EngineCore:
         label = label or f"request {request_id}"
         if request_id in self.requests:
             raise GenerationError(f"request id '{request_id}' is already in use")
-        ids = self.check_request(prompt_token_ids, label)
+        ids = self.check_request(prompt_token_ids, label, params)
         if score is not None:
             score.check(len(ids), self.vocab, label)
         gen = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
@@ -183,18 +200,31 @@ class EngineCore:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def check_request(self, prompt_token_ids: Seq[int], label: str = "prompt") -> list[int]:
-        """The prompt as a list, or a GenerationError naming what is wrong with it.
+    def check_request(self, prompt_token_ids: Seq[int], label: str = "prompt",
+                      params: SamplingParams | None = None) -> list[int]:
+        """The prompt as a list, or a GenerationError naming what is wrong with it or with ``params``.
 
         Reads only what never changes after construction, so any thread may call it."""
+        if params is not None:
+            self.limits.check_params(params)
         return self.limits.check(prompt_token_ids, label)
 
-    def abort_request(self, request_id: str) -> None:
-        """End a request now and free its blocks; unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request now and free its blocks; unknown or finished ids are ignored (False).
+        ``reason``: "abort" (its caller left; counted in ``num_aborted``) or "stop" (a stop string,
+        which only the caller sees)."""
         seq = self.requests.pop(request_id, None)
-        if seq is not None and seq.status is not Status.FINISHED:
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+        if seq is None or seq.status is Status.FINISHED:
+            return False
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self.num_aborted += reason == "abort"
+        return True
+
+    def fail_request(self, request_id: str) -> None:
+        """The caller failed on this request (e.g. making its text): end it if it runs, count it failed."""
+        self.abort_request(request_id, "error")
+        self.num_failed += 1
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -203,34 +233,84 @@ class EngineCore:
         b, s = self.blocks, self.scheduler
         return EngineStats(len(s.running), len(s.waiting), b.num_used, b.num_blocks, b.num_cached_free,
                            b.queried_tokens, b.hit_tokens, self.prompt_tokens_total, self.generation_tokens_total,
-                           s.num_preemptions)
+                           s.num_preemptions, self.num_aborted, self.num_failed)
 
     # ---- one step -----------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """Admit, run one packed forward (prefill chunks and decodes), sample, retire."""
+        """Admit, run one packed forward (prefill chunks and decodes), sample, retire.
+
+        An exception that concerns one request (its sampling, log-probs, scores, or a forward that
+        fails only with it in the batch) ends that request alone with finish reason "error" and the
+        error in ``StepOutput.error``; one that cannot be pinned on a request is raised."""
         batch = self.scheduler.schedule()
         if not batch:
             return self._unschedulable()
         scored = {seq: seq.scorer.positions(seq.num_computed, n) for seq, n in batch
                   if seq.scorer is not None and not seq.scorer.done()}  # prompt positions scored this step
-        logits, rows = self._forward(batch, scored)
-        outputs = []
-        for seq, n in batch:
-            if seq in scored:
-                pos = scored[seq]
-                skip = pos.start - seq.num_computed if seq.wants_prompt_logprobs else 0  # all rows picked
-                seq.scorer.add(logits[rows[seq][skip:skip + len(pos)]], pos)
-            prompt_chunk = seq.in_prefill
-            seq.num_computed += n
-            if prompt_chunk and not seq.output:
-                self.prompt_tokens_total += n
-            self.blocks.register_computed(seq)
-            if seq.wants_prompt_logprobs:
-                self._prompt_logprobs(seq, logits, rows[seq])
-            if seq.num_computed == seq.num_tokens:
-                outputs.append(self._sample(seq, logits[rows[seq][-1]]))
+        outputs: list[StepOutput] = []
+        try:
+            groups = [(batch, *self._forward(batch, scored))]
+            self._forward_faults = 0
+        except Exception as e:  # find the request it belongs to, if any (a cold path)
+            groups = self._forward_apart(batch, scored, e, outputs)
+        for part, logits, rows in groups:
+            for seq, n in part:
+                try:  # free in CPython 3.11 unless it raises
+                    out = self._advance(seq, n, logits, rows[seq], scored.get(seq))
+                except Exception as e:
+                    out = self._failed(seq, e)
+                if out is not None:
+                    outputs.append(out)
         return outputs
+
+    def _advance(self, seq: Sequence, n: int, logits: torch.Tensor, rows: list[int],
+                 pos: range | None) -> StepOutput | None:
+        """``seq``'s ``n`` tokens were computed: its scores and prompt log-probs, and its next token once
+        its prompt is done."""
+        if pos is not None:
+            skip = pos.start - seq.num_computed if seq.wants_prompt_logprobs else 0  # all rows picked
+            seq.scorer.add(logits[rows[skip:skip + len(pos)]], pos)
+        prompt_chunk = seq.in_prefill
+        seq.num_computed += n
+        if prompt_chunk and not seq.output:
+            self.prompt_tokens_total += n
+        self.blocks.register_computed(seq)
+        if seq.wants_prompt_logprobs:
+            self._prompt_logprobs(seq, logits, rows)
+        if seq.num_computed == seq.num_tokens:
+            return self._sample(seq, logits[rows[-1]])
+        return None
+
+    def _forward_apart(self, batch: list[tuple[Sequence, int]], scored: dict[Sequence, range],
+                       error: Exception, outputs: list[StepOutput]) -> list:
+        """The batch's forward raised ``error``: run each request's piece alone (rewriting the same KV
+        slots).  Those that fail alone end with "error" (added to ``outputs``); the rest go on.  When
+        none runs alone the fault is the engine's, and ``error`` is raised -- also for a batch of one
+        after ``LONE_FAULTS`` such steps in a row (one request cannot be told from a broken engine)."""
+        groups, failing = [], []
+        for seq, n in batch:
+            part = [(seq, n)]
+            try:
+                groups.append((part, *self._forward(part, {seq: scored[seq]} if seq in scored else {})))
+            except Exception as e:
+                failing.append((seq, e))
+        self._forward_faults = 0 if groups else self._forward_faults + 1
+        if not groups and (len(batch) > 1 or self._forward_faults >= LONE_FAULTS):
+            raise error
+        for seq, e in failing:
+            outputs.append(self._failed(seq, e))
+        return groups
+
+    def _failed(self, seq: Sequence, error: Exception) -> StepOutput:
+        """End ``seq`` because of ``error`` (its blocks are freed); logged with the traceback."""
+        log.error("request %s failed in the engine; the other requests go on", seq.request_id, exc_info=error)
+        seq.finish_reason = "error"
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        self.num_failed += 1
+        return StepOutput(seq.request_id, [], None, None, "error", None, len(seq.prompt), seq.num_cached,
+                          error=f"{type(error).__name__}: {error}")
 
     def _forward(self, batch: list[tuple[Sequence, int]], scored: dict[Sequence, range]) -> tuple[torch.Tensor, dict]:
         tokens, positions, pieces, want, rows = [], [], [], [], {}

@@ -23,7 +23,7 @@ from quill.engine.core import EngineConfig, EngineCore
 from quill.engine.hub import resolve_model
 from quill.engine.loader import LoadedModel
 from quill.engine.memory import keep_step_memory
-from quill.engine.output import OutputProcessor, RequestState, StreamChunk, check_prompt_ids
+from quill.engine.output import OutputProcessor, RequestFailed, RequestState, StreamChunk, check_prompt_ids
 from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.scoring import PromptScores, ScoreSpec
 from quill.engine.sequence import Timings
@@ -47,8 +47,11 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None  # "stop" (EOS, stop token or stop string) or "length"
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", or "error"
     stop_reason: int | str | None  # the stop token id or stop string; None for EOS or length
+    # finish_reason "error": this prompt failed inside the engine ("ExceptionType: message", the traceback
+    # is logged); the other prompts of the call are unaffected and ``text`` holds what came before
+    error: str | None = None
 
 
 @dataclass
@@ -254,7 +257,7 @@ class LLM:
                     raise GenerationError("the engine stopped with requests unfinished")
                 for state, chunk in self.processor.step():
                     i = index.get(state.rid)
-                    if i is not None and chunk.token_id is not None:
+                    if i is not None and (chunk.token_id is not None or chunk.error is not None):
                         yield i, chunk
         finally:
             for r in reqs:
@@ -266,13 +269,17 @@ class LLM:
         for r in reqs:
             comp = CompletionOutput(0, r.text.text, list(r.token_ids),
                                     r.logprobs if r.params.logprobs is not None else None, r.finish_reason,
-                                    r.stop_reason)
+                                    r.stop_reason, r.error)
             outs.append(RequestOutput(r.prompt, r.prompt_ids, r.prompt_logprobs, [comp], r.timings))
         return outs
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}), batched continuously."""
+        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}), batched continuously.
+
+        Invalid input (a prompt, a ``SamplingParams`` field, a token id outside the vocabulary) raises
+        ``GenerationError`` before anything runs.  A prompt that then fails inside the engine ends alone
+        with ``finish_reason == "error"`` and ``outputs[0].error``; the others finish as usual."""
         reqs = self._submit(prompts, sampling_params)
         for _ in self._events(reqs):
             pass
@@ -298,15 +305,22 @@ class LLM:
         for i, chunk in self._events(reqs):
             if progress is not None and chunk.finish_reason is not None:
                 progress(len(reqs[i].prompt_ids))
+        failed = [i for i, r in enumerate(reqs) if r.error is not None]
+        if failed:
+            raise RequestFailed(f"prompt {failed[0]} could not be scored: {reqs[failed[0]].error}")
         missing = [i for i, r in enumerate(reqs) if r.scores is None]
         if missing:
             raise GenerationError(f"prompt {missing[0]} could not be scored (the KV cache cannot hold it)")
         return [r.scores for r in reqs]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
-        """Generate for one prompt, yielding text pieces as they are decided (closing it aborts the request)."""
+        """Generate for one prompt, yielding text pieces as they are decided (closing it aborts the request).
+
+        A request that fails inside the engine raises ``RequestFailed`` after the pieces before it."""
         reqs = self._submit([prompt], sampling_params)
         for _, chunk in self._events(reqs):
+            if chunk.error is not None:
+                raise RequestFailed(chunk.error)
             yield chunk
 
     def chat_prompt(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:

@@ -5,10 +5,14 @@ the server's engine thread run: it adds requests (with their detokenizer and sto
 steps the core, turns each ``StepOutput`` into a ``StreamChunk`` (text released so far,
 stop strings held back), and aborts a request in the core as soon as a stop string appears.
 Single-threaded, like the core it drives.
+
+A request that fails on its own (in the core's step, or here while its text is made) ends alone:
+its last chunk has finish reason "error" and ``error`` says what failed; the others go on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,8 +21,14 @@ from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.scoring import PromptScores, ScoreSpec
 from quill.engine.sequence import Timings
 from quill.engine.text import SequenceText
-from quill.errors import GenerationError
+from quill.errors import GenerationError, QuillError
 from quill.tokenizer import Tokenizer
+
+log = logging.getLogger("quill.engine")
+
+
+class RequestFailed(QuillError, RuntimeError):
+    """A request ended by an error of its own inside the engine (the other requests went on)."""
 
 
 @dataclass
@@ -32,12 +42,13 @@ class StreamChunk:
     text: str
     token_id: int | None
     logprobs: dict[int, Logprob] | None
-    finish_reason: str | None  # None while running; "stop", "length" or "abort" at the end
+    finish_reason: str | None  # None while running; "stop", "length", "abort" or "error" at the end
     timings: Timings
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # finish_reason "error": what failed ("ExceptionType: message")
 
 
 @dataclass(eq=False)
@@ -57,6 +68,7 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     scores: PromptScores | None = None  # a scored request's prompt scores, once its prompt is computed
+    error: str | None = None  # why it failed (finish_reason "error")
 
 
 class OutputProcessor:
@@ -72,7 +84,11 @@ class OutputProcessor:
         if params.stop_strings and self.tokenizer is None:
             raise GenerationError("stop strings need a tokenizer (this model was loaded with skip_tokenizer_init=True)")
         self.core.add_request(rid, ids, params, label=label, score=score)
-        detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids, params.skip_special_tokens)
+        try:
+            detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids, params.skip_special_tokens)
+        except BaseException:
+            self.core.fail_request(rid)
+            raise
         state = RequestState(rid, prompt, list(ids), params, self.core.requests[rid].timings,
                              SequenceText(detok, params.stop_strings))
         self.states[rid] = state
@@ -96,11 +112,22 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:  # aborted by its caller between steps
                 continue
-            chunk = self._apply(state, out)
+            try:  # free in CPython 3.11 unless it raises
+                chunk = self._apply(state, out)
+            except Exception as e:  # its text or log-probs failed: this request alone ends
+                chunk = self._failed(state, out, e)
             if state.finish_reason is not None:
                 self.states.pop(state.rid, None)
             events.append((state, chunk))
         return events
+
+    def _failed(self, state: RequestState, out: StepOutput, error: Exception) -> StreamChunk:
+        log.error("request %s failed while its output was made; the other requests go on", state.rid,
+                  exc_info=error)
+        self.core.fail_request(state.rid)  # its blocks are freed now
+        state.finish_reason, state.error = "error", f"{type(error).__name__}: {error}"
+        return StreamChunk("", None, None, "error", state.timings, None, out.num_prompt_tokens,
+                           out.num_cached_tokens, error=state.error)
 
     def _apply(self, state: RequestState, out: StepOutput) -> StreamChunk:
         if out.prompt_logprobs is not None:
@@ -116,7 +143,7 @@ class OutputProcessor:
             as_token = finish == "stop"  # EOS or a stop token id: never part of the text
             piece = state.text.add(token, emit=not as_token, last=finish is not None)
             if state.text.stopped_by is not None and finish is None:
-                self.core.abort_request(state.rid)
+                self.core.abort_request(state.rid, "stop")
                 finish = "stop"
             lp = self.decorate(out.logprobs[0]) if out.logprobs else None
             if lp is not None:
@@ -124,9 +151,10 @@ class OutputProcessor:
         state.finish_reason = finish
         if finish == "stop":
             state.stop_reason = state.text.stopped_by if state.text.stopped_by is not None else out.stop_reason
+        state.error = out.error
         first = len(state.token_ids) <= 1
         return StreamChunk(piece, token, lp, finish, state.timings, state.stop_reason, out.num_prompt_tokens,
-                           out.num_cached_tokens, state.prompt_logprobs if first else None)
+                           out.num_cached_tokens, state.prompt_logprobs if first else None, out.error)
 
     def decorate(self, lps: dict[int, Logprob] | None) -> dict[int, Logprob] | None:
         """Add each token's text to its Logprob (when a tokenizer is loaded)."""

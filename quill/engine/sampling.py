@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,8 @@ from quill.errors import GenerationError
 class SamplingParams:
     """How to pick each next token and when to stop (the fields vLLM users know).
 
-    temperature 0 is greedy.  ``top_k`` 0 or -1, ``top_p`` 1 and ``min_p`` 0
+    temperature 0 is greedy, and so is any temperature below ``SAMPLING_EPS`` (vLLM's
+    threshold: dividing logits by less overflows them).  ``top_k`` 0 or -1, ``top_p`` 1 and ``min_p`` 0
     disable those filters.  ``min_tokens``: EOS and stop tokens are masked until that
     many tokens exist.  ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in
     [-2, 2]) lower the logits of generated tokens once / per occurrence.  ``stop``
@@ -23,6 +25,10 @@ class SamplingParams:
     the same for every prompt position after the first.  ``-1`` means the whole
     vocabulary.  Log-probabilities are those of the model's raw distribution
     (before temperature, penalties and filters), as vLLM reports them.
+    ``seed`` is any integer ``torch.Generator.manual_seed`` takes, in [-2**63, 2**64 - 1];
+    ``repetition_penalty`` is in [0.01, 100] (see ``REPETITION_PENALTY``).  Token ids
+    (``stop_token_ids``) are checked against the vocabulary when the engine takes the request
+    (``PromptLimits.check_params``).
     """
 
     max_tokens: int | None = 16
@@ -54,8 +60,8 @@ class SamplingParams:
         _check_int(self.top_k, "top_k", -1)
         _check_number(self.top_p, "top_p", lo=0.0, hi=1.0, lo_open=True)
         _check_number(self.min_p, "min_p", lo=0.0, hi=1.0)
-        _check_number(self.repetition_penalty, "repetition_penalty", lo=0.0, lo_open=True)
-        _check_int(self.seed, "seed", None, allow_none=True)
+        _check_number(self.repetition_penalty, "repetition_penalty", *REPETITION_PENALTY)
+        _check_int(self.seed, "seed", SEED_MIN, allow_none=True, hi=SEED_MAX)
         _check_int(self.logprobs, "logprobs", -1, allow_none=True)
         _check_int(self.prompt_logprobs, "prompt_logprobs", -1, allow_none=True)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -69,24 +75,31 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
-def _check_int(v, name: str, lo: int | None, allow_none: bool = False) -> None:
+SAMPLING_EPS = 1e-5  # temperatures below are greedy (vLLM's _SAMPLING_EPS): 1e-40 overflowed every logit
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed takes (negatives wrap around)
+# A factor on the logits of seen tokens.  Far outside it they leave float32's range once divided by a
+# small temperature (1e-300 made them inf and the sampler's probabilities NaN); in practice 1.0-1.5.
+REPETITION_PENALTY = (0.01, 100.0)
+
+
+def _check_int(v, name: str, lo: int | None, allow_none: bool = False, hi: int | None = None) -> None:
     if v is None and allow_none:
         return
-    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
-        bound = "" if lo is None else f" >= {lo}"
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        bound = f" in [{lo}, {hi}]" if hi is not None else ("" if lo is None else f" >= {lo}")
         raise GenerationError(f"SamplingParams.{name}: expected an integer{bound}, found {v!r}")
 
 
 def _check_number(v, name: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if ok:
         ok = (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
     if not ok:
         rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
-        raise GenerationError(f"SamplingParams.{name}: expected a number in {rng}, found {v!r}")
+        raise GenerationError(f"SamplingParams.{name}: expected a finite number in {rng}, found {v!r}")
 
 
 # ---- logits processing -------------------------------------------------------
