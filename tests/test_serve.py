@@ -386,7 +386,7 @@ class _FailingEngine:
     def __init__(self, error):
         self.error = error
 
-    def check(self, ids, label):
+    def check(self, ids, label, params=None):
         return list(ids)
 
     def submit(self, requests, affinity=None, streamed=True):

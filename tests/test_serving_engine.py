@@ -121,3 +121,90 @@ def test_an_engine_that_fails_tells_its_clients_and_refuses_more(llm, on_loop):
         engine.start()
     asyncio.run(main())
     engine.shutdown()
+
+
+# ---- faults stay with their request ----------------------------------------------------------------
+
+@pytest.mark.parametrize("on_loop", [False, True], ids=["thread", "loop"])
+def test_a_request_that_fails_ends_alone_and_the_engine_goes_on(llm, on_loop, monkeypatch):
+    """Sampling raises for one request (an injected fault): its handler gets an "error" chunk, the
+    request beside it gets its offline tokens, the engine stays alive and frees the blocks."""
+    from quill.engine import core as core_module
+    ids = llm.tokenizer.encode("Once upon a time")
+    good = quill.SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY)
+    bad = quill.SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY)
+    want = llm.generate([ids], good)[0]
+    real = core_module.process_logits
+
+    def process(logits, p, *args):
+        if p is bad:
+            raise RuntimeError("injected sampling fault")
+        return real(logits, p, *args)
+
+    monkeypatch.setattr(core_module, "process_logits", process)
+    engine = AsyncEngine(llm, on_loop=on_loop)
+    failed_before = llm.engine.stats().num_failed
+
+    async def main():
+        if on_loop:
+            engine.start()
+        handles = [engine.submit([("ok", ids, good)]), engine.submit([("bad", ids, bad)])]
+        try:
+            return [[c async for _, c in h] for h in handles], engine.alive
+        finally:
+            for h in handles:
+                h.close()
+            if on_loop:
+                engine.shutdown()
+                await engine._task
+
+    if not on_loop:
+        engine.start()
+    try:
+        (ok, failed), alive = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert alive and engine.error is None
+    assert [c.token_id for c in ok] == want.token_ids and ok[-1].finish_reason == "length"
+    assert [c.finish_reason for c in failed] == ["error"] and failed[0].error == "RuntimeError: injected sampling fault"
+    s = engine.stats()
+    assert s.kv_blocks_used == 0 and s.num_running == 0 and s.num_failed == failed_before + 1
+
+
+def test_a_submission_that_can_never_fit_is_refused_as_invalid(llm):
+    from quill.errors import GenerationError
+    engine = AsyncEngine(llm, max_waiting=2)
+    capacity = llm.engine.config.max_num_seqs + 2
+    params = quill.SamplingParams(max_tokens=2)
+
+    async def main():
+        with pytest.raises(GenerationError, match=rf"{capacity + 1} requests in one call .* {capacity} "):
+            engine.submit([(f"r-{i}", [1, 2], params) for i in range(capacity + 1)])
+
+    engine.start()
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_that_fails_says_why(llm):
+    class Failing(AsyncEngine):
+        def _step(self):
+            raise RuntimeError("a defect in the step")
+
+    engine = Failing(llm)
+    assert engine.down_reason == "the engine is not running"
+
+    async def main():
+        handle = engine.submit([("r-0", [1, 2, 3], quill.SamplingParams(max_tokens=4))])
+        with pytest.raises(EngineStopped):
+            async for _ in handle:
+                pass
+        handle.close()
+
+    engine.start()
+    assert engine.down_reason is None
+    asyncio.run(main())
+    engine.shutdown()
+    assert engine.down_reason == "the engine failed: RuntimeError: a defect in the step"

@@ -69,8 +69,18 @@ class _EventStream(StreamingResponse):
         self.source = source
 
     async def __call__(self, scope, receive, send) -> None:
+        async def receive_watched():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                # Abort at once rather than when Starlette's cancel scope stops the stream: anyio cancels a
+                # task only while it waits on a pending future, and with the engine stepping on this loop a
+                # new chunk wakes the stream before every retry, so that never happened (the request ran
+                # on to max_tokens).
+                self.source.abort()
+            return message
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive_watched, send)
         finally:
             await self.source.aclose()
 
@@ -252,7 +262,11 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None, api_
     @app.get("/health")
     async def health():
         ok = healthy()
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "unavailable"}
+        engine = getattr(app.state, "engine", None)  # create_app's (the Ray ingress has none of its own)
+        if not ok and engine is not None:
+            body["reason"] = engine.down_reason  # e.g. "the engine failed: RuntimeError: ..."
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics_route():

@@ -29,6 +29,11 @@ Either way one step's chunks for one submission travel together, a request that 
 streamed gets its chunks only when it ends, and ``stream_interval`` N > 1 (vLLM's
 ``--stream-interval``) holds a streamed request's tokens until N have gathered (its first
 token and its end always go at once).
+
+Faults stay with their request: one that fails while it is added, stepped or detokenized ends
+with a chunk of finish reason "error" (``StreamChunk.error`` says what; the traceback is logged)
+and the engine goes on.  Only an error that cannot be pinned on one request stops the engine:
+every handler then gets ``EngineStopped`` and ``down_reason`` says why.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from dataclasses import dataclass, field
 from quill.engine.core import EngineStats
 from quill.engine.output import StreamChunk
 from quill.engine.sampling import SamplingParams
+from quill.engine.sequence import Timings
 from quill.errors import GenerationError, QuillError
 
 log = logging.getLogger("quill.serving")
@@ -183,6 +189,15 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     @property
+    def down_reason(self) -> str | None:
+        """None while the engine takes requests; otherwise why not (for /health)."""
+        if self.alive:
+            return None
+        if self.error is not None:
+            return f"the engine failed: {type(self.error).__name__}: {self.error}"
+        return "the engine is shutting down" if self._stopping else "the engine is not running"
+
+    @property
     def alive(self) -> bool:
         if self._task is not None:
             running = not self._task.done()
@@ -197,9 +212,10 @@ class AsyncEngine:
         return self._stats
 
     # ---- the asyncio side -------------------------------------------------------------------------
-    def check(self, ids: Sequence[int], label: str) -> list[int]:
-        """Validate a prompt against the model (GenerationError names what is wrong)."""
-        return self.core.check_request(ids, label)
+    def check(self, ids: Sequence[int], label: str, params: SamplingParams | None = None) -> list[int]:
+        """Validate a prompt, and ``params``' token ids, against the model (GenerationError names what is
+        wrong); safe on any thread."""
+        return self.core.check_request(ids, label, params)
 
     def submit(self, requests: list[tuple[str, list[int], SamplingParams]],
                affinity: str | None = None, streamed: bool = True) -> "RequestHandle":
@@ -208,13 +224,17 @@ class AsyncEngine:
         ``affinity`` is a hint for servers over several engines.  ``streamed=False``: the caller reads
         nothing before the end, so each request's chunks are handed over together when it ends.
 
-        Raises ``ServerBusy`` when the queue is full and ``EngineStopped`` when the engine is not running,
-        before anything is queued.  The caller must ``close()`` the handle (aborting what is unfinished)."""
+        Raises ``ServerBusy`` when the queue is full, ``GenerationError`` when it could never hold the
+        submission, and ``EngineStopped`` when the engine is not running, before anything is queued.  The
+        caller must ``close()`` the handle (aborting what is unfinished)."""
         if not self.alive:
             raise EngineStopped("the engine is not running" + (f": {self.error}" if self.error else ""))
         loop = asyncio.get_running_loop()
         if self.on_loop and loop is not self._loop:
             raise GenerationError("AsyncEngine(on_loop=True): submit from the event loop it was started on")
+        if len(requests) > self.capacity:  # retrying cannot help
+            raise GenerationError(f"{len(requests)} requests in one call (n x prompts), more than this server "
+                                  f"ever holds at once: {self.capacity} (max_num_seqs + max_waiting)")
         if self.active + len(requests) > self.capacity:
             raise ServerBusy(f"{self.active} requests are running or waiting (the server takes at most "
                              f"{self.capacity}); retry later")
@@ -305,18 +325,33 @@ class AsyncEngine:
                 self._subs[rid] = sub
                 added.append(rid)
         except QuillError as e:  # checked by the handler already; a race (e.g. a reused id) lands here
-            for rid in added:
-                self._abort(rid)
-            self._subs[sub.requests[0][0]] = sub
-            self._deliver(sub.requests[0][0], e)
-            return
+            self._refuse(sub, added, e)
+        except Exception as e:  # a fault of this submission's own: it fails, the engine goes on
+            rid = sub.requests[len(added)][0]
+            log.exception("adding request %s failed; the other requests go on", rid)
+            if self.metrics is not None:
+                self.metrics.finished("error", time.monotonic() - sub.arrival)
+            failed = StreamChunk("", None, None, "error", Timings(), error=f"{type(e).__name__}: {e}")
+            self._refuse(sub, added, failed, rid)
         self._stats = self.core.stats()
+
+    def _refuse(self, sub: _Submission, added: list[str], error, rid: str | None = None) -> None:
+        """End a submission that could not be added whole: drop what was, hand ``error`` (an exception,
+        or an "error" chunk of request ``rid``) to its handler."""
+        for done in added:
+            self.processor.abort(done)
+            self._subs.pop(done, None)
+        rid = rid or sub.requests[0][0]
+        self._subs[rid] = sub
+        self._deliver(rid, error)
 
     def _abort(self, rid: str) -> None:
         self.processor.abort(rid)
         sub = self._subs.pop(rid, None)
-        if sub is not None:
+        if sub is not None:  # it was running: its handler left (e.g. the client disconnected)
             sub.held.pop(rid, None)
+            if self.metrics is not None:
+                self.metrics.finished("abort", time.monotonic() - sub.arrival)
         self._stats = self.core.stats()
 
     def _step(self) -> None:
@@ -355,8 +390,8 @@ class AsyncEngine:
         if chunk.finish_reason is not None:
             self.metrics.finished(chunk.finish_reason, now - sub.arrival)
 
-    def _deliver(self, rid: str, error: BaseException) -> None:
-        """End request ``rid`` with ``error``, after whatever chunks it still holds."""
+    def _deliver(self, rid: str, error) -> None:
+        """End request ``rid`` with ``error`` (an exception, or a last chunk), after whatever chunks it holds."""
         sub = self._subs.pop(rid, None)
         if sub is not None:
             self._hand_over(sub, [(rid, c) for c in sub.held.pop(rid, [])] + [(rid, error)])

@@ -33,6 +33,8 @@ ENGINE_COUNTERS = (
     ("quill_prompt_tokens", "prompt_tokens_total", "Prompt tokens computed (cache hits excluded)"),
     ("quill_generation_tokens", "generation_tokens_total", "Tokens generated"),
     ("quill_num_preemptions", "num_preemptions", "Requests preempted (blocks freed, recomputed later)"),
+    ("quill_requests_aborted", "num_aborted", "Requests ended before they finished because their client left"),
+    ("quill_requests_failed", "num_failed", "Requests ended by an error of their own (the engine went on)"),
 )
 
 
@@ -67,7 +69,8 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("quill_e2e_request_latency_seconds", "From request arrival to its last token",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.requests = Counter("quill_requests_finished", "Requests finished, by finish reason",
+        self.requests = Counter("quill_requests_finished", "Requests ended, by finish reason (stop, length; "
+                                "abort: the client left; error: a fault of the request's own)",
                                 ["finish_reason"], registry=self.registry)
 
     def finished(self, reason: str, seconds: float) -> None:

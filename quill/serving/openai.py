@@ -4,11 +4,15 @@
 prompt tokens), submits it to the engine (``AsyncEngine.submit`` or anything with its
 shape) and returns either a response body or an async iterator of Server-Sent Events.
 Everything that can be refused is refused before the engine sees the request, so a
-stream never starts with an error.
+stream never starts with an error.  A request that then fails inside the engine (a fault of
+its own; the engine goes on) is a 500 ``server_error``, or a stream's last error event.
+Tokenizing and rendering chat templates run on worker threads, so a huge prompt does not hold
+up the event loop (and the other clients on it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import inspect
 import json
@@ -45,6 +49,10 @@ class EventStream:
         if parts:
             yield "".join(parts)
 
+    def abort(self) -> None:
+        """Abort what is unfinished now (the client has gone); ``aclose()`` still ends the stream."""
+        self.handle.close()
+
     async def aclose(self) -> None:
         try:
             await self._joined.aclose()
@@ -79,11 +87,12 @@ class OpenAIServing:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            "model", "model_not_found")
 
-    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> list[int]:
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str, params) -> list[int]:
+        """The prompt's ids checked against the model, with ``params``' token ids (a 400 names the field)."""
         try:
-            ids = self.engine.check(ids, param)
+            ids = self.engine.check(ids, param, params)
         except GenerationError as e:
-            raise bad_request(str(e), param) from None
+            raise _param_error(e, param) from None
         if max_tokens is not None and len(ids) + max_tokens > self.context_length:
             raise bad_request(f"This model's maximum context length is {self.context_length} tokens, but "
                               f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, {max_tokens} "
@@ -99,41 +108,38 @@ class OpenAIServing:
             raise APIError(503, str(e), None, "server_busy", "server_error", {"Retry-After": "1"}) from None
         except EngineStopped as e:
             raise APIError(503, str(e), None, "engine_unavailable", "server_error") from None
+        except GenerationError as e:  # a submission the engine can never hold: retrying cannot help
+            raise bad_request(str(e), "n") from None
 
-    def _tokenize(self, prompt) -> list[tuple[str | None, list[int]]]:
-        """A completion's ``prompt`` field as (text, ids) per prompt."""
+    async def _tokenize(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """A completion's ``prompt`` field as (text, ids) per prompt (text is encoded on a worker thread)."""
         if isinstance(prompt, str):
-            return [(prompt, self._encode(prompt))]
-        if not prompt:
+            prompt = [prompt]
+        elif not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
-        if isinstance(prompt[0], str):
-            return [(p, self._encode(p)) for p in prompt]
-        return [(None, list(p)) for p in prompt]
-
-    def _encode(self, text: str) -> list[int]:
+        if isinstance(prompt[0], list):
+            return [(None, list(p)) for p in prompt]
         if self.tokenizer is None:
             raise bad_request("this server has no tokenizer; send token ids", "prompt")
-        return self.tokenizer.encode(text)
+        ids = await asyncio.to_thread(lambda: [self.tokenizer.encode(p) for p in prompt])
+        return list(zip(prompt, ids))
 
     # ---- completions --------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest) -> dict | EventStream:
         """``POST /v1/completions``: a body, or SSE text when ``stream``."""
         self._check_model(req.model)
         req.refuse_unsupported()
-        prompts = self._tokenize(req.prompt)
-        many = len(prompts) > 1
-        ids = [self._check_prompt(p, req.max_tokens, f"prompt[{i}]" if many else "prompt")
-               for i, (_, p) in enumerate(prompts)]
         k = req.logprobs
         echo_lp = k if (req.echo and k is not None) else None
+        params = [_sampling(lambda j=j: req.sampling_params(req.max_tokens, k, echo_lp, j)) for j in range(req.n)]
+        prompts = await self._tokenize(req.prompt)
+        many = len(prompts) > 1
+        ids = [self._check_prompt(p, req.max_tokens, f"prompt[{i}]" if many else "prompt", params[0])
+               for i, (_, p) in enumerate(prompts)]
         rid = R.new_id("cmpl")
-        subs = []
-        for i, p in enumerate(ids):
-            for j in range(req.n):
-                params = _sampling(lambda: req.sampling_params(req.max_tokens, k, echo_lp, j))
-                subs.append((f"{rid}-{i}-{j}", p, params))
+        subs = [(f"{rid}-{i}-{j}", p, params[j]) for i, p in enumerate(ids) for j in range(req.n)]
         handle = await self._submit(subs, req.user or _key(ids[0][:AFFINITY_TOKENS]), req.stream)
         echo = [self._echo_text(text, p) if req.echo else "" for (text, _), p in zip(prompts, ids)]
         if req.stream:
@@ -214,16 +220,16 @@ class OpenAIServing:
         req.refuse_unsupported()
         if self.tokenizer is None:
             raise bad_request("this server has no tokenizer, so it cannot render chat messages", "messages")
-        try:
-            ids = self.tokenizer.encode_chat(req.conversation(), req.add_generation_prompt)
+        limit = req.completion_limit
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        params = [_sampling(lambda j=j: req.sampling_params(limit, k, None, j)) for j in range(req.n)]
+        try:  # jinja and the tokenizer on a worker thread: a long conversation does not stall the loop
+            ids = await asyncio.to_thread(self.tokenizer.encode_chat, req.conversation(), req.add_generation_prompt)
         except GenerationError as e:
             raise bad_request(str(e), "messages") from None
-        limit = req.completion_limit
-        ids = self._check_prompt(ids, limit, "messages")
-        k = (req.top_logprobs or 0) if req.logprobs else None
+        ids = self._check_prompt(ids, limit, "messages", params[0])
         rid = R.new_id("chatcmpl")
-        subs = [(f"{rid}-{j}", ids, _sampling(lambda j=j: req.sampling_params(limit, k, None, j)))
-                for j in range(req.n)]
+        subs = [(f"{rid}-{j}", ids, params[j]) for j in range(req.n)]
         handle = await self._submit(subs, req.user or _key(_opening(req.conversation())), req.stream)
         if req.stream:
             return EventStream(self._chat_stream(req, rid, handle, k), handle)
@@ -283,9 +289,13 @@ def _key(value) -> str:
 
 async def _chunks(handle) -> AsyncIterator:
     """The handle's ``(index, chunk)`` pairs; an engine that stops under them becomes a 503, a request
-    the engine itself refuses (checked here already, so a race or a replica with a smaller KV pool) a 400."""
+    the engine itself refuses (checked here already, so a race or a replica with a smaller KV pool) a 400,
+    and one that failed inside the engine (its own fault; the engine goes on) a 500."""
     try:
         async for item in handle:
+            if item[1].error is not None:
+                raise APIError(500, f"the request failed inside the engine: {item[1].error}", None,
+                               "request_failed", "server_error")
             yield item
     except EngineStopped as e:
         raise APIError(503, str(e), None, "engine_unavailable", "server_error", {"Retry-After": "1"}) from None
@@ -302,9 +312,10 @@ def _prompt_entries(handle, index: int, lps: list | None) -> list:
 _PARAM = re.compile(r"^SamplingParams\.(\w+):")
 
 
-def _param_error(e: GenerationError) -> APIError:
+def _param_error(e: GenerationError, default: str | None = None) -> APIError:
+    """A 400 naming the SamplingParams field the message starts with (else ``default``)."""
     m = _PARAM.match(str(e))
-    return bad_request(str(e), m.group(1) if m else None)
+    return bad_request(str(e), m.group(1) if m else default)
 
 
 def _sampling(make: Callable[[], object]):

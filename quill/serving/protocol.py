@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from quill.engine.sampling import SamplingParams
+from quill.engine.sampling import REPETITION_PENALTY, SEED_MAX, SEED_MIN, SamplingParams
 from quill.errors import QuillError
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -35,7 +35,8 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param, code)
 
 
-Float = Annotated[float, Field(strict=False)]  # JSON numbers; ints are accepted for floats (OpenAI does)
+# JSON numbers; ints are accepted for floats (OpenAI does); NaN / Infinity (which Python's json reads) are not
+Float = Annotated[float, Field(strict=False, allow_inf_nan=False)]
 
 
 class StreamOptions(BaseModel):
@@ -53,12 +54,12 @@ class _Sampling(BaseModel):
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: Float | None = Field(None, ge=0.0, le=1.0)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # what torch's generators take
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: Float | None = Field(None, gt=0.0)
+    repetition_penalty: Float | None = Field(None, ge=REPETITION_PENALTY[0], le=REPETITION_PENALTY[1])
     min_tokens: StrictInt = Field(0, ge=0)
     ignore_eos: StrictBool = False
     stream: StrictBool = False
@@ -71,6 +72,9 @@ class _Sampling(BaseModel):
             raise bad_request("logit_bias is not supported by quill", "logit_bias", "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise bad_request(f"seed: choice i of n samples with seed + i, and {self.seed} + {self.n - 1} is above "
+                              f"the largest seed, {SEED_MAX}", "seed")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         index: int = 0) -> SamplingParams:

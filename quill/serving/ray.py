@@ -155,9 +155,9 @@ class QuillReplica:
                 "tokenizer": None if tok is None else spec_to_dict(tok.spec), **self.who}
 
     async def generate(self, requests: list, affinity: str | None = None, streamed: bool = True):
-        """("replica", who) once it is queued (or ("busy" | "stopped", why)), then ("chunks", [(index,
-        chunk), ...]) -- the chunks the engine handed over together, one Ray item -- (or a last
-        ("stopped" | "invalid", why)).
+        """("replica", who) once it is queued (or ("busy" | "stopped" | "invalid", why)), then ("chunks",
+        [(index, chunk), ...]) -- the chunks the engine handed over together, one Ray item; a request that
+        failed on its own ends with an "error" chunk -- (or a last ("stopped" | "invalid", why)).
 
         ``affinity`` was read by the router already; ``streamed=False``: nothing is sent before the end
         (AsyncEngine.submit).  Cancelling the call aborts the requests."""
@@ -168,6 +168,9 @@ class QuillReplica:
             return
         except EngineStopped as e:
             yield ("stopped", str(e))
+            return
+        except QuillError as e:  # more requests than this replica ever holds (a 400, never retried)
+            yield ("invalid", str(e))
             return
         try:
             yield ("replica", self.who)

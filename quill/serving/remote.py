@@ -68,7 +68,9 @@ class RemoteEngine:
     metrics: ReplicaMetrics
     retries: int = 1  # calls made again when a replica dies before the first token
 
-    def check(self, ids, label: str) -> list[int]:
+    def check(self, ids, label: str, params=None) -> list[int]:
+        if params is not None:
+            self.limits.check_params(params)
         return self.limits.check(ids, label)
 
     async def submit(self, requests: list, affinity: str | None = None, streamed: bool = True) -> "RemoteHandle":
@@ -122,6 +124,8 @@ class RemoteHandle:
                 self.engine.metrics.served(payload)
                 return
             self.closed = True
+            if kind == "invalid":  # a submission the replica can never hold (more requests than it takes)
+                raise GenerationError(payload)
             raise ServerBusy(payload) if kind == "busy" else EngineStopped(payload)
 
     def _lost(self, e: BaseException) -> bool:
