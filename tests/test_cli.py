@@ -206,3 +206,82 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation():
     err = err.decode()
     assert proc.returncode == 0, err
     assert "[interrupted]" in err and "Traceback" not in err
+
+
+def _sigint_default():
+    # A run started in the background by a shell without job control inherits SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: the child gets SIGINT's default back, as a terminal user's has.
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _interrupted(argv: list[str], after_bytes: int = 0, after_seconds: float = 0.0) -> tuple[int, str, bytes]:
+    """Run ``quill ARGV``, send SIGINT once it has written ``after_bytes`` to stdout and run ``after_seconds``;
+    its exit code, stderr and stdout."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "quill", *argv], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default)
+    got = bytearray()
+
+    def read():
+        for chunk in iter(lambda: proc.stdout.read1(256), b""):
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(after_seconds)
+    deadline = time.monotonic() + 120
+    while len(got) < after_bytes and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert len(got) >= after_bytes and proc.poll() is None, "it never got that far"
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read().decode()
+    proc.wait(60)
+    reader.join(10)
+    return proc.returncode, err, bytes(got)
+
+
+def test_ctrl_c_while_generating_exits_130_without_a_traceback():
+    code, err, out = _interrupted(["generate", "--max-tokens", "4000", "--ignore-eos", "Tell me a very long story."],
+                                  after_bytes=40)
+    assert code == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "[interrupted]"  # after notes of the load
+    assert len(out) >= 40  # what was written stays written
+
+
+@pytest.mark.parametrize("command", ["generate", "inspect"])
+def test_ctrl_c_while_starting_exits_130_without_a_traceback(command):
+    """SIGINT a second after the start: during imports or the load, wherever it lands."""
+    import time
+    argv = [command, "hello"] if command == "generate" else [command]
+    start = time.monotonic()
+    code, err, _ = _interrupted(argv + ["--no-cache"], after_seconds=1.0)
+    assert code == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "[interrupted]"  # after notes of the load
+    assert time.monotonic() - start < 60
+
+
+def test_inspect_without_a_model_describes_the_default_model(capsys):
+    assert main(["inspect", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"model:      {default_model_path()}" in out
+    assert re.search(r"format: .*GGUF", out, re.IGNORECASE) and "arch:       llama: 30 layers" in out
+
+
+def test_readme_shell_examples_pass_what_they_show():
+    """In bash, "\\n" inside double quotes is a backslash and an n: an example meaning a newline writes $'\\n'."""
+    from pathlib import Path
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```(\w*)\n(.*?)```", readme, re.DOTALL)
+    shell = [body for lang, body in blocks if lang in ("", "bash", "sh", "shell")]
+    assert any("quill generate" in b for b in shell)
+    for body in shell:
+        for line in body.splitlines():
+            code = line.split("  #")[0]
+            assert not re.search(r'"[^"]*\\[ntr0][^"]*"', code), f"a backslash escape bash keeps as is: {line}"
+    assert "--stop $'\\n\\n'" in readme

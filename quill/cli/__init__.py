@@ -1,7 +1,9 @@
 """The ``quill`` command: a thin layer over the Python API, one module per subcommand.
 
 Each module in ``COMMANDS`` defines ``register(subparsers)``, which adds its parser
-and sets ``func`` to a callable taking the parsed args and returning an exit code.
+and sets ``func`` to a callable taking the parsed args and returning an exit code.  A
+``QuillError`` is one line on stderr and exit code 2; Ctrl-C (SIGINT) anywhere outside a
+command's own handling (``quill chat`` keeps the conversation) ends quietly with 130.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run one command; its exit code (2: a QuillError, reported in one line; 130: Ctrl-C, as shells use)."""
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # loading, generating, starting a server: stop without a traceback
+        print("\n[interrupted]", file=sys.stderr, flush=True)  # the newline ends a half-written answer's line
+        return 130
+
+
+def _run(argv: list[str]) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)  # the only global option takes no value
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

@@ -12,7 +12,7 @@ MB = 1024 * 1024
 
 def register(sub) -> None:
     p = sub.add_parser("inspect", help="show each layer's quantization and chosen kernel, and load memory")
-    add_model_args(p, positional=True)
+    add_model_args(p, positional="optional")  # the default model when none is given, as everywhere
     p.set_defaults(func=run)
 
 
@@ -54,7 +54,8 @@ def report(llm) -> str:
 
 
 def _step(engine) -> str:
-    """How a decode step runs its layers (quill.engine.native_step), or why not in one native call."""
+    """How a decode step runs its layers (the model's native_decode_step, quill.layers.native_step), or why
+    not in one native call (the layer and the reason)."""
     if engine.native_step is not None:
         return "native: every decoder layer in one call"
     return f"the model's Python layers ({engine.native_step_reason})"
