@@ -292,6 +292,30 @@ def test_a_client_that_leaves_stops_its_request_on_the_replica(server, stream):
     assert all(v < 1.0 for v in busy.values()), busy  # decoding would take ~3 s of CPU here
 
 
+def test_a_cut_stream_is_aborted_on_its_replica(cluster, server):
+    """A 1000-token stream cut after a few tokens is aborted by its replica, as Ray's exported engine
+    metrics show: one more aborted request, no request running or KV block in use, and far fewer
+    than 1000 tokens generated."""
+    def total(name: str) -> float:
+        return sum(cluster.metrics(name).values())
+
+    aborted, generated = total("quill_requests_aborted"), total("quill_generation_tokens")
+    body = {"prompt": "Count slowly:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True,
+            "user": "cut-stream"}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break
+    deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
+    while True:
+        running, used = cluster.metrics("quill_num_requests_running"), cluster.metrics("quill_kv_cache_blocks_used")
+        if total("quill_requests_aborted") == aborted + 1 and not any(running.values()) and not any(used.values()):
+            break
+        assert time.monotonic() < deadline, (total("quill_requests_aborted"), aborted, running, used)
+        time.sleep(1)
+    assert total("quill_generation_tokens") - generated < 500
+
+
 def test_killed_replica_requests_end_cleanly_and_it_comes_back(server, llm):
     deadline = time.monotonic() + 120
     while len(served := _replicas(server)) < 2:  # (run alone, no earlier test has reached both replicas)
