@@ -51,7 +51,8 @@ METHOD = """## Method
 
 COMMANDS = """## Commands
 
-The commands behind the tables (a JSON written since `quill.bench.meta` also records its own command):
+The commands behind the tables (each machine's notebook section has the exact ones it ran; a
+`quill.bench.llamacpp` JSON written since `quill.bench.meta` records its own):
 
 ```
 make llamacpp       # llama-cpp-python 0.3.36 into .venv-llamacpp: llama.cpp's quantizer and AVX2 peer
