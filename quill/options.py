@@ -22,7 +22,7 @@ from quill.platform import ISA_CHOICES
 DTYPES = ("float32",)  # torch is imported only where a model loads (not by the CLI's start-up)
 # Accepted for compatibility (vLLM's CPU backend defaults to it) and run as float32, with a warning:
 # measured on AVX-512 BF16 (Zen 5) and AVX2 (Zen 3) CPUs, bfloat16 compute decoded at 0.5-0.9x the
-# speed of float32 (the native decode step computes in float32; docs/BENCHMARKS.md, issue 12).
+# speed of float32 (the native decode step computes in float32; docs/lab/BENCHMARKS-notebook.md, issue 12).
 NOT_OFFERED = {"bfloat16": "bfloat16 compute is slower than float32 on CPUs (0.5-0.9x measured)"}
 # quill.engine.core.KV_CACHE_DTYPES (tests/test_options.py checks they agree; core is not imported here)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
