@@ -1,4 +1,4 @@
-"""The native decode step (quill.engine.native_step, quill/native/csrc/step.cpp): every decoder layer of
+"""The native decode step (quill.layers.native_step, quill/native/csrc/step.cpp): every decoder layer of
 an all-decode step in one call gives the Python layers' bits (tokens and log-probabilities, batched
 sequences of different lengths arriving at different steps), on every dense real-tool fixture, the
 default model, int8 activations and q/k/v that cannot share a kernel; models it cannot run say why;

@@ -25,7 +25,6 @@ from torch import nn
 from quill.engine.block_manager import BlockManager
 from quill.engine.kv_cache import PagedKVCache, StepLayout
 from quill.engine.memory import available_ram
-from quill.engine.native_step import build_native_step
 from quill.engine.sampling import Logprob, SamplingParams, process_logits, sample_token, token_logprobs
 from quill.engine.scheduler import Scheduler
 from quill.engine.scoring import PromptScores, ScoreAccumulator, ScoreSpec
@@ -50,7 +49,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
     # all-decode steps run every decoder layer in one native call when the model allows
-    # (quill.engine.native_step); False keeps the Python layers (the same bits, slower)
+    # (the model's native_decode_step, built by quill.layers.native_step); False keeps the Python layers
+    # (the same bits, slower)
     native_step: bool = True
     # element type of the KV pools: "auto" (the default: float16, llama.cpp's default cache type),
     # "float32" (exact), "float16" or "bfloat16": a 16-bit pool takes half the memory per cached token
@@ -159,7 +159,7 @@ class EngineCore:
                                   args.num_key_value_heads, args.head_dim, kv_dtype, isa)
         self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")  # what the pools hold ("float32", ...)
         self.native_step, self.native_step_reason = (
-            build_native_step(model, self.cache) if self.config.native_step else (None, "disabled"))
+            model.native_decode_step(self.cache) if self.config.native_step else (None, "disabled"))
         self.blocks = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         # what a prompt must satisfy here (checkable anywhere, e.g. by a Ray ingress that holds no model)
         self.limits = PromptLimits(self.vocab, context_length, self.config.block_size, num_blocks)

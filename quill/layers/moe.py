@@ -10,6 +10,7 @@ MoE layer's canonical experts are in memory at a time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,7 @@ from quill.canonical import QuantizedWeight
 from quill.errors import CacheError, CheckpointError, ModelError, NotCacheable
 from quill.kernels import LinearLayerConfig
 from quill.layers.context import LayerInfo, LoadContext
+from quill.layers.decoder import SOFTMAX_TOP_K, MoESpec
 from quill.layers.slots import PostLoad, Saved, Slot, check_qshape, checked, checked_bias, linear
 from quill.moe import DenseWeight, ExpertWeights, FusedMoE, build_fused_moe, export_fused_moe, restore_fused_moe, route
 from quill.moe.experts import Proj
@@ -182,6 +184,11 @@ class SparseMoeBlock(nn.Module, PostLoad, Saved):
         raise CheckpointError(f"{self.name}: the config says {len(self.experts)} experts, but the checkpoint lacks "
                               f"{len(missing)} expert projection(s), first '{missing[0]}'{whole}")
 
+    def spec(self) -> MoESpec:
+        """This block described (quill.layers.decoder), with its experts' native group once built."""
+        group = getattr(self.fused.state, "group", None) if self.fused is not None else None
+        return MoESpec(self.name, self.gate, SOFTMAX_TOP_K, self.top_k, self.renormalize, group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
         B, T, H = x.shape
         x2 = x.reshape(-1, H)  # [BT, H]
@@ -199,6 +206,10 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         super().__init__(name, hidden, **moe)
         self.shared_expert = shared_expert
         self.shared_expert_gate = linear(hidden, 1, False)
+
+    def spec(self) -> MoESpec:
+        return dataclasses.replace(super().spec(), shared_expert=self.shared_expert.spec(),
+                                   shared_gate=self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
         routed = super().forward(x)

@@ -1,4 +1,6 @@
-"""What every model file shares: config parsing into ``ModelArgs`` and the per-forward context."""
+"""What every model file shares: config parsing into ``ModelArgs``, the per-forward context, and the
+base model class the engine talks to (``DecoderLM``: its native decode step, built by quill.layers from
+the model's own description of its decoder layers)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from quill.errors import ModelError
+from quill.layers import DecoderLayerSpec, KVPools, build_native_step
 
 
 @dataclass
@@ -35,7 +39,7 @@ class BaseModelArgs:
 
 
 class LayerCache(Protocol):
-    """One layer's view of a KV cache (``quill.engine.cache``, ``quill.engine.kv_cache``)."""
+    """One layer's view of a KV cache (``quill.engine.kv_cache``; the model tests' ``tests/padded_cache.py``)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float) -> torch.Tensor:
@@ -56,7 +60,7 @@ class ForwardContext:
     caches: Sequence[LayerCache] | None = None
     logits_indices: torch.Tensor | None = None  # int64 [N]: the only flattened positions that need logits
     # runs every decoder layer at once in place of the model's loop: layers(h, rope) -> h (the engine's
-    # native decode step, quill.engine.native_step); None: the model's own layers run
+    # native decode step, DecoderLM.native_decode_step); None: the model's own layers run
     layers: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
 
     @classmethod
@@ -68,6 +72,22 @@ class ForwardContext:
 
     def layer_cache(self, i: int) -> LayerCache | None:
         return None if self.caches is None else self.caches[i]
+
+
+class DecoderLM(nn.Module):
+    """A causal decoder-only model: tokens -> logits (``forward``), and what the engine asks besides."""
+
+    dtype: torch.dtype  # the compute dtype
+
+    def decoder_layer_specs(self) -> list[DecoderLayerSpec] | None:
+        """Each decoder layer described (``quill.layers.decoder``), or None: this model does not describe its
+        layers, so only its Python layers run."""
+        return None
+
+    def native_decode_step(self, cache: KVPools) -> tuple[Callable | None, str | None]:
+        """Every decoder layer of an all-decode step in one native call over ``cache``'s pools,
+        ``step(layout, h, rope) -> h`` (``ForwardContext.layers``), or (None, why not, naming the layer)."""
+        return build_native_step(self.decoder_layer_specs(), self.dtype, cache, type(self).__name__)
 
 
 def sliding_window_limit(sliding_window: int | None, enabled: bool, max_positions: int) -> int:

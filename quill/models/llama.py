@@ -14,7 +14,11 @@ from torch import nn
 from quill.errors import ModelError
 from quill.layers import (
     ACTIVATIONS,
+    AttentionSpec,
+    DecoderLayerSpec,
     Embedding,
+    MLPSpec,
+    Projections,
     RMSNorm,
     RopeConfig,
     RotaryEmbedding,
@@ -23,7 +27,7 @@ from quill.layers import (
     linear,
     merged,
 )
-from quill.models.base import BaseModelArgs, ForwardContext, LayerCache, sliding_window_limit
+from quill.models.base import BaseModelArgs, DecoderLM, ForwardContext, LayerCache, sliding_window_limit
 
 
 @dataclass
@@ -82,6 +86,10 @@ class Attention(nn.Module):
         self.o_proj = linear(self.n_heads * self.head_dim, args.hidden_size, o_bias)
         self.qkv = merged(self.q_proj, self.k_proj, self.v_proj)  # one kernel call for the three
 
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.scale,
+                             Projections(("q_proj", "k_proj", "v_proj"), self.qkv), self.o_proj)
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D]."""
         B, T, _ = x.shape
@@ -105,8 +113,13 @@ class MLP(nn.Module):
         self.gate_proj = linear(args.hidden_size, args.intermediate_size, args.mlp_bias)
         self.up_proj = linear(args.hidden_size, args.intermediate_size, args.mlp_bias)
         self.down_proj = linear(args.intermediate_size, args.hidden_size, args.mlp_bias)
+        self.hidden_act, self.intermediate = args.hidden_act, args.intermediate_size
         self.act = ACTIVATIONS[args.hidden_act]
         self.gate_up = merged(self.gate_proj, self.up_proj)
+
+    def spec(self) -> MLPSpec:
+        return MLPSpec(Projections(("gate_proj", "up_proj"), self.gate_up), self.down_proj, self.hidden_act,
+                       self.intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(*self.gate_up(x)))
@@ -119,6 +132,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def feed_forward(self) -> nn.Module:
+        return self.mlp
+
+    def spec(self) -> DecoderLayerSpec:
+        """What forward computes, as data (pre-norm residuals; the native decode step is built from it)."""
+        return DecoderLayerSpec(self.input_layernorm, self.self_attn.spec(), self.post_attention_layernorm,
+                                self.feed_forward().spec())
 
     def forward(self, x, rope, mask, cache):
         h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
@@ -135,7 +156,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class Model(nn.Module):
+class Model(DecoderLM):
     """``LlamaForCausalLM``: tokens -> logits."""
 
     qkv_bias = False  # subclasses (qwen2) switch these
@@ -161,6 +182,9 @@ class Model(nn.Module):
 
     def make_layer(self, args: ModelArgs, layer: int) -> nn.Module:
         return DecoderLayer(args, self.make_attention(args), self.make_mlp(args, layer))
+
+    def decoder_layer_specs(self) -> list[DecoderLayerSpec]:
+        return [layer.spec() for layer in self.model.layers]
 
     @property
     def tied_embeddings(self) -> bool:

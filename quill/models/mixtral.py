@@ -42,6 +42,9 @@ class DecoderLayer(llama.DecoderLayer):
         super().__init__(args, attention, None)
         self.block_sparse_moe = moe
 
+    def feed_forward(self) -> nn.Module:
+        return self.block_sparse_moe
+
     def forward(self, x, rope, mask, cache):
         h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
         return h + self.block_sparse_moe(self.post_attention_layernorm(h))

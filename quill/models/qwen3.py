@@ -6,11 +6,12 @@ independent of hidden_size / num_attention_heads.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from quill.layers import RMSNorm
+from quill.layers import AttentionSpec, RMSNorm
 from quill.models import llama
 from quill.models.base import sliding_window_limit
 
@@ -36,6 +37,9 @@ class Attention(llama.Attention):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super().project(x)  # [B, T, H, D]: the norms act on each head's D channels
         return self.q_norm(q), self.k_norm(k), v
+
+    def spec(self) -> AttentionSpec:
+        return dataclasses.replace(super().spec(), q_norm=self.q_norm, k_norm=self.k_norm)
 
 
 class Model(llama.Model):

@@ -11,7 +11,7 @@ serves MoE too.
 * float32 with every expert's stacked gate_up and down on native kernels: one
   native call (``quill.native`` ExpertGroup, csrc/moe.cpp: one parallel region
   instead of 2k calls per token and their glue), the work laid out as below;
-  the native decode step (quill.engine.native_step) runs the same code.
+  the native decode step (quill.layers.native_step) runs the same code.
 * otherwise, one token (decode): only its k experts run, on the token itself;
   nothing else is touched, so only the selected experts' weights are read.
 * several tokens (prefill, batched decode): the (token, slot) pairs are sorted

@@ -1,0 +1,89 @@
+"""A decoder layer described as data: what the native decode step is built from.
+
+Each model file says what its decoder layer computes (``DecoderLayer.spec()``): its
+norms, its attention variant (q/k norms or not; biases are the linears' own), its
+feed-forward block (a gated MLP, or routed experts with their router and an optional
+shared expert) and how the residuals join them, each part naming the slots that hold
+its weights.  :mod:`quill.layers.native_step` builds the one-call native decode step from
+these descriptions alone, and names the layer and the reason for anything it cannot
+run, so a new architecture either describes itself onto the native path or says why it
+runs its Python layers.  The descriptions hold the model's modules; they copy nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quill.layers.merged import MergedLinear
+from quill.layers.slots import Linear, RMSNorm
+
+# h = x + attention(input_norm(x)); out = h + ffn(post_attention_norm(h))  (Llama, Qwen, Mixtral)
+PRE_NORM = "pre-norm"
+# softmax over the experts' logits, the top k, renormalized to sum 1 when asked
+SOFTMAX_TOP_K = "softmax-top-k"
+
+
+@dataclass(frozen=True)
+class Projections:
+    """Linear slots that read one input, under their checkpoint names (a merged group: q/k/v, gate/up)."""
+
+    names: tuple[str, ...]
+    group: MergedLinear
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Rotary self-attention with grouped KV heads through the layer's KV cache, scaled by ``scale``."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    qkv: Projections  # q, k, v
+    o_proj: Linear
+    q_norm: RMSNorm | None = None  # per-head RMSNorm of q and k before the rotation (Qwen3)
+    k_norm: RMSNorm | None = None
+
+    @property
+    def qkv_bias(self) -> bool:
+        return any(p.has_bias for p in self.qkv.group.parts)
+
+    @property
+    def o_bias(self) -> bool:
+        return self.o_proj.has_bias
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` the config's ``hidden_act``."""
+
+    gate_up: Projections
+    down_proj: Linear
+    activation: str
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routed experts: ``router`` logits -> ``router_kind`` weights of ``top_k`` experts -> their gated MLPs,
+    plus ``shared_expert`` (every token, scaled by ``sigmoid(shared_gate(x))``) when there is one."""
+
+    name: str  # the block's checkpoint prefix (what reasons name)
+    router: Linear
+    router_kind: str
+    top_k: int
+    renormalize: bool
+    native_group: object | None  # the routed experts as one native ExpertGroup, or None
+    shared_expert: MLPSpec | None = None
+    shared_gate: Linear | None = None
+
+
+@dataclass(frozen=True)
+class DecoderLayerSpec:
+    """One decoder layer: norms, attention, feed-forward block and the residual structure joining them."""
+
+    input_norm: RMSNorm
+    attention: AttentionSpec
+    post_attention_norm: RMSNorm
+    ffn: MLPSpec | MoESpec
+    residual: str = PRE_NORM

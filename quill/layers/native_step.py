@@ -1,0 +1,227 @@
+"""Every decoder layer of a decode step in one native call (``quill/native/csrc/step.cpp``), built from
+the layers' descriptions (:mod:`quill.layers.decoder`).
+
+A decode step of a small model spent more time around its kernels than in them: the
+default model's 30 layers made ~60 Python module calls and ~500 torch ops per token
+(~4 ms of a 12 ms token on the machines here), the kernels ~7.5 ms.  ``DecoderStep``
+runs the same native functions the Python layers call (RMSNorm, the linears' kernels,
+rope, the KV write, paged decode attention, SiLU-and-multiply, the residual adds) in
+the same order on the same shapes, so its output is the Python path's bits
+(tests/test_native_step.py compares them), with no Python in between.
+
+:func:`build_native_step` reads the model's ``DecoderLayerSpec`` list, never a model class.
+It builds a step when the compute dtype is float32, decode attention is native, and every
+layer is pre-norm with RMSNorms, rotary grouped-KV attention (q/k norms or not, biases or
+not) and either a gated SiLU MLP or softmax-top-k routed experts without a shared expert
+that run as one native ExpertGroup (csrc/moe.cpp, the Python path's own call), every
+linear on a native kernel; otherwise it says why (naming the layer) and the Python
+layers run.  The step serves steps whose tokens are all decodes (one new token per
+sequence, the common step); steps with a prompt chunk run the Python layers.  It borrows
+the model's kernels and the cache's pools: both live as long as the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from quill import native
+from quill.kernels.linear import native_op
+from quill.layers.decoder import (
+    PRE_NORM,
+    SOFTMAX_TOP_K,
+    AttentionSpec,
+    DecoderLayerSpec,
+    MLPSpec,
+    MoESpec,
+    Projections,
+)
+
+log = logging.getLogger("quill.layers")
+
+# hidden_act names whose fused op the step runs (csrc/step.cpp: silu_mul)
+_NATIVE_ACTIVATIONS = ("silu",)
+
+
+class KVPools(Protocol):
+    """What the step needs of the engine's paged KV cache (``quill.engine.kv_cache.PagedKVCache``)."""
+
+    isa: str | None  # the native variant decode attention runs, None when it runs in torch
+    keys: list[torch.Tensor]  # per layer [slots, Hkv, D]
+    values: list[torch.Tensor]
+
+
+class StepSlots(Protocol):
+    """What the step reads of one step's layout (``quill.engine.kv_cache.StepLayout``)."""
+
+    slots: torch.Tensor  # int64 [T]
+    decode_slots: torch.Tensor  # int64 [T, Smax]
+    decode_lens: torch.Tensor  # int64 [T]
+
+
+class NativeDecodeStep:
+    """``step(layout, h, rope) -> h``: every decoder layer of an all-decode step
+    (what ``quill.models.base.ForwardContext.layers`` runs)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle  # quill.native DecoderStep
+        # one parallel region for the whole step (step.cpp); False: each op splits its own work (same bits)
+        self.team = True
+
+    def __call__(self, layout: StepSlots, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """h [1, T, E] (T decode tokens, one per sequence), rope cos/sin [1, T, D] -> [1, T, E]."""
+        cos, sin = rope
+        out = self.handle.forward(h[0].contiguous(), cos.contiguous(), sin.contiguous(), layout.slots,
+                                  layout.decode_slots, layout.decode_lens, self.team)
+        return out[None]
+
+
+def build_native_step(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dtype, pools: KVPools,
+                      model: str = "the model") -> tuple[NativeDecodeStep | None, str | None]:
+    """The native decode step over the described layers and ``pools``, or (None, why not); either is
+    logged once (``quill.layers``, the load log)."""
+    step, why = _build(specs, dtype, pools, model)
+    if step is None:
+        log.info("native decode step: not built, the Python layers run (%s)", why)
+    else:
+        log.info("native decode step: %d decoder layers in one call", step.handle.num_layers)
+    return step, why
+
+
+def _build(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dtype, pools: KVPools,
+           model: str) -> tuple[NativeDecodeStep | None, str | None]:
+    ext = native.load().module
+    if ext is None:
+        return None, "native kernels unavailable"
+    if pools.isa is None:
+        return None, "decode attention runs in torch"
+    if specs is None:
+        return None, f"{model} does not describe its decoder layers"
+    if dtype != torch.float32:
+        return None, f"compute dtype {dtype} (the step runs float32)"
+    parts = []
+    for i, spec in enumerate(specs):
+        p, why = _layer_parts(spec)
+        if p is None:
+            return None, f"layer {i}: {why}"
+        parts.append(p)
+    sizes, why = _sizes(specs)
+    if sizes is None:
+        return None, why
+    step = ext.DecoderStep(*sizes, pools.isa)
+    for i, p in enumerate(parts):
+        step.add_layer(**p, k_pool=pools.keys[i], v_pool=pools.values[i])
+    return NativeDecodeStep(step), None
+
+
+def _sizes(specs: Sequence[DecoderLayerSpec]) -> tuple[tuple | None, str | None]:
+    """(hidden, heads, kv heads, head dim, MLP intermediate, scale): the C++ step holds one set for every
+    layer; (None, what differs) otherwise."""
+    def shape(s: DecoderLayerSpec) -> tuple:
+        a = s.attention
+        return s.input_norm.dim, a.heads, a.kv_heads, a.head_dim, a.scale
+
+    if not specs:
+        return None, "no decoder layers"
+    for i, s in enumerate(specs):
+        if shape(s) != shape(specs[0]):
+            return None, f"layer {i}: hidden size, heads, head dim or scale differ from layer 0's (one set per step)"
+    dense = sorted({s.ffn.intermediate for s in specs if isinstance(s.ffn, MLPSpec)})
+    if len(dense) > 1:
+        return None, f"MLP intermediate sizes {dense} differ between layers (the step runs one)"
+    hidden, heads, kv_heads, head_dim, scale = shape(specs[0])
+    # an all-MoE stack has no gated-MLP buffers to size: 1 is the step's smallest valid size
+    return (hidden, heads, kv_heads, head_dim, dense[0] if dense else 1, scale), None
+
+
+def _unsupported(spec: DecoderLayerSpec) -> str | None:
+    """Why the step cannot compute what ``spec`` describes, whichever kernels its linears got; None: it can."""
+    if spec.residual != PRE_NORM:
+        return f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}')"
+    if (spec.attention.q_norm is None) != (spec.attention.k_norm is None):
+        return "a q norm without a k norm, or a k norm without a q norm (the step runs both or neither)"
+    ffn = spec.ffn
+    if isinstance(ffn, MLPSpec) and ffn.activation not in _NATIVE_ACTIVATIONS:
+        return f"feed-forward activation '{ffn.activation}' (the step runs {', '.join(_NATIVE_ACTIVATIONS)})"
+    if isinstance(ffn, MoESpec) and ffn.router_kind != SOFTMAX_TOP_K:
+        return f"{ffn.name}: router '{ffn.router_kind}' (the step runs '{SOFTMAX_TOP_K}')"
+    if isinstance(ffn, MoESpec) and ffn.shared_expert is not None:
+        return f"{ffn.name}: a shared expert (the step runs routed experts only)"
+    return None
+
+
+def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
+    """What ``DecoderStep.add_layer`` takes from one described layer, or (None, why it cannot)."""
+    why = _unsupported(spec)
+    if why is not None:
+        return None, why
+    attn = spec.attention
+    norms = [spec.input_norm.weight, spec.post_attention_norm.weight]
+    qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.q_norm is not None else [None, None]
+    if any(w is not None and w.dtype != torch.float32 for w in norms + qk_norms):
+        return None, "a norm weight is not float32"
+    qkv, why = _group(attn.qkv)
+    if qkv is None:
+        return None, why
+    ffn, why = _moe_parts(spec.ffn) if isinstance(spec.ffn, MoESpec) else _mlp_parts(spec.ffn)
+    if ffn is None:
+        return None, why
+    o, why = _linears_of([("o_proj", attn.o_proj.impl)])
+    if o is None:
+        return None, why
+    return {
+        "ln1": norms[0].contiguous(), "eps1": spec.input_norm.eps,
+        "ln2": norms[1].contiguous(), "eps2": spec.post_attention_norm.eps,
+        "qkv": qkv[0], "qkv_bias": qkv[1], "o": o[0][0], "o_bias": o[1][0], **ffn,
+        "q_norm": qk_norms[0], "k_norm": qk_norms[1], "qk_eps": _qk_eps(attn),
+    }, None
+
+
+def _qk_eps(attn: AttentionSpec) -> float:
+    return attn.q_norm.eps if attn.q_norm is not None else 0.0
+
+
+def _mlp_parts(mlp: MLPSpec) -> tuple[dict | None, str | None]:
+    gate_up, why = _group(mlp.gate_up)
+    if gate_up is None:
+        return None, why
+    down, why = _linears_of([("down_proj", mlp.down_proj.impl)])
+    if down is None:
+        return None, why
+    return {"gate_up": gate_up[0], "gate_up_bias": gate_up[1], "down": down[0][0], "down_bias": down[1][0]}, None
+
+
+def _moe_parts(moe: MoESpec) -> tuple[dict | None, str | None]:
+    """The router and the native expert group of an MoE block, or (None, why not)."""
+    if moe.native_group is None:
+        return None, f"{moe.name}: the routed experts do not run as one native expert group"
+    router, why = _linears_of([("router", moe.router.impl)])
+    if router is None:
+        return None, why
+    if router[1][0] is not None:
+        return None, f"{moe.name}: the router has a bias"
+    return {"gate_up": [], "gate_up_bias": [], "down": None, "down_bias": None, "router": router[0][0],
+            "experts": moe.native_group, "top_k": moe.top_k, "renormalize": moe.renormalize}, None
+
+
+def _group(proj: Projections) -> tuple[tuple[list, list] | None, str | None]:
+    """A merged group's one kernel, or its parts' kernels when they could not share one."""
+    if proj.group.impl is not None:
+        return _linears_of([("+".join(proj.names), proj.group.impl)])
+    return _linears_of([(n, p.impl) for n, p in zip(proj.names, proj.group.parts)])
+
+
+def _linears_of(named: list[tuple[str, object]]) -> tuple[tuple[list, list] | None, str | None]:
+    """([C++ handle], [bias]) of built linears, or (None, why) when one does not run natively."""
+    handles, biases = [], []
+    for name, impl in named:
+        op = native_op(impl)
+        if op is None:
+            kernel = getattr(impl, "kernel_name", type(impl).__name__)
+            return None, f"{name} runs kernel {kernel}, not a native one"
+        handles.append(op)
+        biases.append(impl.bias)
+    return (handles, biases), None
