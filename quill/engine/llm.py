@@ -139,11 +139,12 @@ class LLM:
                  isa: str = "native",
                  engine_config: EngineConfig | None = None, kv_cache_dtype: str | None = None,
                  cache: bool | None = None, cache_dir: str | os.PathLike | None = None):
-        if kv_cache_dtype is not None:  # checked here, before the model loads
-            engine_config = dataclasses.replace(engine_config or EngineConfig(), kv_cache_dtype=kv_cache_dtype)
+        # every option checked here, before the model loads (OptionError names the keyword)
         self.options = RunOptions(dtype=dtype, activation_quant=activation_quant, kv_cache_dtype=kv_cache_dtype,
                                   threads=threads, kernel=kernel, moe_backend=moe_backend, isa=isa,
                                   max_model_len=max_model_len, offline=offline, cache=cache, cache_dir=cache_dir)
+        if kv_cache_dtype is not None:
+            engine_config = dataclasses.replace(engine_config or EngineConfig(), kv_cache_dtype=kv_cache_dtype)
         self.platform = _limited(platform or detect(), isa)
         self.threads = self.options.threads or self.platform.physical_cores
         # native kernels get the count explicitly (LoadContext); torch's own ops (attention over
