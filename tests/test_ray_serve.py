@@ -60,6 +60,13 @@ from tests.test_serve import (  # noqa: E402, F401
     test_unknown_model_and_route,
 )
 
+# Requests that once stopped an engine, now refused (or served greedy) by the ingress's checks.
+from tests.test_serve_faults import (  # noqa: E402, F401
+    probe_text,
+    test_a_request_that_stopped_the_engine_is_a_400_naming_the_field,
+    test_a_temperature_below_the_greedy_threshold_is_greedy,
+)
+
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
@@ -314,6 +321,15 @@ def test_a_cut_stream_is_aborted_on_its_replica(cluster, server):
         assert time.monotonic() < deadline, (total("quill_requests_aborted"), aborted, running, used)
         time.sleep(1)
     assert total("quill_generation_tokens") - generated < 500
+
+
+def test_a_call_no_replica_can_ever_hold_is_a_400(server):
+    """5 prompts x n=64 is more than a replica ever holds (16 running + 256 waiting): a 400 from the
+    replica's refusal, not a 503 inviting retries."""
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": ["a"] * 5, "n": 64, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and "retry-after" not in r.headers, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and "at once: 272 " in err["message"], err
 
 
 def test_killed_replica_requests_end_cleanly_and_it_comes_back(server, llm):
