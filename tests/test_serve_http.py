@@ -12,6 +12,8 @@ import asyncio
 import json
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -281,8 +283,8 @@ def test_size_refused_from_content_length_before_the_body(server, greedy):
                      f"Content-Length: {64 * 1024 ** 3}\r\n\r\n".encode() + b"a" * MB)
         sock.settimeout(10)
         answer = b""
-        while b"}}" not in answer:
-            answer += sock.recv(65536)
+        while b"}}" not in answer and (chunk := sock.recv(65536)):
+            answer += chunk
         answered = time.monotonic() - start
         sock.sendall(b"a" * MB)  # still read (and dropped) after the answer
         assert read_all(sock, 10) == b""
@@ -291,6 +293,17 @@ def test_size_refused_from_content_length_before_the_body(server, greedy):
     assert head.startswith(b"HTTP/1.1 413"), answer
     assert json.loads(body)["error"]["code"] == "request_too_large"
     assert answered < 2 and 2.9 < dropped < 10, (answered, dropped)
+    assert_serving(server, greedy)
+
+
+def test_bytes_that_are_not_http_get_a_json_400(server, greedy):
+    host, port = host_port(server)
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(b"HELLO\x00 there\r\n\r\n")
+        answer = read_all(sock, 10)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, answer
+    assert json.loads(body)["error"]["code"] == "invalid_http"
     assert_serving(server, greedy)
 
 
@@ -314,6 +327,17 @@ def test_key_guards_the_docs_and_allowed_origins_get_cors(greedy):
                        headers={"Origin": page, **key}, timeout=120)
         assert r.headers["access-control-allow-origin"] == page
         assert r.json()["choices"][0]["text"] == greedy
+
+
+def test_http_flags_are_checked_before_the_model_loads():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "quill", "serve", "--port", "0", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    r = run("--max-body-size", "lots")
+    assert r.returncode != 0 and "--max-body-size: expected bytes such as 2GiB" in r.stderr and "'lots'" in r.stderr
+    r = run("--header-timeout", "0")
+    assert r.returncode != 0 and "--header-timeout: expected seconds > 0, found 0.0" in r.stderr
+    r = run("--replicas", "2", "--allowed-origins", "https://app.example", "--body-timeout", "5")
+    assert r.returncode != 0 and "--body-timeout, --allowed-origins: not available with replicas" in r.stderr
 
 
 # ---- an exception nobody expected ---------------------------------------------------------------------

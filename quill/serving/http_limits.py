@@ -193,6 +193,13 @@ class _Deadlines:
         super().connection_made(transport)
         self._arm("headers")
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP (its text/plain), in OpenAI's schema; then close."""
+        body = json.dumps(APIError(400, msg, None, "invalid_http").body()).encode()
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
     def connection_lost(self, exc) -> None:
         self._disarm("headers")
         self._disarm("drain")
