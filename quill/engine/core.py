@@ -32,10 +32,10 @@ from quill.engine.sequence import Sequence, Status
 from quill.errors import GenerationError
 from quill.models.base import ForwardContext
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LONE_FAULTS = 3  # one-request steps whose forward failed, in a row, before the engine is called broken
 
 log = logging.getLogger("quill.engine")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
