@@ -28,7 +28,7 @@ PROMPTS = [[5, 17, 99, 42, 8], list(range(20, 57)), [7] * 3, list(range(100, 119
 def llm(tmp_path_factory):
     hf = hf_model("llama", seed=33)
     d = save_hf_dir(hf, tmp_path_factory.mktemp("engine") / "llama")
-    return quill.LLM(str(d), kernel="reference", skip_tokenizer_init=True)
+    return quill.LLM(str(d), kernel="reference", skip_tokenizer_init=True, kv_cache_dtype="float32")
 
 
 def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -46,7 +46,9 @@ def oracle(llm):
 
 
 def engine(llm, **cfg) -> EngineCore:
-    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length, EngineConfig(**cfg))
+    # a float32 cache: the oracle is the plain float32 forward
+    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                      EngineConfig(**{"kv_cache_dtype": "float32", **cfg}))
 
 
 def run(core: EngineCore, arrivals: dict[int, list[tuple[str, list[int]]]], max_tokens: int = 12) -> dict:

@@ -56,7 +56,7 @@ def test_windows_score_every_token_once_with_enough_context(num_tokens, context,
 
 def test_perplexity_matches_transformers_on_the_same_windows(tiny, capsys):
     model, d, text = tiny
-    llm = quill.LLM(str(d))
+    llm = quill.LLM(str(d), kv_cache_dtype="float32")  # transformers' float cache
     tokens = llm.tokenizer.encode(TEXT)
     assert len(tokens) > 200
     for context, stride in [(64, 24), (48, 48), (128, 100)]:
@@ -65,7 +65,7 @@ def test_perplexity_matches_transformers_on_the_same_windows(tiny, capsys):
         assert abs(ours.perplexity / ref - 1) <= 1e-4, (context, stride, ours.perplexity, ref)
         assert ours.tokens_evaluated == len(tokens) - (1 if stride < context else ours.windows)
     assert main(["eval", "perplexity", str(d), "--text", str(text), "--context", "64", "--stride", "24",
-                 "--json"]) == 0
+                 "--kv-cache-dtype", "float32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert abs(out["perplexity"] / hf_perplexity(model, tokens, 64, 24) - 1) <= 1e-4
     assert out["tokens_evaluated"] == len(tokens) - 1 and out["perplexity_stderr"] > 0
@@ -76,7 +76,7 @@ def test_perplexity_of_a_real_tool_fixture_matches_its_transformers_twin(kernel)
     from tests.test_fixture_models import transformers_twin
     name = "ct-w4a16-sym-g128-llama"
     twin = transformers_twin(name)
-    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, kernel=kernel)
+    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, kernel=kernel, kv_cache_dtype="float32")
     tokens = torch.randint(0, twin.config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = perplexity(llm, tokens, 96, 40).perplexity
     ref = hf_perplexity(twin, tokens, 96, 40)
@@ -166,14 +166,15 @@ def test_scores_survive_preemption_and_prefix_cache_hits(tiny):
     from quill.engine.kv_cache import PagedKVCache
     from quill.engine.scoring import ScoreSpec
     _, d, _ = tiny
-    roomy = quill.LLM(str(d))
+    # a float32 cache: the pool sizes below count float32 blocks, and scores must not depend on chunking
+    roomy = quill.LLM(str(d), kv_cache_dtype="float32")
     tokens = roomy.tokenizer.encode(TEXT)[:120]
     want = roomy.score([tokens], ScoreSpec(first=1, top_k=3))[0]
     # 8 blocks of 16 tokens, chunks of 32: a 30-token request decoding needs its third block while
     # the scored 90-token prompt (6 blocks) is mid-prefill, which preempts the scored one
     per_block = PagedKVCache.bytes_per_block(2, 16, 2, 16, torch.float32)
-    tight = quill.LLM(str(d), engine_config=EngineConfig(max_num_batched_tokens=32, block_size=16,
-                                                         kv_cache_memory=8 * per_block))
+    tight = quill.LLM(str(d), kv_cache_dtype="float32", engine_config=EngineConfig(
+        max_num_batched_tokens=32, block_size=16, kv_cache_memory=8 * per_block))
     assert tight.engine.blocks.num_blocks == 8
     tight.processor.add("decoder", None, tokens[30:60], quill.SamplingParams(max_tokens=60, ignore_eos=True))
     got = tight.score([tokens[:90]], ScoreSpec(first=1, top_k=3))[0]

@@ -101,7 +101,7 @@ def test_prompt_logprobs_match_reference(name):
     ref = reference(name)
     key = "logits_act_qdq" if "logits_act_qdq" in ref else "logits"
     want = torch.log_softmax(ref[key], -1)  # [2, 16, V]
-    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, kernel="reference")
+    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, kernel="reference", kv_cache_dtype="float32")
     prompts = ref["input_ids"].tolist()
     outs = llm.generate(prompts, quill.SamplingParams(max_tokens=1, prompt_logprobs=-1, temperature=0))
     vocab = want.shape[-1]
@@ -115,7 +115,7 @@ def test_prompt_logprobs_match_reference(name):
 def test_greedy_matches_transformers(name):
     ids = reference(name)["input_ids"].tolist()
     prompts = [ids[0], ids[1][:11]]  # different lengths: one row is left-padded in the batch
-    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, kernel="reference")
+    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, kernel="reference", kv_cache_dtype="float32")
     outs = llm.generate(prompts, quill.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     twin = transformers_twin(name)
     for prompt, out in zip(prompts, outs):

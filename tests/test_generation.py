@@ -15,7 +15,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def tiny(tmp_path_factory):
     hf = hf_model("llama", seed=21)
     d = save_hf_dir(hf, tmp_path_factory.mktemp("tiny") / "llama")
-    return hf, quill.LLM(str(d), kernel="reference")
+    return hf, quill.LLM(str(d), kernel="reference", kv_cache_dtype="float32")  # transformers' float cache
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -214,7 +214,7 @@ def test_skip_tokenizer_init(tiny, tmp_path):
     d = save_hf_dir(hf, tmp_path / "notok", tokenizer=False)
     with pytest.raises(CheckpointError, match="no tokenizer.json.*skip_tokenizer_init=True"):
         quill.LLM(str(d))
-    llm = quill.LLM(str(d), skip_tokenizer_init=True, kernel="reference")
+    llm = quill.LLM(str(d), skip_tokenizer_init=True, kernel="reference", kv_cache_dtype="float32")
     out = llm.generate({"prompt_token_ids": [5, 6]}, quill.SamplingParams(max_tokens=3, **GREEDY))[0]
     assert out.text == "" and out.token_ids == hf_greedy(hf, [5, 6], 3)
     with pytest.raises(GenerationError, match="text prompts need a tokenizer"):

@@ -206,7 +206,9 @@ def _hf_logprobs(model) -> torch.Tensor:
 
 
 def _quill_logprobs(path: Path, kernel: str | None) -> tuple[torch.Tensor, quill.LLM]:
-    llm = quill.LLM(str(path), kernel=kernel, threads=2, progress=False)
+    # transformers' arithmetic: float activations and KV cache (a GGUF file's default is llama.cpp's)
+    llm = quill.LLM(str(path), kernel=kernel, threads=2, progress=False, activation_quant="none",
+                    kv_cache_dtype="float32")
     n, vocab = len(PROMPT) - 1, llm.model.args.vocab_size
     spec = ScoreSpec(first=1, gather_ids=torch.arange(vocab).expand(n, -1).contiguous())
     return llm.score([PROMPT], spec)[0].gathered, llm
@@ -245,7 +247,7 @@ def test_q6_k_default_model_answers_paris_with_llama_cpp_arithmetic(smol, hf_mod
     token for token against transformers)."""
     assert "Paris" in _ask(smol["Q6_K"], activation_quant="int8")
     path = smol["Q6_K"]
-    llm = quill.LLM(str(path), threads=2, progress=False)
+    llm = quill.LLM(str(path), threads=2, progress=False, activation_quant="none", kv_cache_dtype="float32")
     ids = llm.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
     want = hf_model(path).generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     got = llm.generate([ids], quill.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
@@ -274,7 +276,8 @@ def moe_files(kq_dir):
 
 
 def _moe_logprobs(path: Path, kernel: str | None, ids: list[int]) -> tuple[torch.Tensor, quill.LLM]:
-    llm = quill.LLM(str(path), kernel=kernel, threads=2, progress=False, skip_tokenizer_init=True)
+    llm = quill.LLM(str(path), kernel=kernel, threads=2, progress=False, skip_tokenizer_init=True,
+                    activation_quant="none", kv_cache_dtype="float32")  # transformers' arithmetic
     n, vocab = len(ids) - 1, llm.model.args.vocab_size
     spec = ScoreSpec(first=1, gather_ids=torch.arange(vocab).expand(n, -1).contiguous())
     return llm.score([ids], spec)[0].gathered, llm

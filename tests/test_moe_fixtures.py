@@ -37,7 +37,8 @@ def prompt_logprobs(llm: quill.LLM, ids: torch.Tensor) -> list[torch.Tensor]:
 def test_prompt_logprobs_match_reference(name, kernel, moe):
     ref = reference(name)
     want = torch.log_softmax(ref["logits"], -1)  # [2, 16, V]
-    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, kernel=kernel, moe_backend=moe)
+    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, kernel=kernel, moe_backend=moe,
+                    kv_cache_dtype="float32")
     experts = [i for i in llm.loaded.layers if i.kind == "expert"]
     assert experts and {i.summary.split(" ")[0] for i in experts} == {"W4A16"}
     assert {i.kernel for i in experts} == {f"moe:{moe or 'grouped'}"}
@@ -68,7 +69,7 @@ def transformers_twin(name: str):
 def test_greedy_matches_transformers(name):
     ids = reference(name)["input_ids"].tolist()
     prompts = [ids[0], ids[1][:11]]  # different lengths: one row is left-padded in the batch
-    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True)
+    llm = quill.LLM(str(fixture_path(name)), skip_tokenizer_init=True, kv_cache_dtype="float32")
     outs = llm.generate(prompts, quill.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     twin = transformers_twin(name)
     for prompt, out in zip(prompts, outs):

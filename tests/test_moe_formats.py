@@ -73,7 +73,7 @@ def test_format_through_the_moe_path(hf, fmt, tmp_path):
     ids = torch.randint(4, 320, (2, 10), generator=torch.Generator().manual_seed(31))
     with torch.no_grad():
         want = torch.log_softmax(twin(ids).logits, -1)  # [2, 10, V]
-    llm = quill.LLM(str(tmp_path / fmt), skip_tokenizer_init=True, kernel="reference")
+    llm = quill.LLM(str(tmp_path / fmt), skip_tokenizer_init=True, kernel="reference", kv_cache_dtype="float32")
     experts = [i for i in llm.loaded.layers if i.kind == "expert"]
     assert len(experts) == 2 * 8 * 3 and {i.kernel for i in experts} == {"moe:grouped"}
     outs = llm.generate(ids.tolist(), quill.SamplingParams(max_tokens=1, prompt_logprobs=-1, temperature=0))

@@ -62,7 +62,7 @@ def test_fixture_models_give_the_python_layers_bits(name):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("activation", [None, "int8", "int8-group"])
+@pytest.mark.parametrize("activation", ["none", "int8", "int8-group"])
 def test_default_model_gives_the_python_layers_bits(activation, threads):
     llm = quill.LLM(default_model.default_model_path(), activation_quant=activation, threads=threads)
     python = run(llm, False, 24)
@@ -71,7 +71,7 @@ def test_default_model_gives_the_python_layers_bits(activation, threads):
 
 
 @pytest.mark.skipif(not PLATFORM.has("avx512f"), reason="the AVX2 variant is this CPU's own: tested above")
-@pytest.mark.parametrize("activation", [None, "int8-group"])
+@pytest.mark.parametrize("activation", ["none", "int8-group"])
 def test_avx2_variant_gives_the_python_layers_bits(activation):
     """The step on the AVX2 kernels where the CPU has AVX-512 (what an AVX2-only CPU runs)."""
     llm = quill.LLM(default_model.default_model_path(), activation_quant=activation, threads=2,
@@ -82,7 +82,7 @@ def test_avx2_variant_gives_the_python_layers_bits(activation):
 
 
 @pytest.mark.parametrize("name", MOE)
-@pytest.mark.parametrize("activation", [None, "int8", "int8-group"])
+@pytest.mark.parametrize("activation", ["none", "int8", "int8-group"])
 def test_moe_fixture_models_give_the_python_layers_bits(name, activation):
     """Router, top-k and the routed experts in the step (the ExpertGroup the Python path calls), batched
     sequences arriving at different steps, teamed and op by op."""
@@ -143,7 +143,7 @@ def test_bfloat16_is_not_offered_and_runs_the_float32_step():
     name = str(fixture_path("ct-w4a16-sym-g128-llama"))
     with pytest.warns(DtypeNotOfferedWarning, match="dtype 'bfloat16' is not offered: .*running float32"):
         llm = quill.LLM(name, dtype="bfloat16", skip_tokenizer_init=True)
-    assert llm.options.dtype == torch.float32 and llm.engine.native_step is not None
+    assert llm.options.dtype == "float32" and llm.engine.native_step is not None
     params = quill.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     f32 = quill.LLM(name, skip_tokenizer_init=True)
     assert llm.generate([[5, 9, 14]], params)[0].token_ids == f32.generate([[5, 9, 14]], params)[0].token_ids

@@ -55,7 +55,8 @@ def quill_logprobs(llm: quill.LLM, ids: list[int]) -> tuple[torch.Tensor, list[i
 @pytest.mark.parametrize("kernel", [None, "reference", "native_w4a16", "torch"])
 def test_awq_float_activation_kernels_match_transformers(kernel):
     ref = reference("awq-w4a16")
-    llm = quill.LLM(str(DATA / "awq-w4a16"), kernel=kernel, skip_tokenizer_init=True)
+    llm = quill.LLM(str(DATA / "awq-w4a16"), kernel=kernel, skip_tokenizer_init=True,
+                    kv_cache_dtype="float32")  # the tool's forward: a float cache
     for i, ids in enumerate(prompts(ref)):
         got, greedy = quill_logprobs(llm, ids)
         err = float((got - ref[f"logprobs{i}"][:-1]).abs().max())
@@ -116,7 +117,8 @@ def test_w8a8_end_to_end_against_transformers(kernel):
     median 1.5e-5 / 3.8e-5, 69-72 % of 32 positions within 1e-2, max 0.33.)
     """
     ref = reference("w8a8")
-    llm = quill.LLM(str(DATA / "w8a8"), kernel=kernel, skip_tokenizer_init=True)
+    llm = quill.LLM(str(DATA / "w8a8"), kernel=kernel, skip_tokenizer_init=True,
+                    kv_cache_dtype="float32")  # the tool's forward: a float cache
     per_position, spread = [], []
     for i, ids in enumerate(prompts(ref)):
         got, _ = quill_logprobs(llm, ids)
