@@ -171,7 +171,7 @@ def test_the_schema_names_both_endpoints(client):
 def test_schema_generated_requests_get_no_server_error(api_schema, client, path, mode):
     strategy = api_schema[path]["POST"].as_strategy(generation_mode=schemathesis.GenerationMode(mode))
 
-    @settings(FUZZ, max_examples=50)
+    @settings(FUZZ, max_examples=40)
     @given(case=strategy)
     def run(case):
         body = case.body if isinstance(case.body, (dict, list, str, int, float, bool)) or case.body is None \
@@ -263,7 +263,7 @@ def mutated(draw, path: str) -> dict:
 
 @pytest.mark.parametrize("path", list(ROUTES))
 def test_mutated_valid_bodies_get_no_server_error(client, path):
-    @settings(FUZZ, max_examples=60)
+    @settings(FUZZ, max_examples=50)
     @given(body=mutated(path))
     def run(body):
         _check(client, path, body)
@@ -316,6 +316,15 @@ FIXED = {  # name -> (path, body or raw bytes)
                                          "max_tokens": 2}),
     "logit_bias with NaN": (COMPLETION, b'{"prompt": "Hi", "max_tokens": 2, "logit_bias": {"1": NaN}}'),
     "echo with logprobs, ids": (COMPLETION, {"prompt": [1, 2, 3], "max_tokens": 2, "echo": True, "logprobs": 20}),
+    "1000 prompts": (COMPLETION, {"prompt": [[1, 2]] * 1000, "max_tokens": 2}),
+    "10000 stop strings": (COMPLETION, {"prompt": "Hi", "max_tokens": 2, "stop": [f"s{i}" for i in range(10_000)]}),
+    "5000 messages": (CHAT, {"messages": [{"role": "user", "content": "Hi"}] * 5000, "max_tokens": 2}),
+    "max_tokens 0": (COMPLETION, {"prompt": "Hi", "max_tokens": 0}),
+    "n 0": (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 0}),
+    "top_logprobs 21": (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True,
+                               "top_logprobs": 21}),
+    "stream with n 4 and logprobs": (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 4,
+                                            "stream": True, "logprobs": True, "top_logprobs": 20}),
     "assistant prefill only": (CHAT, {"messages": [{"role": "assistant", "content": "Sure"}], "max_tokens": 2,
                                       "add_generation_prompt": False}),
 }
