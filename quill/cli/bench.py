@@ -15,8 +15,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 from quill.cli.common import add_option_args
 from quill.errors import ConfigError, format_choices
 from quill.options import ActQuant, is_gguf
@@ -66,6 +64,10 @@ def register(sub) -> None:
     md.add_argument("--runs", type=int, default=5, help="runs per mode; medians are reported")
     md.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     md.set_defaults(func=run_model)
+    if len(sub.choices) > 1:
+        # the whole command list (`quill --help`, quill.cli.build_parser(None)): the suites below declare
+        # their options in modules that import torch, and that list shows none of them
+        return
     from quill.bench import moe
 
     moe.register(bsub)  # moe-layer, moe-model
@@ -95,6 +97,8 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def run_kernels(args) -> int:
+    import torch  # here, not at the top: quill --help must not load torch
+
     from quill.bench import kernels as kb
     from quill.bench import memory, report
 

@@ -1,11 +1,11 @@
-"""``quill info``: the CPU as quill sees it, and which kernels can run on it."""
+"""``quill info``: the CPU as quill sees it, which kernels can run on it, and which native ISA variants
+were built (and why the others were not)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from quill.errors import ConfigError
-from quill.kernels.selection import KERNELS, LINEAR_KERNELS, kernel_class
 from quill.platform import CPUINFO_PATH, ISA_FLAGS, Platform, detect, parse_cpuinfo
 
 
@@ -18,6 +18,8 @@ def register(sub) -> None:
 
 def kernel_status(name: str, platform: Platform) -> str | None:
     """Why kernel ``name`` cannot run on ``platform`` (including a failed import), or None when it can."""
+    from quill.kernels.selection import kernel_class  # torch: only when the command runs (quill --help stays fast)
+
     try:
         kernel = kernel_class(name)
     except (ImportError, OSError) as e:  # a native kernel whose extension was not built, a missing library
@@ -56,6 +58,8 @@ def _platform_lines(platform: Platform) -> list[str]:
 
 def report(platform: Platform) -> str:
     """The text ``quill info`` prints for ``platform``."""
+    from quill.kernels.selection import KERNELS, LINEAR_KERNELS
+
     lines = _platform_lines(platform)
     priority = LINEAR_KERNELS.default_priorities(platform)
     statuses = {name: kernel_status(name, platform) for name in KERNELS}
@@ -70,10 +74,30 @@ def report(platform: Platform) -> str:
 
 
 def _kernel_line(name: str, reason: str | None, platform: Platform) -> str:
+    from quill.kernels.selection import kernel_class
+
     if reason is not None:
         return f"  {name:<14} unavailable: {reason}"
     variant = getattr(kernel_class(name), "variant", None)  # optional: the ISA variant that runs here
     return f"  {name:<14} available" + (f" ({variant(platform)})" if variant else "")
+
+
+def native_report(host: Platform) -> str:
+    """The native extension's ISA variants: each built one, and why the others were not (``host``: the CPU
+    the build ran on, this one: the build compiles the variants it runs, quill.native.build)."""
+    from quill import native
+
+    ext = native.load()
+    if ext.module is None:
+        return f"native variants: none ({ext.error})"
+    built = native.built_variants()
+    lines = [f"native variants (built into {Path(ext.module.__file__).name}):"]
+    for name, why in native.variant_status(host).items():
+        if name in built:
+            lines.append(f"  {name}: built")
+        else:  # a build with --variants, or one made on another CPU
+            lines.append(f"  {name}: not built: {why or 'this CPU runs it; rebuild: python -m quill.native.build'}")
+    return "\n".join(lines)
 
 
 def run(args) -> int:
@@ -85,4 +109,5 @@ def run(args) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"--cpuinfo {args.cpuinfo}: cannot read it ({e}); expected a /proc/cpuinfo text") from e
     print(report(platform))
+    print(native_report(detect()))
     return 0
