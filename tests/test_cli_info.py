@@ -7,7 +7,7 @@ import pytest
 from quill.cli import main
 from quill.cli.info import report
 from quill.kernels.selection import KERNELS, PRIORITIES
-from quill.platform import Platform, parse_cpuinfo
+from quill.platform import Platform, detect, parse_cpuinfo
 
 DATA = Path(__file__).parent / "data" / "cpuinfo"
 
@@ -109,6 +109,29 @@ def test_cli_on_this_machine(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("cpu:") and "isa level:" in out and "  reference      available" in out
+
+
+def test_native_variants_listed_with_why_the_others_were_not_built():
+    from quill import native
+    from quill.cli.info import native_report
+
+    if native.load().module is None:
+        assert native_report(detect()).startswith("native variants: none (extension not built")
+        return
+    lines = native_report(recorded("zen3_epyc7763_1s8c16t.txt")).splitlines()
+    assert lines[0].startswith("native variants (built into _quill_native")
+    built = set(native.built_variants())
+    assert "scalar" in built and "  scalar: built" in lines
+    if "avx512" not in built:  # what an AVX2-only build host prints
+        assert ("  avx512: not built: this CPU lacks avx512f, avx512bw, avx512vl, avx512_vnni") in lines
+    # a variant this CPU runs but the build lacks (a --variants build) says how to get it
+    if "avx2" not in built:
+        assert "  avx2: not built: this CPU runs it; rebuild: python -m quill.native.build" in lines
+
+
+def test_cli_on_this_machine_lists_native_variants(capsys):
+    assert main(["info"]) == 0
+    assert "\nnative variants" in capsys.readouterr().out
 
 
 def test_cli_unreadable_cpuinfo(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """quill's native CPU kernels: the compiled extension, and which ISA variant a CPU runs.
 
-The extension is built by ``make install`` (``python -m quill.native.build``).
+The extension is built by ``make install`` / ``make demo`` (``python -m quill.native.build``),
+with the ISA variants this CPU runs (:func:`variant_status`) and the scalar twins.
 If it is missing or failed to build, :func:`load` says why in one line, every
 native kernel's ``supported()`` returns that line, and quill runs on the
 ``torch``/``reference`` kernels.
@@ -52,6 +53,22 @@ def isa_for(platform: Platform) -> str | None:
         if platform.has(*flags):
             return name
     return None
+
+
+def variant_status(platform: Platform) -> dict[str, str | None]:
+    """Every ISA variant, best first ('scalar' last) -> None when ``platform`` runs it, else why not. The build
+    compiles the variants this CPU runs (quill.native.build), so AVX-512 hosts keep the AVX2 one for --isa avx2."""
+    status: dict[str, str | None] = {}
+    for name, flags in ISAS:
+        missing = platform.missing(*flags)
+        status[name] = f"this CPU lacks {', '.join(missing)}" if missing else None
+    return status | {"scalar": None}
+
+
+def built_variants() -> tuple[str, ...]:
+    """The ISA variants compiled into the extension, best first; () when it is not built."""
+    ext = load().module
+    return tuple(ext.isa_backends()) if ext is not None else ()
 
 
 def isa_requirement() -> str:

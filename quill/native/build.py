@@ -1,11 +1,14 @@
-"""Build quill's native kernels: ``python -m quill.native.build`` (run by ``make install``).
+"""Build quill's native kernels: ``python -m quill.native.build`` (run by ``make install`` / ``make demo``).
 
 Plain g++, outside pip (pip's build isolation would pull a CUDA torch).  Every
-ISA variant is its own translation unit with its own ``-m`` flags and no
-``-march=native``, so one build runs on any x86-64 and the ISA is picked at
-load.  Only the binding files (``binding.cpp``, ``linear.cpp``, ``ops.cpp``, ``dense.cpp``,
-``attention.cpp``, ``step.cpp``, ``moe.cpp``) see torch headers (the slow ones);
-the kernels are plain C++.  Objects are rebuilt when a source or header is newer.
+ISA variant is its own translation units with their own ``-m`` flags and no
+``-march=native``; only the variants this CPU runs are compiled (decided by
+``quill.platform.detect`` and ``quill.native.variant_status``, the same rule that
+picks the variant at load), plus the scalar twins.  ``backends.cpp`` gets one
+``-DQUILL_BUILT_<ISA>`` per compiled variant and fills the ISA backend table
+(``csrc/isa.h``) with them.  Only the binding files (``TORCH_SOURCES``) see torch
+headers (the slow ones); the kernels are plain C++.  Objects are rebuilt when a
+source or header is newer or the command changed; an unchanged tree links nothing.
 
 On failure the log goes to ``quill/native/_build/build.log``, a one-line reason
 to ``_build/error.txt`` (which ``quill info`` shows), any stale extension is
@@ -15,14 +18,22 @@ removed, and the exit status is 1.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
+import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import sysconfig
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
+
+from quill.native import variant_status
+from quill.platform import detect
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
@@ -36,29 +47,31 @@ COMMON = ["-O3", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-ffp-contract=of
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 
-# source -> extra flags (ISA of that translation unit only)
-SOURCES: dict[str, list[str]] = {
-    "stream.cpp": [],
-    "hugepage.cpp": [],
-    "scalar.cpp": [],
-    "avx2.cpp": AVX2,
-    "avx512_vnni.cpp": AVX512 + ["-mavx512vnni"],
-    "dense_scalar.cpp": [],
-    "dense_avx2.cpp": AVX2,
-    "dense_avx512.cpp": AVX512,
-    "attention_scalar.cpp": [],
-    "attention_avx2.cpp": AVX2,
-    "attention_avx512.cpp": AVX512,
-    "binding.cpp": [],
-    "linear.cpp": [],
-    "ops.cpp": [],
-    "dense.cpp": [],
-    "attention.cpp": [],
-    "step.cpp": [],
-    "moe.cpp": [],
+# ISA variant -> its translation units and their -m flags (the variant's names as quill.native.ISAS)
+VARIANT_SOURCES: dict[str, dict[str, list[str]]] = {
+    "avx512": {"avx512_vnni.cpp": AVX512 + ["-mavx512vnni"], "dense_avx512.cpp": AVX512,
+               "attention_avx512.cpp": AVX512},
+    "avx2": {"avx2.cpp": AVX2, "dense_avx2.cpp": AVX2, "attention_avx2.cpp": AVX2},
+    "scalar": {"scalar.cpp": [], "dense_scalar.cpp": [], "attention_scalar.cpp": []},
 }
-# the slow ones: they see torch headers
+# every build: stream builders, huge pages, the backend table (its -D flags name the variants compiled)
+PLAIN_SOURCES = ("stream.cpp", "hugepage.cpp", "backends.cpp")
+# the slow ones: they see torch headers, precompiled once (PCH) for all of them
 TORCH_SOURCES = ("binding.cpp", "linear.cpp", "ops.cpp", "dense.cpp", "attention.cpp", "step.cpp", "moe.cpp")
+PCH = CSRC / "torch_pch.h"
+# Compiler CPU seconds per TU (g++ 12 on Zen 3; torch TUs with the PCH), to start the longest first.
+COST = {"avx2.cpp": 62, "avx512_vnni.cpp": 60, "step.cpp": 30, "linear.cpp": 29, "moe.cpp": 23, "ops.cpp": 21,
+        "dense.cpp": 21, "binding.cpp": 20, "attention.cpp": 20, "attention_scalar.cpp": 12,
+        "attention_avx2.cpp": 11, "attention_avx512.cpp": 11, "dense_scalar.cpp": 9}
+
+
+def sources(variants: list[str]) -> dict[str, list[str]]:
+    """Translation unit -> its ISA flags, for a build of ``variants`` (the scalar twins always)."""
+    out = {name: [] for name in PLAIN_SOURCES}
+    for v in dict.fromkeys([*variants, "scalar"]):
+        out.update(VARIANT_SOURCES[v])
+    out["backends.cpp"] = [f"-DQUILL_BUILT_{v.upper()}" for v in VARIANT_SOURCES if v in variants and v != "scalar"]
+    return out | {name: [] for name in TORCH_SOURCES}
 
 
 def extension_path() -> Path:
@@ -66,6 +79,17 @@ def extension_path() -> Path:
 
 
 def _torch_flags() -> tuple[list[str], list[str]]:
+    """(compile flags of the torch TUs, link flags), cached in _build per installed torch: importing
+    torch takes seconds, and an unchanged rebuild should not."""
+    spec = importlib.util.find_spec("torch")
+    key = f"{importlib.metadata.version('torch')} {spec and spec.origin}"
+    cache = BUILD / "torch_flags.json"
+    try:
+        cached = json.loads(cache.read_text())
+        if cached["key"] == key:
+            return cached["cflags"], cached["ldflags"]
+    except (OSError, ValueError, KeyError):
+        pass
     import torch
     from torch.utils.cpp_extension import include_paths, library_paths
 
@@ -74,32 +98,52 @@ def _torch_flags() -> tuple[list[str], list[str]]:
     # -fopenmp: at::parallel_for is inline code around `#pragma omp parallel`; without the
     # flag it silently runs serially.  The runtime is torch's own libgomp.so.1 (same soname,
     # already loaded by torch, rpath first), so there is one thread pool, not two.
+    # QUILL_TORCH names the torch whose headers the objects saw: another torch changes the commands.
     cflags = inc + [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-                    f"-DTORCH_EXTENSION_NAME={EXT_NAME}", "-Wno-unused-variable", "-fopenmp"]
+                    f"-DTORCH_EXTENSION_NAME={EXT_NAME}", f"-DQUILL_TORCH={torch.__version__}",
+                    "-Wno-unused-variable", "-fopenmp"]
     libdirs = library_paths()
     ldflags = [f"-L{d}" for d in libdirs] + [f"-Wl,-rpath,{d}" for d in libdirs]
     ldflags += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-fopenmp"]
+    cache.write_text(json.dumps({"key": key, "cflags": cflags, "ldflags": ldflags}))
     return cflags, ldflags
 
 
 def _command(cxx: str, src: Path, obj: Path, flags: list[str]) -> list[str]:
-    return [cxx, *COMMON, *flags, "-c", str(src), "-o", str(obj)]
+    # -MMD: the headers the TU includes, in obj.d, so a header edit rebuilds only its includers
+    return [cxx, *COMMON, *flags, "-MMD", "-c", str(src), "-o", str(obj)]
 
 
-def _stale(cmd: list[str], obj: Path, src: Path, headers: list[Path]) -> bool:
-    """Rebuild when the object is missing, older than a source or header, or was built with other flags."""
-    stamp = obj.with_suffix(".cmd")
-    if not obj.exists() or not stamp.exists() or stamp.read_text() != " ".join(cmd):
+def _includes(obj: Path, headers: list[Path]) -> list[Path]:
+    """quill's headers ``obj`` was compiled from (its -MMD file), or all of them before the first build."""
+    try:
+        deps = obj.with_suffix(".d").read_text().replace("\\\n", " ").split()
+    except OSError:
+        return headers
+    deps = set(deps)
+    return [h for h in headers if str(h) in deps]
+
+
+def _stamp(out: Path) -> Path:
+    return BUILD / (out.name + ".cmd")  # the command that made ``out``
+
+
+def _stale(cmd: list[str], out: Path, inputs: list[Path]) -> bool:
+    """Rebuild when ``out`` is missing, older than an input, or was built with another command."""
+    stamp = _stamp(out)
+    if not out.exists() or not stamp.exists() or stamp.read_text() != " ".join(cmd):
         return True
-    t = obj.stat().st_mtime
-    return any(p.stat().st_mtime > t for p in [src, *headers])
+    t = out.stat().st_mtime
+    return any(p.stat().st_mtime > t for p in inputs)
 
 
-def _compile(cmd: list[str], obj: Path) -> tuple[str, int, str]:
+def _run(cmd: list[str], out: Path) -> tuple[str, int, str, float]:
+    """(command, exit status, compiler output, wall seconds); ``out``'s command stamp is written on success."""
+    t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode == 0:
-        obj.with_suffix(".cmd").write_text(" ".join(cmd))
-    return " ".join(cmd), p.returncode, p.stdout + p.stderr
+        _stamp(out).write_text(" ".join(cmd))
+    return " ".join(cmd), p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
 
 
 def _first_error(log: str) -> str:
@@ -109,53 +153,111 @@ def _first_error(log: str) -> str:
     return (log.strip().splitlines() or ["unknown error"])[-1][:300]
 
 
-def build(jobs: int | None = None, verbose: bool = False) -> Path:
-    """Compile and link the extension; returns its path or raises RuntimeError with the first error."""
+def native_variants() -> list[str]:
+    """The ISA variants this CPU runs, best first (the same rule as quill.native.isa_for, no torch import)."""
+    return [name for name, why in variant_status(detect()).items() if why is None]
+
+
+@dataclass
+class _Job:
+    cmd: list[str]
+    out: Path
+    after_pch: bool = False  # a torch TU: waits for the precompiled header
+
+
+def _source_name(cmd: list[str]) -> str:
+    return Path(cmd[cmd.index("-c") + 1] if "-c" in cmd else cmd[-3]).name
+
+
+def _compile_all(jobs: list[_Job], pch: _Job | None, workers: int, verbose: bool, log: list[str]) -> None:
+    """Run the compiles on ``workers`` threads, the precompiled header first and ``jobs`` in the order given;
+    raises RuntimeError at the first failure (compiles not yet started are dropped)."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        header = pool.submit(_run, pch.cmd, pch.out) if pch else None
+
+        def run(job: _Job) -> tuple[str, int, str, float]:
+            if job.after_pch and header is not None:
+                header.result()  # a failed header is reported below; the TU would then parse the text
+            return _run(job.cmd, job.out)
+
+        futures = ([header] if header else []) + [pool.submit(run, j) for j in jobs]
+        for fut in as_completed(futures):
+            cmd, rc, out, secs = fut.result()
+            log.append(f"$ {cmd}\n{out}")
+            if verbose:
+                print(f"compiled {_source_name(cmd.split())} in {secs:.1f} s" + (f"\n{out}" if out else ""), flush=True)
+            if rc:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise RuntimeError(_first_error(out) + "\n" + "\n".join(log))
+
+
+def _pch_job(cxx: str, torch_cflags: list[str]) -> tuple[_Job, list[str]]:
+    """The precompiled torch header (stale or not) and the flags that make a torch TU use it."""
+    copy, gch = BUILD / PCH.name, BUILD / (PCH.name + ".gch")
+    text = PCH.read_text()
+    if not copy.exists() or copy.read_text() != text:  # gcc finds the .gch next to the header -include names
+        copy.write_text(text)
+    cmd = [cxx, *COMMON, *torch_cflags, "-x", "c++-header", str(PCH), "-o", str(gch)]
+    return _Job(cmd, gch), ["-include", str(copy), "-Winvalid-pch"]
+
+
+def build(jobs: int | None = None, verbose: bool = False, variants: list[str] | None = None,
+          pch: bool = True) -> Path:
+    """Compile ``variants`` (default: the ones this CPU runs; scalar always) and link the extension when
+    anything changed; returns its path or raises RuntimeError with the first error."""
     BUILD.mkdir(exist_ok=True)
     (BUILD / "error.txt").unlink(missing_ok=True)
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"C++ compiler '{cxx}' not found (set CXX or install g++)")
+    variants = native_variants() if variants is None else variants
     torch_cflags, ldflags = _torch_flags()
     headers = sorted(CSRC.glob("*.h"))
+    header, use_pch = _pch_job(cxx, torch_cflags) if pch else (None, [])
+    if header and not _stale(header.cmd, header.out, [PCH]):
+        header = None
+    srcs = sources(variants)
     todo = []
-    for name, flags in SOURCES.items():
+    for name, flags in srcs.items():
         src, obj = CSRC / name, BUILD / (Path(name).stem + ".o")
-        cmd = _command(cxx, src, obj, flags + (torch_cflags if name in TORCH_SOURCES else []))
-        if _stale(cmd, obj, src, headers):
-            todo.append((cmd, obj))
-    # the torch-heavy sources first: they are the long poles
-    todo.sort(key=lambda t: not any(n in " ".join(t[0]) for n in TORCH_SOURCES))
-    log = []
-    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        for cmd, rc, out in pool.map(lambda t: _compile(*t), todo):
-            log.append(f"$ {cmd}\n{out}")
-            if verbose:
-                print(f"compiled {cmd.split(' -c ')[1].split()[0]}" + (f"\n{out}" if out else ""), flush=True)
-            if rc:
-                raise RuntimeError(_first_error(out) + "\n" + "\n".join(log))
+        torch_tu = name in TORCH_SOURCES
+        cmd = _command(cxx, src, obj, flags + (torch_cflags + use_pch if torch_tu else []))
+        inputs = [src, *_includes(obj, headers)] + ([BUILD / (PCH.name + ".gch")] if torch_tu and pch else [])
+        if (header and torch_tu) or _stale(cmd, obj, inputs):
+            todo.append(_Job(cmd, obj, torch_tu))
+    todo.sort(key=lambda j: -COST.get(_source_name(j.cmd), 5))  # the longest first: none runs alone at the end
+    log: list[str] = []
+    _compile_all(todo, header, jobs or os.cpu_count() or 1, verbose, log)
     target = extension_path()
-    objs = [str(BUILD / (Path(n).stem + ".o")) for n in SOURCES]
-    if todo or not target.exists():
+    objs = [BUILD / (Path(n).stem + ".o") for n in srcs]
+    link = [cxx, "-shared", *map(str, objs), "-o", str(target), *ldflags]
+    if _stale(link, target, objs):
         tmp = target.with_suffix(".tmp.so")
-        cmd = [cxx, "-shared", *objs, "-o", str(tmp), *ldflags]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        log.append(f"$ {' '.join(cmd)}\n{p.stdout}{p.stderr}")
-        if p.returncode:
-            raise RuntimeError(_first_error(p.stdout + p.stderr) + "\n" + "\n".join(log))
-        tmp.replace(target)
-    (BUILD / "build.log").write_text("\n".join(log))
+        _, rc, out, _ = _run([cxx, "-shared", *map(str, objs), "-o", str(tmp), *ldflags], target)
+        log.append(f"$ {' '.join(link)}\n{out}")
+        if rc:
+            raise RuntimeError(_first_error(out) + "\n" + "\n".join(log))
+        tmp.replace(target)  # atomic: a process loading the extension sees the old or the new one
+        _stamp(target).write_text(" ".join(link))
+        (BUILD / "build.log").write_text("\n".join(log))
     return target
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: all CPUs)")
-    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("-v", "--verbose", action="store_true", help="each compile with its wall time, and CPU totals")
+    ap.add_argument("--no-pch", action="store_true", help="parse the torch headers in every TU (for timing the PCH)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated ISA variants to compile, e.g. avx512,avx2 (default: the ones this CPU runs; "
+                         f"known: {', '.join(VARIANT_SOURCES)}; the scalar twins always)")
     args = ap.parse_args(argv)
-    t0 = time.perf_counter()
+    variants = None if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()]
+    if variants is not None and (unknown := sorted(set(variants) - set(VARIANT_SOURCES))):
+        ap.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANT_SOURCES)}")
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
-        path = build(args.jobs, args.verbose)
+        path = build(args.jobs, args.verbose, variants, pch=not args.no_pch)
     except (RuntimeError, OSError, ImportError) as e:
         first, _, rest = str(e).partition("\n")
         BUILD.mkdir(exist_ok=True)
@@ -165,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quill native build failed: {first}\n(full log: {BUILD / 'build.log'}); "
               "quill still runs on the torch and reference kernels", file=sys.stderr)
         return 1
-    print(f"quill native kernels built: {path.name} in {time.perf_counter() - t0:.1f} s")
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = f"; compiler CPU {r1.ru_utime - r0.ru_utime:.1f} s user + {r1.ru_stime - r0.ru_stime:.1f} s sys"
+    names = dict.fromkeys([*(native_variants() if variants is None else variants), "scalar"])
+    print(f"quill native kernels built: {path.name} ({', '.join(names)}) "
+          f"in {time.perf_counter() - t0:.1f} s" + (cpu if args.verbose else ""))
     return 0
 
 

@@ -1,6 +1,6 @@
 // Python bindings of decode attention (attention.h), over dense [B, Hkv, S, D] rows or through
 // a paged pool's slot tables, and of prefill attention (prefill.h) through a slot table: check
-// shapes, strides and tables, pick the ISA variant, split the work across torch's pool.
+// shapes, strides and tables, take the ISA variant's function (isa.h), split the work across torch's pool.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -75,26 +75,10 @@ std::string pools_problem(const at::Tensor& k, const at::Tensor& v, int64_t d) {
   return os.str();
 }
 
-AttnHead head_for(const std::string& isa) {
-  const std::string problem = isa_problem(isa);
-  if (!problem.empty()) fail(problem);
-  if (isa == "avx512") return attn_head_avx512();
-  if (isa == "avx2") return attn_head_avx2();
-  return attn_head_scalar();
-}
-
-KVStore kv_store_for(const std::string& isa) {
-  const std::string problem = isa_problem(isa);
-  if (!problem.empty()) fail(problem);
-  if (isa == "avx512") return kv_store_avx512();
-  if (isa == "avx2") return kv_store_avx2();
-  return kv_store_scalar();
-}
-
 // q [B, H, 1, D], k and v [B, Hkv, S, D] float32, mask bool [B or 1, 1, 1, S] or None -> [B, H, 1, D]
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                             const std::optional<at::Tensor>& mask_in, double scale, const std::string& isa) {
-  const AttnHead head = head_for(isa);
+  const AttnHead head = backend_for(isa, "decode_attention").attn_head;
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
     fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
   const int64_t B = q_in.size(0), H = q_in.size(1), D = q_in.size(3);
@@ -132,7 +116,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& slots_in, const at::Tensor& lens_in, double scale,
                                   const std::string& isa) {
-  const AttnHead head = head_for(isa);
+  const AttnHead head = backend_for(isa, "decode_attention").attn_head;
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
     fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
   const int64_t B = q_in.size(0), H = q_in.size(1), D = q_in.size(3);
@@ -166,19 +150,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
   return out;
 }
 
-PrefillBlock prefill_for(const std::string& isa) {
-  const std::string problem = isa_problem(isa);
-  if (!problem.empty()) op_fail("prefill_attention", problem);
-  if (isa == "avx512") return prefill_block_avx512();
-  if (isa == "avx2") return prefill_block_avx2();
-  return prefill_block_scalar();
-}
-
 // q [n, H, D] float32 (the chunk's queries); k and v pools [N, Hkv, D] float32; ctx int64 [S], S >= n (pool rows
 // of the context, the chunk's tokens its last n) -> [n, H, D]: token i attends positions 0 .. S - n + i
 at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& ctx_in, double scale, const std::string& isa) {
-  const PrefillBlock block = prefill_for(isa);
+  const PrefillBlock block = backend_for(isa, "prefill_attention").prefill;
   auto bad = [](const auto&... parts) { op_fail("prefill_attention", parts...); };
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 3 || q_in.size(0) < 1)
     bad("'q' should be float32 [n, H, D], n >= 1, found ", q_in.dtype(), " ", q_in.sizes());
@@ -217,7 +193,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, 
 
 // pool [n, w] float32 / bfloat16 / float16 (contiguous) = src [n, w] float32 as the decode step stores k / v rows
 void store_kv_rows(const at::Tensor& src, at::Tensor& pool, const std::string& isa) {
-  const KVStore store = kv_store_for(isa);
+  const KVStore store = backend_for(isa, "store_kv").kv_store;
   auto fail = [](const auto&... parts) { op_fail("store_kv", parts...); };
   if (src.scalar_type() != at::kFloat || src.dim() != 2 || !src.is_contiguous())
     fail("'src' should be contiguous float32 [n, w], found ", src.dtype(), " ", src.sizes());

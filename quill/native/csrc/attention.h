@@ -57,10 +57,8 @@ using KVStore = void (*)(void* dst, const float* src, int64_t n, KVType type);
 AttnHead attn_head_scalar();
 AttnHead attn_head_avx2();
 AttnHead attn_head_avx512();
-AttnHead head_for(const std::string& isa);  // attention.cpp: the variant of a checked ISA name (else OpFailure)
 KVStore kv_store_scalar();
 KVStore kv_store_avx2();
 KVStore kv_store_avx512();
-KVStore kv_store_for(const std::string& isa);  // attention.cpp, as head_for
 
 }  // namespace quill

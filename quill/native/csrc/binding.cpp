@@ -1,7 +1,7 @@
 // The extension module: the quantized linear (linear.cpp), the fused ops, dense linear,
 // attention and decode step (registered from their files), and the free functions tests and
 // benchmarks call (activation quantizers alone, huge-page copies, a bandwidth probe).
-// Precondition failures throw KernelFailure / OpFailure, raised in Python as
+// Precondition failures throw KernelFailure / OpFailure / IsaFailure, raised in Python as
 // quill.errors.KernelError.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -138,6 +138,8 @@ PYBIND11_MODULE(_quill_native, m) {
       PyErr_SetString(kernel_error, e.what());
     } catch (const quill::OpFailure& e) {
       PyErr_SetString(kernel_error, e.what());
+    } catch (const quill::IsaFailure& e) {
+      PyErr_SetString(kernel_error, e.what());
     }
   });
   m.doc() = "quill native CPU linear kernels (W4A16, W8A16, W4A8, W8A8)";
@@ -150,6 +152,8 @@ PYBIND11_MODULE(_quill_native, m) {
     return false;
 #endif
   });
+  // the ISA variants this build holds, best first (quill info lists them)
+  m.def("isa_backends", &quill::built_isas);
   m.def("split_activations", &quill::split_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
         py::arg("src"), py::arg("isa"));
   quill::register_ops(m);

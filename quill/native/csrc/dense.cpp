@@ -26,19 +26,11 @@ template <class... A>
   throw OpFailure(s.str());
 }
 
-DenseGemm gemm_for(const std::string& isa) {
-  const std::string problem = isa_problem(isa);
-  if (!problem.empty()) fail("native dense: ", problem);
-  if (isa == "avx512") return dense_gemm_avx512();
-  if (isa == "avx2") return dense_gemm_avx2();
-  return dense_gemm_scalar();
-}
-
 class NativeDense final : public LinearOp {
  public:
   // words: int16 [NB, KP, 16, 2] (dense.h), the bit patterns of `dtype` ("bfloat16" or "float16")
   NativeDense(at::Tensor words, int64_t n, int64_t k, std::string dtype, std::string isa, int64_t threads)
-      : words_(std::move(words)), isa_(isa), gemm_(gemm_for(isa)) {
+      : words_(std::move(words)), isa_(isa), gemm_(backend_for(isa, "native dense").dense) {
     if (dtype != "bfloat16" && dtype != "float16")
       fail("native dense: weight dtype '", dtype, "' is not supported; supported: bfloat16, float16");
     const int64_t nb = (n + LANES - 1) / LANES, kp = (k + 1) / 2;

@@ -1,28 +1,44 @@
-// The extension's one CPU check.  Python decides the ISA once, at load, from the Platform
+// The ISA backend table: every entry point of one ISA variant (the quantized linear and its
+// activation quantizers, the dense 16-bit linear, decode attention, KV stores, prefill attention),
+// and the one place a variant is chosen.  Python decides the ISA once, at load, from the Platform
 // (quill.native.isa_for: "avx512", "avx2" or "scalar") and hands that name to every native
-// entry (linear, dense, attention); each entry verifies it here before taking a code path,
-// so a wrong choice is an error and never an illegal instruction.  The flags are the same
-// sets quill.native.ISAS requires.
+// entry; each entry takes its functions from backend_for(name).  backends.cpp fills the table
+// with the variants this build compiled (quill/native/build.py passes -DQUILL_BUILT_<ISA>),
+// and a name this CPU cannot run, or that was not built, is an error, never an illegal
+// instruction.  The CPU checks are the flag sets quill.native.ISAS requires.
 #pragma once
 
+#include <stdexcept>
 #include <string>
+#include <vector>
+
+#include "attention.h"
+#include "common.h"
+#include "dense.h"
+#include "prefill.h"
 
 namespace quill {
 
-// "" when this CPU can run `isa`, else why not (names the ISA and what it needs).
-inline std::string isa_problem(const std::string& isa) {
-  __builtin_cpu_init();
-  if (isa == "scalar") return "";
-  if (isa == "avx2") {
-    const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    return ok ? "" : "ISA 'avx2' needs AVX2, FMA and F16C, which this CPU lacks";
-  }
-  if (isa == "avx512") {
-    const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    return ok ? "" : "ISA 'avx512' needs AVX512F/BW/VL and AVX512-VNNI, which this CPU lacks";
-  }
-  return "unknown ISA '" + isa + "'; supported: avx512, avx2, scalar";
-}
+struct IsaBackend {
+  const char* name;            // "avx512", "avx2", "scalar"
+  const KernelTable* linear;   // quantized linears and activation quantizers (common.h)
+  DenseGemm dense;             // dense 16-bit linear (dense.h)
+  AttnHead attn_head;          // decode attention, one (sequence, KV head) (attention.h)
+  KVStore kv_store;            // k / v rows into a pool (attention.h)
+  PrefillBlock prefill;        // prefill attention, one (KV head, query block) (prefill.h)
+};
+
+// An ISA name that is unknown, not built into this extension, or not runnable on this CPU
+// (raised in Python as quill.errors.KernelError).
+struct IsaFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The backend of `isa`; else throws IsaFailure "<entry>: <why>" (names the ISA, what it needs,
+// and what this build holds).
+const IsaBackend& backend_for(const std::string& isa, const char* entry);
+
+// The variants compiled into this extension, best first ("scalar" last, always there).
+std::vector<std::string> built_isas();
 
 }  // namespace quill

@@ -1,5 +1,5 @@
 // What the quantized linear's binding (linear.cpp) and the module's free functions (binding.cpp)
-// share: the precondition error, tensor checks, and the kernel table of a checked ISA name.
+// share: the precondition error, tensor checks, and the kernel table of an ISA name.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -48,15 +48,8 @@ inline DType dtype_of(at::ScalarType t, const char* what) {
   }
 }
 
-// The kernel table of an ISA, after checking this CPU really has it (a wrong
-// choice must be an error, not an illegal instruction).
-inline const KernelTable& table_for(const std::string& isa) {
-  const std::string problem = isa_problem(isa);
-  if (!problem.empty()) fail("native kernel: ", problem);
-  if (isa == "avx512") return table_avx512();
-  if (isa == "avx2") return table_avx2();
-  return table_scalar();
-}
+// The quantized linear's kernel table of an ISA (the backend table, isa.h, checks the name).
+inline const KernelTable& table_for(const std::string& isa) { return *backend_for(isa, "native kernel").linear; }
 
 void register_linear(pybind11::module_& m);  // linear.cpp: LinearOp, NativeLinear
 

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "isa.h"
 #include "kv_pool.h"
 #include "linear_op.h"
 #include "moe.h"
@@ -250,8 +251,8 @@ class DecoderStep {
     const float* kr = k.data_ptr<float>();
     const float* vr = v.data_ptr<float>();
     for (int64_t i = 0; i < t; ++i) {
-      kv_store_(pool_row(l.k_pool, slots[i]), kr + i * row, row, kv_type_);
-      kv_store_(pool_row(l.v_pool, slots[i]), vr + i * v.stride(0), row, kv_type_);
+      backend_->kv_store(pool_row(l.k_pool, slots[i]), kr + i * row, row, kv_type_);
+      backend_->kv_store(pool_row(l.v_pool, slots[i]), vr + i * v.stride(0), row, kv_type_);
     }
     const at::Tensor out = paged_decode_attention(q.view({t, h_, 1, d_}), l.k_pool, l.v_pool, ctx_slots, lens,
                                                   scale_, isa_);  // [T, H, 1, D]
@@ -274,7 +275,7 @@ class DecoderStep {
   std::vector<Layer> layers_;
   int64_t rows_ = 0;  // pool rows of the smallest layer pool (the tables are checked against it)
   KVType kv_type_ = KVType::F32;  // every layer's pools
-  KVStore kv_store_ = kv_store_for(isa_);
+  const IsaBackend* backend_ = &backend_for(isa_, "decoder step");  // chosen once (isa.h)
 };
 
 
@@ -323,7 +324,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
       if (cs[b * s + i] < 0 || cs[b * s + i] >= rows_)
         fail("sequence ", b, " position ", i, " names pool row ", cs[b * s + i], "; the pool has ", rows_);
   }
-  const AttnHead head = head_for(isa_);
+  const AttnHead head = backend_->attn_head;
   int threads = 1;
   for (const Layer& l : layers_) threads = std::max<int>(threads, int(l.o.op->threads()));
   threads = std::max(1, std::min(threads, at::get_num_threads()));
@@ -398,8 +399,8 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
         }
         rope_f32(bu.q, cp, sp, h_, d_, r, r + 1);
         rope_f32(bu.k, cp, sp, hkv_, d_, r, r + 1);
-        kv_store_(pool_row(l.k_pool, slots[r]), k, kvd, kv_type_);
-        kv_store_(pool_row(l.v_pool, slots[r]), row + h_ * d_ + kvd, kvd, kv_type_);
+        backend_->kv_store(pool_row(l.k_pool, slots[r]), k, kvd, kv_type_);
+        backend_->kv_store(pool_row(l.v_pool, slots[r]), row + h_ * d_ + kvd, kvd, kv_type_);
       }
       bar.wait();
       AttnArgs la = a;
