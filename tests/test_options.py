@@ -17,7 +17,7 @@ from quill.cli import build_parser, main
 from quill.cli.common import run_options
 from quill.default_model import default_model_path
 from quill.engine.core import KV_CACHE_DTYPES
-from quill.errors import ConfigError
+from quill.errors import ConfigError, KernelSelectionError
 from quill.options import KV_CACHE_DTYPES as SPEC_KV_CACHE_DTYPES
 from quill.options import ActQuant, OptionError, RunOptions
 
@@ -165,6 +165,13 @@ def test_none_means_float_even_for_gguf():
     assert all("A16" in i.summary for i in llm.loaded.layers if i.kind == "quantized")
     assert llm.arithmetic == {"activations": "float (--act-quant none)",
                               "KV cache": "float32 (--kv-cache-dtype float32)"}
+
+
+def test_a_forced_kernel_without_the_gguf_default_says_how_to_run_float():
+    with pytest.raises(KernelSelectionError, match=r"kernel 'torch' was forced.*--act-quant none runs them in float"):
+        quill.LLM(default_model_path(), kernel="torch", progress=False, cache=False)
+    assert quill.LLM(default_model_path(), kernel="torch", activation_quant="none", progress=False,
+                     cache=False).activation is ActQuant.NONE
 
 
 @pytest.mark.parametrize("name, words", [("awq-w4a16", "float (default for this format"),

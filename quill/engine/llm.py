@@ -28,7 +28,7 @@ from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.scoring import PromptScores, ScoreSpec
 from quill.engine.sequence import Timings
 from quill.engine.startup import load_model
-from quill.errors import ConfigError, GenerationError
+from quill.errors import ConfigError, GenerationError, KernelSelectionError
 from quill.layers import LoadContext
 from quill.options import ActQuant, RunOptions, describe_activations, describe_kv_cache, is_gguf
 from quill.platform import Platform, detect
@@ -159,7 +159,15 @@ class LLM:
                                  self.options.kernel, self.options.moe_backend, threads=self.threads)
         use_cache = cache_enabled() if cache is None else cache
         self.cache = PrepackedCache(cache_dir) if use_cache else None
-        started = load_model(self.path, ctx, tokenizer=not skip_tokenizer_init, progress=progress, cache=self.cache)
+        try:
+            started = load_model(self.path, ctx, tokenizer=not skip_tokenizer_init, progress=progress,
+                                 cache=self.cache)
+        except KernelSelectionError as e:
+            if self.options.act_quant is ActQuant.AUTO and self.activation is not ActQuant.NONE:
+                # the user asked for a kernel, not for the format's default activations: say which to pass
+                raise KernelSelectionError(f"{e} (int8-group activations are the default for GGUF files; "
+                                           "activation_quant='none' / --act-quant none runs them in float)") from e
+            raise
         self.loaded: LoadedModel = started.loaded
         self.cache_hit = started.cache_hit
         self.model = self.loaded.model
