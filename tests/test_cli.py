@@ -254,14 +254,18 @@ def test_ctrl_c_while_generating_exits_130_without_a_traceback():
     assert len(out) >= 40  # what was written stays written
 
 
-@pytest.mark.parametrize("command", ["generate", "inspect"])
-def test_ctrl_c_while_starting_exits_130_without_a_traceback(command):
-    """SIGINT a second after the start: during imports or the load, wherever it lands."""
+@pytest.mark.parametrize("command, after", [("generate", 0.5), ("generate", 1.0), ("generate", 2.0), ("inspect", 1.0)])
+def test_ctrl_c_while_starting_exits_130_without_a_traceback(command, after):
+    """SIGINT during imports or the load, wherever it lands (torch once swallowed one during its numpy import,
+    and the command ran to its end)."""
+    import signal
     import time
-    argv = [command, "hello"] if command == "generate" else [command]
+    argv = [command, "--max-tokens", "4000", "--ignore-eos", "hello"] if command == "generate" else [command]
     start = time.monotonic()
-    code, err, _ = _interrupted(argv + ["--no-cache"], after_seconds=1.0)
-    assert code == 130, err
+    code, err, _ = _interrupted(argv + ["--no-cache"], after_seconds=after)
+    # 130, or killed by SIGINT (a shell's $? is 130 too): Python ends that way when the interrupt surfaced in
+    # code an extension ran through PyRun_* (inside torch's import), even though quill caught it
+    assert code in (130, -signal.SIGINT), err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "[interrupted]"  # after notes of the load
     assert time.monotonic() - start < 60
 

@@ -44,8 +44,18 @@ def _run(argv: list[str]) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)  # the only global option takes no value
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    _import_numpy()
     try:
         return int(args.func(args) or 0)
     except QuillError as e:
         print(f"quill: error: {e}", file=sys.stderr)
         return 2
+
+
+def _import_numpy() -> None:
+    """Import numpy before anything imports torch: torch imports it from C++ and drops whatever that import
+    raises, a Ctrl-C too (the command then ran on to its end); imported here, a Ctrl-C during it is raised."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:  # torch runs without numpy
+        pass
