@@ -56,6 +56,7 @@ def test_filters_mask_the_right_tokens():
     assert kept(filter_logits(logits, top_p=0.69)) == [1, 3]  # 0.4 + 0.3 reaches 0.69
     assert kept(filter_logits(logits, top_p=0.71)) == [1, 3, 4]
     assert kept(filter_logits(logits, top_p=0.01)) == [1]  # at least one token survives
+    assert kept(filter_logits(logits, top_p=5e-324)) == [1]  # below float32's range: still the top token
     assert kept(filter_logits(logits, min_p=0.2)) == [1, 2, 3, 4]  # drops p < 0.08
     assert kept(filter_logits(logits, min_p=0.5)) == [1, 3]
     assert kept(filter_logits(logits, top_k=3, top_p=0.9, min_p=0.3)) == [1, 3, 4]

@@ -328,16 +328,8 @@ FIXED = {  # name -> (path, body or raw bytes)
     "assistant prefill only": (CHAT, {"messages": [{"role": "assistant", "content": "Sure"}], "max_tokens": 2,
                                       "add_generation_prompt": False}),
 }
-KNOWN = {  # name -> why a case fails for now: another engineer's files (field validation, the engine)
-    "tiny float top_p": "top_p 5e-324 passes validation (gt 0) and the sampler's probability tensor becomes "
-                        "nan: a 500 'request_failed' (quill/serving/protocol.py or the engine's sampling)",
-}
-
-
 @pytest.mark.parametrize("name", list(FIXED))
 def test_hostile_bodies_get_no_server_error(client, name):
-    if name in KNOWN:
-        pytest.xfail(KNOWN[name])
     path, body = FIXED[name]
     if isinstance(body, bytes):
         _check(client, path, raw=body)

@@ -123,7 +123,8 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     if top_p < 1.0:
         probs, order = torch.sort(torch.softmax(out, -1), descending=True)
         before = torch.cumsum(probs, -1) - probs  # mass of the tokens ranked above each one
-        drop = before >= top_p  # the smallest prefix whose mass reaches top_p is kept (always >= 1 token)
+        drop = before >= top_p  # the smallest prefix whose mass reaches top_p is kept
+        drop[0] = False  # always the top token: a top_p below float32's range (5e-324) compares as 0 >= 0
         out[order[drop]] = float("-inf")
     if min_p > 0.0:
         probs = torch.softmax(out, -1)
