@@ -55,7 +55,7 @@ test: install llamacpp
 
 # Ask the default model a question through its chat template (greedy, streamed): runtime only.
 demo: $(RUNTIME) native
-	$(BIN)/quill generate "What is the capital of France?" --max-tokens 64
+	$(BIN)/quill generate "What is the capital of France? Answer in one sentence." --max-tokens 64
 
 clean:
 	rm -rf $(VENV) $(LLAMA_VENV) build *.egg-info quill/native/_build quill/native/_quill_native*.so
