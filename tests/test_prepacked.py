@@ -174,7 +174,8 @@ def test_a_bfloat16_request_reads_the_float32_entry(tmp_path):
 @pytest.mark.parametrize("change", ["kernel", "isa", "version"])
 def test_each_part_of_the_key_invalidates(change, tmp_path, monkeypatch):
     model = default_model_path()
-    base = _load(model, tmp_path)
+    # the kernel case compares with the A16 kernels: float activations (the GGUF default is int8-group)
+    base = _load(model, tmp_path, **({"activation_quant": "none"} if change == "kernel" else {}))
     kw: dict = {}
     if change == "kernel":
         kw = {"activation_quant": "int8"}  # native_w4a8 / native_w8a8 instead of the A16 kernels
@@ -221,9 +222,10 @@ def test_a_damaged_file_is_detected_rebuilt_and_never_used(damage, tmp_path, cap
 
 
 def test_a_kernel_that_does_not_save_its_state_loads_uncached(tmp_path):
-    llm = _load(default_model_path(), tmp_path, kernel="torch")
+    # float activations: the torch kernel has none per group (the GGUF default)
+    llm = _load(default_model_path(), tmp_path, kernel="torch", activation_quant="none")
     assert not llm.cache_hit and _files(tmp_path) == []
-    assert _answer(llm) == _answer(_load(default_model_path(), None, kernel="torch"))
+    assert _answer(llm) == _answer(_load(default_model_path(), None, kernel="torch", activation_quant="none"))
 
 
 def test_an_moe_backend_that_does_not_save_its_state_loads_uncached(tmp_path):
