@@ -66,6 +66,21 @@ def test_ids_and_decoding_equal_transformers(smollm, hf_smollm):
         assert tok.decode(ids, skip_special_tokens=False) == hf_smollm.decode(ids)
 
 
+def test_a_long_text_encodes_to_the_same_ids(smollm):
+    """quill.Tokenizer encodes texts of LONG_TEXT characters and more through the batch call (the GIL
+    released for servers): the ids are the plain call's, BOS included."""
+    from quill.tokenizer import LONG_TEXT, Tokenizer
+
+    _, spec = smollm
+    text = " ".join(CORPUS) * (LONG_TEXT // len(" ".join(CORPUS)) + 1)
+    assert len(text) >= LONG_TEXT
+    want = spec.tokenizer.encode(text, add_special_tokens=False).ids
+    tok = Tokenizer(spec)
+    bos = [spec.bos_token_id] if spec.add_bos_token and spec.bos_token_id is not None else []
+    assert tok.encode(text) == bos + want
+    assert tok.encode(text, add_special_tokens=False) == want
+
+
 def test_numbers_equal_transformers_with_smollms_own_pre_tokenizer(smollm, hf_smollm):
     """transformers' vocabulary and merges, with the pre-tokenizer of SmolLM2's tokenizer.json."""
     from tokenizers import Tokenizer, pre_tokenizers
