@@ -23,7 +23,9 @@ KINDS = ["float16", "bfloat16"]
 
 @pytest.fixture(scope="module")
 def llm():
-    return quill.LLM(default_model_path(), kv_cache_dtype="float32")  # the reference (the default is float16)
+    # the reference (the default is float16), on float activations: int8 ones (the GGUF default) amplify
+    # the cache's rounding (docs/ACCURACY.md), and this file measures the cache alone
+    return quill.LLM(default_model_path(), kv_cache_dtype="float32", activation_quant="none")
 
 
 def _core(llm, **config) -> EngineCore:
@@ -62,7 +64,8 @@ def test_greedy_decoding_stays_within_rounding_of_the_float32_cache(llm, kind):
     prompt = [100 + (7 * j) % 5000 for j in range(300)]  # long enough for attention to matter
     params = quill.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     want = llm.generate([prompt], params)[0].outputs[0]
-    got = quill.LLM(default_model_path(), kv_cache_dtype=kind).generate([prompt], params)[0].outputs[0]
+    got = quill.LLM(default_model_path(), kv_cache_dtype=kind, activation_quant="none").generate([prompt], params)
+    got = got[0].outputs[0]
     same = 0  # tokens agree until a near-tie turns; log-probabilities of the agreed tokens stay close
     while same < len(want.token_ids) and got.token_ids[same] == want.token_ids[same]:
         same += 1
