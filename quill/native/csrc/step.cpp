@@ -8,7 +8,7 @@
 // dispatch around the kernels than in the kernels (default model: ~4 ms of a 12 ms token).
 // Here the same native functions run in the same order on the same shapes as the Python
 // layers (quill/models/llama.py through quill/kernels/fused.py), so the result is the Python
-// path's bits; quill/engine/native_step.py builds a step only when every piece of every layer
+// path's bits; quill/layers/native_step.py builds a step only when every piece of every layer
 // is one of these native functions, and checks the equality in its tests.
 //
 // Every token is a decode token (one new token per sequence): h [T, E], position cos/sin
