@@ -2,6 +2,11 @@
 
 import io
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
@@ -172,26 +177,7 @@ def test_min_tokens_and_ignore_eos_flags(model_dir, llm, capsys):
 
 def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation():
     """SIGINT while the default model writes a long answer: back to the prompt, no traceback, next turn works."""
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
-    # A run started in the background by a shell without job control (`make test &`, CI runners)
-    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the chat
-    # gets SIGINT's default disposition back, as a terminal user's has.
-    proc = subprocess.Popen([sys.executable, "-m", "quill", "chat", "--max-tokens", "4000", "--ignore-eos"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    got = bytearray()
-
-    def read():
-        for chunk in iter(lambda: proc.stdout.read1(256), b""):
-            got.extend(chunk)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    proc, got, _ = _quill_reading(["chat", "--max-tokens", "4000", "--ignore-eos"], subprocess.PIPE)
     proc.stdin.write(b"Tell me a very long story.\n")
     proc.stdin.flush()
     deadline = time.monotonic() + 120
@@ -209,23 +195,16 @@ def test_chat_ctrl_c_stops_the_answer_and_keeps_the_conversation():
 
 
 def _sigint_default():
-    # A run started in the background by a shell without job control inherits SIGINT ignored, and Python then
-    # installs no KeyboardInterrupt handler: the child gets SIGINT's default back, as a terminal user's has.
-    import signal
+    # A run started in the background by a shell without job control (`make test &`, CI runners) inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the child gets SIGINT's
+    # default disposition back, as a terminal user's has.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _interrupted(argv: list[str], after_bytes: int = 0, after_seconds: float = 0.0) -> tuple[int, str, bytes]:
-    """Run ``quill ARGV``, send SIGINT once it has written ``after_bytes`` to stdout and run ``after_seconds``;
-    its exit code, stderr and stdout."""
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
-    proc = subprocess.Popen([sys.executable, "-m", "quill", *argv], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default)
+def _quill_reading(argv: list[str], stdin=subprocess.DEVNULL) -> tuple[subprocess.Popen, bytearray, threading.Thread]:
+    """``quill ARGV`` started with SIGINT's default disposition; its stdout gathered into a bytearray by a thread."""
+    proc = subprocess.Popen([sys.executable, "-m", "quill", *argv], stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, preexec_fn=_sigint_default)
     got = bytearray()
 
     def read():
@@ -234,6 +213,13 @@ def _interrupted(argv: list[str], after_bytes: int = 0, after_seconds: float = 0
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    return proc, got, reader
+
+
+def _interrupted(argv: list[str], after_bytes: int = 0, after_seconds: float = 0.0) -> tuple[int, str, bytes]:
+    """Run ``quill ARGV``, send SIGINT once it has written ``after_bytes`` to stdout and run ``after_seconds``;
+    its exit code, stderr and stdout."""
+    proc, got, reader = _quill_reading(argv)
     time.sleep(after_seconds)
     deadline = time.monotonic() + 120
     while len(got) < after_bytes and time.monotonic() < deadline and proc.poll() is None:
@@ -258,8 +244,6 @@ def test_ctrl_c_while_generating_exits_130_without_a_traceback():
 def test_ctrl_c_while_starting_exits_130_without_a_traceback(command, after):
     """SIGINT during imports or the load, wherever it lands (torch once swallowed one during its numpy import,
     and the command ran to its end)."""
-    import signal
-    import time
     argv = [command, "--max-tokens", "4000", "--ignore-eos", "hello"] if command == "generate" else [command]
     start = time.monotonic()
     code, err, _ = _interrupted(argv + ["--no-cache"], after_seconds=after)
