@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from quill.errors import QuillError
 
@@ -45,11 +48,47 @@ def _run(argv: list[str]) -> int:
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     _import_numpy()
+    if args.command in _NATIVE_COMMANDS:
+        _import_native()
     try:
         return int(args.func(args) or 0)
     except QuillError as e:
         print(f"quill: error: {e}", file=sys.stderr)
         return 2
+
+
+# the commands that run torch and the native kernels (the rest answer without importing torch)
+_NATIVE_COMMANDS = frozenset({"generate", "chat", "inspect", "serve", "bench", "eval", "info"})
+
+
+@contextmanager
+def _interrupt_after():
+    """Hold a Ctrl-C until the block ends, then raise it: torch's and the native module's imports run Python
+    from C++, and a KeyboardInterrupt raised there can end the process with an abort (pybind11's
+    error_already_set thrown where C++ cannot unwind) instead of quill's 130."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            raise KeyboardInterrupt
+
+
+def _import_native() -> None:
+    """Import torch and the native kernels (a second or two) with Ctrl-C held until both are in."""
+    with _interrupt_after():
+        try:
+            import torch  # noqa: F401
+
+            from quill import native
+            native.load()
+        except ImportError:  # the command reports what is missing when it needs it
+            pass
 
 
 def _import_numpy() -> None:
