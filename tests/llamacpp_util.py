@@ -28,3 +28,21 @@ def quantize(src: Path, dst: Path, ftype: str) -> Path:
     from quill.bench.llamacpp import quantize_with_llamacpp
 
     return quantize_with_llamacpp(llama_python(), src, dst, ftype)
+
+
+def save_smollm2_tokenizer(directory: Path) -> Path:
+    """The default model's tokenizer (SmolLM2, 49152 tokens) as HF files in ``directory``: llama.cpp's converter
+    accepts only tokenizers whose pre-tokenizer it knows, and this one it does ("smollm")."""
+    from transformers import AutoTokenizer
+
+    from quill.default_model import default_model_path
+    gguf = default_model_path()
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(directory))
+    return directory
+
+
+def convert(checkpoint: Path, out: Path, outtype: str = "f32", extra: tuple[str, ...] = ()) -> Path:
+    """llama.cpp's own ``convert_hf_to_gguf.py`` (the llama-cpp-python 0.3.36 sdist's, fetched once from PyPI)."""
+    from quill.bench.llamacpp_src import convert_hf_to_gguf
+
+    return convert_hf_to_gguf(checkpoint, out, outtype, extra=extra)
