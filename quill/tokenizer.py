@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from quill.chat_tools import template_messages
 from quill.errors import CheckpointError, GenerationError
 from quill.tokenizer_spec import TokenizerSpec
 
@@ -67,8 +68,10 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation ([{"role": ..., "content": ...}, ...]) with the model's jinja2 template."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Render a conversation ([{"role": ..., "content": ...}, ...]) with the model's jinja2 template;
+        ``tools`` (OpenAI function tools) and tool calls in the history as ``quill.chat_tools`` passes them."""
         if not self.spec.chat_template:
             raise GenerationError("this model's tokenizer has no chat template; pass a plain prompt instead")
         import jinja2
@@ -83,15 +86,17 @@ class Tokenizer:
                 self._template = env.from_string(self.spec.chat_template)
             except jinja2.TemplateError as e:
                 raise GenerationError(f"the model's chat template does not parse: {e}") from None
+        messages, tools = template_messages(messages, tools, self.spec.chat_template)
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                          **self.spec.special_tokens)
         except jinja2.TemplateError as e:
             raise GenerationError(f"the model's chat template failed on these messages: {e}") from None
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the chat template (which writes its own special tokens)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def detokenizer(self, context: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, context, skip_special_tokens)
