@@ -1,5 +1,6 @@
 // The ISA backend table: every entry point of one ISA variant (the quantized linear and its
-// activation quantizers, the dense 16-bit linear, decode attention, KV stores, prefill attention),
+// activation quantizers, the dense 16-bit linear, decode attention, KV stores, prefill attention,
+// the Gated DeltaNet decode update),
 // and the one place a variant is chosen.  Python decides the ISA once, at load, from the Platform
 // (quill.native.isa_for: "avx512", "avx2" or "scalar") and hands that name to every native
 // entry; each entry takes its functions from backend_for(name).  backends.cpp fills the table
@@ -14,6 +15,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "deltanet.h"
 #include "dense.h"
 #include "prefill.h"
 
@@ -26,6 +28,8 @@ struct IsaBackend {
   AttnHead attn_head;          // decode attention, one (sequence, KV head) (attention.h)
   KVStore kv_store;            // k / v rows into a pool (attention.h)
   PrefillBlock prefill;        // prefill attention, one (KV head, query block) (prefill.h)
+  DnConv dn_conv;              // Gated DeltaNet decode: conv step of a channel range (deltanet.h)
+  DnHead dn_head;              // Gated DeltaNet decode: delta rule and gated norm of one value head
 };
 
 // An ISA name that is unknown, not built into this extension, or not runnable on this CPU
