@@ -28,7 +28,9 @@ def block_hash(parent: bytes, tokens: Seq[int]) -> bytes:
 class BlockManager:
     """The block pool's bookkeeping (the KV tensors themselves live in ``kv_cache.PagedKVCache``)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, states=None):
+        """``states``: a ``quill.engine.state_cache.StatePool`` whose slot each sequence holds beside its
+        blocks (models with recurrent layers), or None."""
         if num_blocks < 1 or block_size < 1:
             raise GenerationError(f"a KV cache needs at least one block of one token, found {num_blocks} "
                                   f"blocks of {block_size}")
@@ -41,6 +43,7 @@ class BlockManager:
         self._cached_free = 0  # free blocks whose key is still registered (kept in step with free / key)
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.states = states
 
     # ---- facts ---------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -111,6 +114,8 @@ class BlockManager:
             self.ref[b] = 1
         seq.block_table = hits + new
         seq.num_hashed = len(hits)
+        if self.states is not None:
+            seq.state_slot = self.states.take(seq.request_id)
         seq.num_computed = len(hits) * self.block_size
         if not seq.admitted:
             seq.num_cached, seq.admitted = min(seq.num_computed, len(seq.prompt)), True
@@ -152,3 +157,6 @@ class BlockManager:
                 self._cached_free += self.key[block] is not None
         seq.block_table = []
         seq.num_hashed = 0
+        if seq.state_slot is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None

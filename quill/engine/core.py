@@ -29,6 +29,7 @@ from quill.engine.sampling import Logprob, SamplingParams, process_logits, sampl
 from quill.engine.scheduler import Scheduler
 from quill.engine.scoring import PromptScores, ScoreAccumulator, ScoreSpec
 from quill.engine.sequence import Sequence, Status
+from quill.engine.state_cache import StatePool, state_bytes
 from quill.errors import GenerationError
 from quill.models.base import ForwardContext
 
@@ -137,6 +138,10 @@ class EngineStats:
     num_preemptions: int
     num_aborted: int = 0  # requests ended by their caller before they finished (cumulative)
     num_failed: int = 0  # requests ended by an error of their own in the engine (cumulative)
+    prefix_caching: bool = True  # off for models with per-sequence recurrent state
+    state_slots_used: int = 0  # sequences holding recurrent state (hybrid models; 0 otherwise)
+    state_slots_total: int = 0
+    state_bytes: int = 0  # the recurrent-state pool, out of the same budget as the KV blocks
 
 
 class EngineCore:
@@ -152,15 +157,25 @@ class EngineCore:
         self.vocab = model.args.vocab_size
         args = model.args
         kv_dtype = getattr(torch, "float16" if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype)
-        per_block = PagedKVCache.bytes_per_block(args.num_hidden_layers, self.config.block_size,
-                                                 args.num_key_value_heads, args.head_dim, kv_dtype)
-        num_blocks = max(2, self._pool_bytes(per_block) // per_block)
+        # per decoder layer the per-sequence state it keeps instead of keys and values (None: KV cache)
+        specs = getattr(model, "state_specs", lambda: None)()
+        kv_layers = None if specs is None else [s is None for s in specs]
+        per_block = PagedKVCache.bytes_per_block(args.num_hidden_layers if specs is None else sum(kv_layers),
+                                                 self.config.block_size, args.num_key_value_heads, args.head_dim,
+                                                 kv_dtype)
+        state_total = 0 if specs is None else self.config.max_num_seqs * state_bytes(specs)
+        num_blocks = max(2, self._kv_bytes(per_block, state_total) // per_block)
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, self.config.block_size,
-                                  args.num_key_value_heads, args.head_dim, kv_dtype, isa)
+                                  args.num_key_value_heads, args.head_dim, kv_dtype, isa, kv_layers)
+        self.states = None if specs is None else StatePool(specs, self.config.max_num_seqs)
         self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")  # what the pools hold ("float32", ...)
         self.native_step, self.native_step_reason = (
             model.native_decode_step(self.cache) if self.config.native_step else (None, "disabled"))
-        self.blocks = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.blocks = BlockManager(num_blocks, self.config.block_size,
+                                   self.config.enable_prefix_caching and self.states is None, self.states)
+        if self.states is not None and self.config.enable_prefix_caching:
+            # a cached block holds keys and values, not the recurrent state after it: reusing it is wrong
+            log.info("prefix caching: off (the model keeps per-sequence recurrent state)")
         # what a prompt must satisfy here (checkable anywhere, e.g. by a Ray ingress that holds no model)
         self.limits = PromptLimits(self.vocab, context_length, self.config.block_size, num_blocks)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
@@ -179,6 +194,17 @@ class EngineCore:
         # a fraction of free RAM, but never more than every sequence at full context needs
         needed = c.max_num_seqs * (-(-self.context_length // c.block_size) + 1) * per_block
         return min(int(available_ram() * c.kv_cache_fraction), needed)
+
+    def _kv_bytes(self, per_block: int, state_total: int) -> int:
+        """What the KV blocks get of the budget once ``state_total`` bytes of recurrent state are set aside."""
+        if not state_total:
+            return self._pool_bytes(per_block)
+        budget = self._pool_bytes(per_block) + (0 if self.config.kv_cache_memory is not None else state_total)
+        if budget - state_total < 2 * per_block:
+            raise GenerationError(f"EngineConfig.kv_cache_memory: {budget} bytes hold neither the recurrent state "
+                                  f"of max_num_seqs={self.config.max_num_seqs} sequences ({state_total} bytes) and "
+                                  f"two KV blocks ({2 * per_block} bytes); give more or lower max_num_seqs")
+        return budget - state_total
 
     # ---- requests --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -230,10 +256,11 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        b, s = self.blocks, self.scheduler
+        b, s, st = self.blocks, self.scheduler, self.states
         return EngineStats(len(s.running), len(s.waiting), b.num_used, b.num_blocks, b.num_cached_free,
                            b.queried_tokens, b.hit_tokens, self.prompt_tokens_total, self.generation_tokens_total,
-                           s.num_preemptions, self.num_aborted, self.num_failed)
+                           s.num_preemptions, self.num_aborted, self.num_failed, b.prefix_caching,
+                           st.num_used if st else 0, st.num_slots if st else 0, st.nbytes() if st else 0)
 
     # ---- one step -----------------------------------------------------------------
     @torch.inference_mode()
@@ -330,9 +357,20 @@ class EngineCore:
             ctx = ForwardContext(torch.tensor([positions]), None, None, torch.tensor(want, dtype=torch.int64),
                                  layers=partial(self.native_step, layout))
         else:
-            ctx = ForwardContext(torch.tensor([positions]), None, self.cache.views(layout),
+            caches = self.cache.views(layout)
+            if self.states is not None:  # recurrent layers: each sequence's state slot and piece of the row
+                segments = [(p, n) for p, (_, n) in zip(_starts(batch), batch)]
+                caches = self.states.views(caches, [seq.state_slot for seq, _ in batch], segments)
+            ctx = ForwardContext(torch.tensor([positions]), None, caches,
                                  logits_indices=torch.tensor(want, dtype=torch.int64))
-        logits = self.model(torch.tensor([tokens]), ctx)[0]  # [N, V] float32
+        try:
+            logits = self.model(torch.tensor([tokens]), ctx)[0]  # [N, V] float32
+        except BaseException:
+            if self.states is not None:
+                self.states.discard()  # a retried request starts again from the states it had
+            raise
+        if self.states is not None:
+            self.states.commit()
         return logits, rows
 
     def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, rows: list[int]) -> None:
@@ -391,3 +429,12 @@ class EngineCore:
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
         return [StepOutput(seq.request_id, [], None, None, "length", None, len(seq.prompt), 0)]
+
+
+def _starts(batch: list[tuple[Sequence, int]]) -> list[int]:
+    """Where each scheduled sequence's tokens start in the step's packed row."""
+    starts, at = [], 0
+    for _, n in batch:
+        starts.append(at)
+        at += n
+    return starts

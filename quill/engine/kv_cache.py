@@ -122,12 +122,15 @@ class PagedKVCache:
     """Per layer, keys and values for ``num_blocks * block_size`` token slots: [slots, Hkv, D]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, isa: str | None = None):
+                 dtype: torch.dtype = torch.float32, isa: str | None = None, kv_layers: list[bool] | None = None):
+        """``kv_layers``: which layers keep keys and values (None: all); the others (recurrent layers) get
+        empty pools, so the lists stay indexed by decoder layer."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.isa = isa  # the native variant decode attention runs (chosen at load), None for torch
         shape = (num_blocks * block_size, kv_heads, head_dim)
-        self.keys = [untouched_zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [untouched_zeros(shape, dtype) for _ in range(num_layers)]
+        kv = kv_layers or [True] * num_layers
+        self.keys = [untouched_zeros(shape if kv[i] else (0, kv_heads, head_dim), dtype) for i in range(num_layers)]
+        self.values = [untouched_zeros(shape if kv[i] else (0, kv_heads, head_dim), dtype) for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

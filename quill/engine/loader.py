@@ -11,6 +11,7 @@ each repacked by its kernel as it arrives, so only one layer is ever unpacked.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import sys
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from quill.models import model_module
 
 # Tensors some checkpoints carry that the model recomputes (older HF exports store rotary tables).
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+log = logging.getLogger("quill.engine")
 
 __all__ = ["IGNORED_TENSORS", "LayerInfo", "LoadedModel", "build_model", "restore_loaded"]
 
@@ -64,6 +67,10 @@ class _Router:
         # checkpoint spellings the architecture also accepts (e.g. Mixtral experts' gate_proj for w1)
         self.aliases = [(re.compile(pattern), repl) for pattern, repl in model.checkpoint_aliases]
         self.unexpected: list[str] = []
+        # tensors of parts the model does not run (a multimodal checkpoint's vision tower): skipped, logged once
+        skipped = getattr(model, "skipped_tensors", None)
+        self.skipped = re.compile(skipped) if skipped else None
+        self.num_skipped = 0
         self.arrived: dict[str, None] = {}  # slots that took dense tensors, in checkpoint order
 
     def _canonical(self, name: str) -> str:
@@ -71,8 +78,16 @@ class _Router:
             name = pattern.sub(repl, name)
         return name
 
+    def _skip(self, name: str) -> bool:
+        if self.skipped is None or not self.skipped.search(name):
+            return False
+        self.num_skipped += 1
+        return True
+
     def dense(self, name: str, tensor: torch.Tensor) -> None:
         name = self._canonical(name)
+        if self._skip(name):
+            return
         module_name, _, attr = name.rpartition(".")
         slot = self.slots.get(module_name)
         if slot is not None and slot.load_tensor(module_name, attr, tensor, self.ctx):
@@ -82,6 +97,8 @@ class _Router:
 
     def quantized(self, name: str, qw: QuantizedWeight) -> None:
         name = self._canonical(name)
+        if self._skip(name):
+            return
         slot = self.slots.get(name)
         if slot is None or not slot.load_quantized(name, qw, self.ctx):
             self.unexpected.append(f"{name} (quantized layer)")
@@ -90,6 +107,9 @@ class _Router:
         release_freed_memory()
 
     def finish(self) -> list[LayerInfo]:
+        if self.num_skipped:
+            log.info("%s: %d tensors skipped (%s: parts the %s text model does not run, e.g. a vision tower)",
+                     self.ctx.where, self.num_skipped, self.skipped.pattern, self.model.args.model_type)
         for name in self.arrived:  # checkpoint order, so the first bad tensor is the one reported
             if self.slots[name].finish(name, self.ctx):
                 self.progress.update(1)

@@ -55,6 +55,7 @@ class Sequence:
     admitted: bool = False
     block_table: list[int] = field(default_factory=list)
     num_hashed: int = 0  # leading full blocks registered in the prefix cache
+    state_slot: int | None = None  # its recurrent state's slot (models with recurrent layers), while running
     finish_reason: str | None = None
     stop_reason: int | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

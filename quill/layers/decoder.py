@@ -43,6 +43,9 @@ class AttentionSpec:
     o_proj: Linear
     q_norm: RMSNorm | None = None  # per-head RMSNorm of q and k before the rotation (Qwen3)
     k_norm: RMSNorm | None = None
+    # Qwen3.5: q_proj gives each head's query and a gate, out = o_proj(attn * sigmoid(gate))
+    output_gate: bool = False
+    rotary_dim: int | None = None  # channels of each head rotated (partial rotary); None: all of them
 
     @property
     def qkv_bias(self) -> bool:
@@ -79,11 +82,21 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class RecurrentSpec:
+    """A Gated DeltaNet token mixer (quill.layers.deltanet) in place of attention: per-sequence conv and
+    delta-rule state instead of a KV cache."""
+
+    name: str  # the module's checkpoint name (what reasons name)
+    layer: object  # the quill.layers.deltanet.GatedDeltaNet: its projections, conv weight, A_log, dt_bias, norm
+    kind: str = "gated-deltanet"
+
+
+@dataclass(frozen=True)
 class DecoderLayerSpec:
     """One decoder layer: norms, attention, feed-forward block and the residual structure joining them."""
 
     input_norm: RMSNorm
-    attention: AttentionSpec
+    attention: AttentionSpec | RecurrentSpec
     post_attention_norm: RMSNorm
     ffn: MLPSpec | MoESpec
     residual: str = PRE_NORM

@@ -38,6 +38,7 @@ from quill.layers.decoder import (
     MLPSpec,
     MoESpec,
     Projections,
+    RecurrentSpec,
 )
 
 log = logging.getLogger("quill.layers")
@@ -141,6 +142,14 @@ def _unsupported(spec: DecoderLayerSpec) -> str | None:
     """Why the step cannot compute what ``spec`` describes, whichever kernels its linears got; None: it can."""
     if spec.residual != PRE_NORM:
         return f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}')"
+    if isinstance(spec.attention, RecurrentSpec):
+        return (f"{spec.attention.name}: recurrent layer ({spec.attention.kind}): runs in Python until the "
+                "native kernel lands")
+    if spec.attention.output_gate:
+        return "gated attention output (the step runs ungated attention)"
+    if spec.attention.rotary_dim not in (None, spec.attention.head_dim):
+        a = spec.attention
+        return f"partial rotary ({a.rotary_dim} of {a.head_dim} channels; the step rotates all)"
     if (spec.attention.q_norm is None) != (spec.attention.k_norm is None):
         return "a q norm without a k norm, or a k norm without a q norm (the step runs both or neither)"
     ffn = spec.ffn

@@ -19,6 +19,10 @@ ARCHITECTURES: dict[str, str] = {
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "qwen3_5_text": "qwen3_5",  # hybrid: Gated DeltaNet layers beside gated attention
+    "qwen3_5": "qwen3_5",  # the multimodal checkpoint's text model (its vision tower skipped)
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_5_moe": "qwen3_5_moe",
 }
 
 

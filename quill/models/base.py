@@ -79,6 +79,12 @@ class DecoderLM(nn.Module):
 
     dtype: torch.dtype  # the compute dtype
 
+    def state_specs(self) -> list | None:
+        """Per decoder layer the per-sequence state it keeps instead of keys and values
+        (``quill.layers.deltanet.StateSpec``; None for a layer that uses the KV cache), or None: every
+        layer uses the KV cache.  The engine allocates what this says and knows nothing else about it."""
+        return None
+
     def decoder_layer_specs(self) -> list[DecoderLayerSpec] | None:
         """Each decoder layer described (``quill.layers.decoder``), or None: this model does not describe its
         layers, so only its Python layers run."""

@@ -26,6 +26,11 @@ ENGINE_GAUGES = (
     ("quill_kv_cache_blocks_used", "kv_blocks_used", "KV blocks held by running requests"),
     ("quill_kv_cache_blocks_total", "kv_blocks_total", "KV blocks in the pool"),
     ("quill_kv_cache_blocks_cached", "kv_blocks_cached_free", "Free KV blocks still holding prefix-cache content"),
+    ("quill_prefix_caching_enabled", "prefix_caching", "1 when prefix caching is on (off for models with "
+     "per-sequence recurrent state)"),
+    ("quill_recurrent_state_slots_used", "state_slots_used", "Sequences holding recurrent state (hybrid models)"),
+    ("quill_recurrent_state_slots_total", "state_slots_total", "Recurrent-state slots (max_num_seqs; 0: no state)"),
+    ("quill_recurrent_state_bytes", "state_bytes", "Bytes of the recurrent-state pool (from the KV budget)"),
 )
 ENGINE_COUNTERS = (
     ("quill_prefix_cache_queried_tokens", "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),

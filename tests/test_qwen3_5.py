@@ -1,0 +1,176 @@
+"""Qwen3.5 dense and MoE (hybrid Gated DeltaNet + gated attention) against transformers, through the engine.
+
+Tiny random models made with transformers here: head dims that are not powers of two (24 / 20), more value
+heads than key heads, 4 layers (3 linear-attention + 1 full-attention), A_log, dt_bias and every norm far
+from their init.  The reference is transformers' float32 forward; quill runs a float32 KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import quill
+from quill.engine.core import EngineConfig, EngineCore
+from quill.engine.state_cache import StatePool
+from quill.errors import CheckpointError, GenerationError
+from quill.layers.deltanet import StateSpec
+from quill.models.base import ForwardContext
+from tests.model_util import save_hf_dir
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=24, linear_key_head_dim=20, linear_value_head_dim=24,
+              linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=40)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PROMPT_LEN = 150  # longer than two chunks of 64
+
+
+def hf_qwen3_5(moe: bool, seed: int = 0):
+    import transformers as t
+    if moe:
+        hf = t.Qwen3_5MoeForCausalLM(t.Qwen3_5MoeTextConfig(**COMMON, **MOE))
+    else:
+        hf = t.Qwen3_5ForCausalLM(t.Qwen3_5TextConfig(**COMMON))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-1.0, 1.5)  # decays from fast to slow
+            elif name.endswith("dt_bias"):
+                p.normal_(0, 1)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.3 if name.endswith("mlp.gate.weight") else 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)  # zero-centred norms away from 0, the gated norm from 1
+    return hf.eval()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_5_moe_text"])
+def pair(request, tmp_path_factory):
+    """(transformers model, quill LLM, checkpoint dir) of one architecture."""
+    hf = hf_qwen3_5(moe="moe" in request.param)
+    d = save_hf_dir(hf, tmp_path_factory.mktemp(request.param) / "ckpt", tokenizer=False)
+    assert json.loads((d / "config.json").read_text())["model_type"] == request.param
+    llm = quill.LLM(str(d), kernel="reference", skip_tokenizer_init=True, kv_cache_dtype="float32")
+    return hf, llm, d
+
+
+def engine(llm, **cfg) -> EngineCore:
+    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                      EngineConfig(**{"kv_cache_dtype": "float32", **cfg}))
+
+
+def run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int, **params) -> dict:
+    """request id -> (generated tokens, prompt-token log-probs or None)."""
+    for rid, p in prompts.items():
+        core.add_request(rid, p, quill.SamplingParams(max_tokens=max_tokens, **GREEDY, **params))
+    out: dict = {rid: ([], None) for rid in prompts}
+    for _ in range(10_000):
+        if not core.has_unfinished_requests():
+            break
+        for o in core.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            if o.prompt_logprobs is not None:
+                ids = prompts[o.request_id]
+                lps = [lp[ids[i]].logprob for i, lp in enumerate(o.prompt_logprobs) if lp is not None]
+                out[o.request_id] = (out[o.request_id][0], torch.tensor(lps))
+    return out
+
+
+def test_logprobs_match_transformers_at_every_position(pair):
+    hf, llm, _ = pair
+    ids = prompt(PROMPT_LEN, 1)
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits.float(), -1)[0]
+    with torch.inference_mode():  # quill's cache-less forward: the chunked delta rule over the whole prompt
+        got = torch.log_softmax(llm.model(torch.tensor([ids]), ForwardContext.causal(1, PROMPT_LEN)), -1)[0]
+    assert (got - want).abs().max() < 1e-3
+    # through the engine: prefill split across steps (64 tokens a step), the state carried between them
+    core = engine(llm, max_num_batched_tokens=64)
+    (_, lps), = run(core, {"a": ids}, 1, prompt_logprobs=0).values()
+    ref = want[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert (lps - ref).abs().max() < 1e-3
+
+
+def test_greedy_tokens_match_transformers(pair):
+    hf, llm, _ = pair
+    ids = prompt(20, 2)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, 20:]
+    got = run(engine(llm), {"a": ids}, 32)["a"][0]
+    assert got == want.tolist()
+
+
+def test_batched_preempted_and_chunked_equal_alone(pair):
+    """Hybrid sequences of different lengths in one step (prefill chunks beside decodes), preempted and
+    recomputed, or prefilled 16 tokens a step: the tokens each gets alone."""
+    _, llm, _ = pair
+    if llm.model.args.model_type != "qwen3_5_text":
+        pytest.skip("the engine's state handling does not depend on the feed-forward block: the dense model's run")
+    prompts = {"long": prompt(PROMPT_LEN, 3), "mid": prompt(47, 5), "short": prompt(5, 4)}
+    alone = {rid: run(engine(llm), {rid: p}, 8)[rid][0] for rid, p in prompts.items()}
+    assert {rid: toks for rid, (toks, _) in run(engine(llm), prompts, 8).items()} == alone
+    chunked = run(engine(llm, max_num_batched_tokens=16), prompts, 8)
+    assert {rid: toks for rid, (toks, _) in chunked.items()} == alone
+    probe = engine(llm, max_num_seqs=3)
+    state = probe.stats().state_bytes  # 3 sequences' state; then room for 13 blocks of 16 tokens
+    per_block = probe.cache.nbytes() // probe.blocks.num_blocks
+    tight = engine(llm, max_num_seqs=3, kv_cache_memory=state + 13 * per_block)
+    assert tight.blocks.num_blocks == 13
+    got = run(tight, prompts, 8)
+    assert tight.stats().num_preemptions > 0
+    assert {rid: toks for rid, (toks, _) in got.items()} == alone
+    stats = tight.stats()
+    assert stats.state_slots_used == 0 and stats.kv_blocks_used == 0  # all freed on finish
+
+
+def test_engine_describes_the_hybrid_model(pair):
+    _, llm, _ = pair
+    core = engine(llm)
+    stats = core.stats()
+    assert not stats.prefix_caching and not core.blocks.prefix_caching  # recurrent state: no prefix reuse
+    assert stats.state_slots_total == core.config.max_num_seqs and stats.state_bytes > 0
+    assert [k.shape[0] > 0 for k in core.cache.keys] == [False, False, False, True]  # KV only for attention
+    native = llm.engine  # built with the load's native ISA: the step is refused for a reason, not for lack of one
+    assert native.native_step is None
+    assert native.native_step_reason == ("layer 0: model.layers.0.linear_attn: recurrent layer (gated-deltanet): "
+                                         "runs in Python until the native kernel lands")
+
+
+def test_bad_checkpoints_are_named_errors(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+    _, llm, d = pair
+    if llm.model.args.model_type != "qwen3_5_text":
+        pytest.skip("one architecture is enough")
+    state = load_file(d / "model.safetensors")
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    missing = {k: v for k, v in state.items() if k != "model.layers.1.linear_attn.conv1d.weight"}
+    save_file(missing, bad / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.linear_attn\.conv1d"):
+        quill.LLM(str(bad), kernel="reference", skip_tokenizer_init=True)
+    # a config whose conv kernel (its state holds kernel - 1 inputs) disagrees with the tensors
+    save_file(state, bad / "model.safetensors")
+    cfg = json.loads((d / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "linear_conv_kernel_dim": 3}))
+    with pytest.raises(CheckpointError, match=r"conv1d\.weight' has shape \[176, 1, 4\], the model expects "
+                                              r"\[176, 1, 3\]"):
+        quill.LLM(str(bad), kernel="reference", skip_tokenizer_init=True)
+
+
+def test_state_of_the_wrong_size_is_refused():
+    pool = StatePool([None, StateSpec(((6, 3), (2, 4, 5)))], num_slots=2)
+    view = pool.views([None, None], [pool.take("r")], [(0, 1)])[1]
+    with pytest.raises(GenerationError, match=r"recurrent state of shape \[2, 4, 4\] does not match the "
+                                              r"described \[2, 4, 5\]"):
+        view.write([0], [torch.zeros(1, 6, 3), torch.zeros(1, 2, 4, 4)])
