@@ -48,3 +48,11 @@ def test_command_line(tmp_path, capsys):
     assert "T=1" in text and "% of roofline against the highest DRAM read of this run" in text
     row = json.loads(out.read_text())["rows"][0]
     assert row["tokens"] == 1 and abs(row["roofline_pct"] - 100 * row["gb_per_s"] / row["roofline_gbs"]) < 1e-9
+
+
+def test_the_help_names_every_moe_backend():
+    """``quill bench moe-layer --help`` names the backends without importing quill.moe (and torch)."""
+    from quill.bench.moe_args import BACKEND_NAMES
+    from quill.moe import MOE_BACKENDS
+
+    assert sorted(BACKEND_NAMES) == sorted(MOE_BACKENDS)

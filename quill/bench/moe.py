@@ -18,49 +18,26 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from quill.bench import memory, settled
+from quill.bench.moe_args import MoEShape, add_arguments, register  # noqa: F401 (register: quill bench)
 from quill.canonical import QuantizedWeight
 from quill.errors import ConfigError, format_choices
 from quill.kernels import KernelPolicy, KernelSelector
 from quill.moe import MOE_BACKENDS, ExpertWeights, MoESelector, build_fused_moe, route
-from quill.platform import ISA_CHOICES, Platform, detect
+from quill.platform import Platform, detect
 from quill.writers.compressed_tensors import (
     quantization_config,
     scheme_config,
     to_compressed_tensors,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """Qwen3-30B-A3B's shapes, with fewer layers and a smaller vocabulary (so the experts dominate)."""
-
-    hidden_size: int = 2048
-    moe_intermediate_size: int = 768
-    num_experts: int = 128
-    num_experts_per_tok: int = 8
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 4
-    head_dim: int = 128
-    vocab_size: int = 8192
-
-    def attention(self) -> dict[str, tuple[int, int]]:
-        """Per-layer attention projections -> (out_features, in_features)."""
-        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
-
-    def expert(self) -> dict[str, tuple[int, int]]:
-        h, i = self.hidden_size, self.moe_intermediate_size
-        return {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # moe_args.DTYPE_NAMES, as torch dtypes
 
 
 def random_weight(out: int, inp: int, bits: int, group: int, gen: torch.Generator, name: str) -> QuantizedWeight:
@@ -248,36 +225,6 @@ def _ints(text: str, what: str) -> list[int]:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError as e:
         raise ConfigError(f"--{what} '{text}' should be comma-separated integers") from e
-
-
-def add_arguments(layer: argparse.ArgumentParser, model: argparse.ArgumentParser) -> None:
-    for p in (layer, model):
-        p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
-        p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
-        p.add_argument("--hidden", type=int, default=MoEShape.hidden_size)
-        p.add_argument("--inter", type=int, default=MoEShape.moe_intermediate_size, help="expert intermediate size")
-        p.add_argument("--experts", type=int, default=MoEShape.num_experts)
-        p.add_argument("--top-k", type=int, default=MoEShape.num_experts_per_tok)
-        p.add_argument("--bits", type=int, default=4, choices=(4, 8))
-        p.add_argument("--group", type=int, default=128)
-        p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
-    layer.add_argument("--tokens", default="1,16,128", help="token counts per call (default 1,16,128)")
-    layer.add_argument("--backends", default="grouped", help=f"MoE backends ({format_choices(MOE_BACKENDS)})")
-    layer.add_argument("--runs", type=int, default=3, help="timed runs per cell; the median is reported")
-    layer.add_argument("--isa", choices=ISA_CHOICES, default="native",
-                       help="'avx2': the kernel variants of an AVX2-only CPU (Zen 2/3)")
-    model.add_argument("path", type=Path, help="checkpoint directory (written first when it has no config.json)")
-    model.add_argument("--layers", type=int, default=MoEShape.num_hidden_layers)
-    model.add_argument("--prompt", type=int, default=128, help="prompt tokens (prefill)")
-    model.add_argument("--gen", type=int, default=32, help="generated tokens (decode)")
-    layer.set_defaults(func=run_layer)
-    model.set_defaults(func=run_model)
-
-
-def register(bsub) -> None:
-    """Add ``moe-layer`` and ``moe-model`` to a ``quill bench`` subparser set."""
-    add_arguments(bsub.add_parser("moe-layer", help="time one MoE layer (decode and prefill)"),
-                  bsub.add_parser("moe-model", help="time a small quantized MoE model end to end"))
 
 
 def _shape(args) -> MoEShape:

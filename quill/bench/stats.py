@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # median() serves `quill bench --help`'s modules, which must not load torch
+    import torch
 
 
 def sqnr(y: torch.Tensor, ref: torch.Tensor) -> float:
     """10 log10(|ref|^2 / |y - ref|^2) in dB, computed in float64; inf when ``y`` equals ``ref``."""
+    import torch
+
     ref, y = ref.double(), y.double()
     noise = (y - ref).pow(2).sum()
     if noise == 0:

@@ -68,9 +68,9 @@ def register(sub) -> None:
         # the whole command list (`quill --help`, quill.cli.build_parser(None)): the suites below declare
         # their options in modules that import torch, and that list shows none of them
         return
-    from quill.bench import moe
+    from quill.bench import moe_args
 
-    moe.register(bsub)  # moe-layer, moe-model
+    moe_args.register(bsub)  # moe-layer, moe-model
     from quill.bench import serve
 
     serve.register(bsub)  # serve: quill serve against llama-server
