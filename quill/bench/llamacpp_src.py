@@ -14,6 +14,7 @@ sentencepiece: quill's test environment has them), never in quill's own process.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import re
@@ -65,6 +66,14 @@ def vendored_llamacpp() -> Path:
     if done.exists():
         return llama
     root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:  # parallel test workers: one fetches, the others wait for it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            _unpack(root)
+    return llama
+
+
+def _unpack(root: Path) -> None:
     archive = root / SDIST
     try:
         if not archive.exists():
@@ -79,8 +88,7 @@ def vendored_llamacpp() -> Path:
     except (OSError, tarfile.TarError) as e:
         raise ConverterUnavailable(f"llama.cpp's converter from {SDIST}: {e}") from e
     archive.unlink()
-    done.touch()
-    return llama
+    (root / ".unpacked").touch()
 
 
 def convert_hf_to_gguf(checkpoint: Path, out: Path, outtype: str = "f32", python: str = sys.executable,
