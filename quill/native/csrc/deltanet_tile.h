@@ -190,14 +190,23 @@ inline void head(const DeltaNetArgs& a, int64_t i, int64_t h, float* scratch) {
   const float decay = std::exp(-std::exp(a.a_log[h]) * softplus);
   const float beta = 1.0f / (1.0f + std::exp(-a.b[i * a.ld_ab + h]));
   float* s = a.state + (a.rows[i] * a.hv + h) * dk * dv;  // [dk, dv]
+  // Column by column the rule is independent (delta[j] needs only column j's mem), so both passes
+  // run on one block of columns while it sits in L1 (NB W columns x dk rows: 16 KiB at dk 128 with
+  // AVX2): the state is read from memory once and written once per step.
   constexpr int64_t BW = NB * W;
   int64_t j = 0;
-  for (; j + BW <= dv; j += BW) decay_read_block<NB>(s + j, k, decay, delta + j, dk, dv);
-  for (; j + W <= dv; j += W) decay_read_block<1>(s + j, k, decay, delta + j, dk, dv);
+  for (; j + BW <= dv; j += BW) {
+    decay_read_block<NB>(s + j, k, decay, delta + j, dk, dv);
+    for (int64_t c = j; c < j + BW; ++c) delta[c] = (xv[c] - delta[c]) * beta;
+    update_read_block<NB>(s + j, k, delta + j, q, o + j, dk, dv);
+  }
+  for (; j + W <= dv; j += W) {
+    decay_read_block<1>(s + j, k, decay, delta + j, dk, dv);
+    for (int64_t c = j; c < j + W; ++c) delta[c] = (xv[c] - delta[c]) * beta;
+    update_read_block<1>(s + j, k, delta + j, q, o + j, dk, dv);
+  }
   decay_read_tail(s, k, decay, delta, dk, dv, j);
-  for (int64_t c = 0; c < dv; ++c) delta[c] = (xv[c] - delta[c]) * beta;
-  for (j = 0; j + BW <= dv; j += BW) update_read_block<NB>(s + j, k, delta + j, q, o + j, dk, dv);
-  for (; j + W <= dv; j += W) update_read_block<1>(s + j, k, delta + j, q, o + j, dk, dv);
+  for (int64_t c = j; c < dv; ++c) delta[c] = (xv[c] - delta[c]) * beta;
   update_read_tail(s, k, delta, q, o, dk, dv, j);
   // gated RMSNorm: o * rsqrt(mean o^2 + eps) * w * silu(z)
   const float r = 1.0f / std::sqrt(sum_sq(o, dv) / float(dv) + a.eps);
