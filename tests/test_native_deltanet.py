@@ -1,6 +1,7 @@
 """The native Gated DeltaNet decode update (csrc/deltanet*, ``deltanet_decode``): every ISA variant this
 CPU runs against a float64 torch reference written from transformers' recurrent rule, over many steps
-of several sequences sharing the state pools, and bit for bit against the scalar twin."""
+of several sequences sharing the state pools, and bit for bit against the scalar twin; and a tiny Qwen3.5 model's
+decode tokens through the engine, which run it (quill.layers.deltanet), against its torch form."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import quill
 from quill import native
+from quill.engine.core import EngineConfig, EngineCore
 from quill.errors import KernelError
 from quill.platform import detect
+from tests.model_util import save_hf_dir
 
 EXT = native.load().module
 PLATFORM = detect()
 ISAS = ["scalar"] + [name for name, flags in reversed(native.ISAS) if PLATFORM.has(*flags)]
+BEST = native.isa_for(PLATFORM) or "scalar"  # what a model loaded here hands the op
 STEPS = 64
 # (key heads, value heads, dk, dv, conv kernel, conv bias): odd head dims; conv channels
 # 2 Hk dk + Hv dv = 176, 161 and 416; dv 20 / 37 / 72 run the 4-vector blocks, single vectors and
@@ -173,3 +178,61 @@ def test_bad_input_is_a_named_error():
         _run(layer, *inputs, conv_state, state, torch.tensor([2, 0, 2]), "scalar")
     with pytest.raises(KernelError, match="deltanet_decode: unknown ISA 'sse9'"):
         _run(layer, *inputs, conv_state, state, rows, "sse9")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A tiny random qwen3_5_text (3 Gated DeltaNet layers + 1 attention layer) loaded by quill, float32."""
+    import transformers as t
+
+    cfg = t.Qwen3_5TextConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=24, linear_key_head_dim=20,
+                              linear_value_head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4,
+                              max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                              eos_token_id=2, pad_token_id=3)
+    torch.manual_seed(0)
+    hf = t.Qwen3_5ForCausalLM(cfg).eval()
+    with torch.no_grad():  # A_log, dt_bias and the norms away from their init
+        for name, p in hf.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-1.0, 1.5)
+            elif name.endswith("dt_bias") or p.dim() >= 2:
+                p.normal_(0, 1 if name.endswith("dt_bias") else 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    d = save_hf_dir(hf, tmp_path_factory.mktemp("qwen3_5") / "ckpt", tokenizer=False)
+    return quill.LLM(str(d), kernel="reference", skip_tokenizer_init=True, kv_cache_dtype="float32")
+
+
+def _generate(llm, prompts: dict[str, list[int]], n: int) -> dict[str, tuple[list[int], list[float]]]:
+    """request id -> (greedy tokens, their log-probabilities), the prompts batched in one engine."""
+    core = EngineCore(llm.model, llm.eos_token_ids, llm.context_length, EngineConfig(kv_cache_dtype="float32"))
+    for rid, p in prompts.items():
+        core.add_request(rid, p, quill.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1))
+    out: dict = {rid: ([], []) for rid in prompts}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            for tok, lps in zip(o.new_token_ids, o.logprobs, strict=True):  # one dict per new token
+                out[o.request_id][0].append(tok)
+                out[o.request_id][1].append(lps[tok].logprob)
+    return out
+
+
+def test_model_decode_runs_the_native_update(hybrid):
+    """The engine's decode tokens go through deltanet_decode (the ISA chosen at load); tokens and
+    log-probabilities are those of the layer's torch form (quill.layers.deltanet, isa None)."""
+    layers = [layer.linear_attn for layer in hybrid.model.model.layers if layer.recurrent]
+    assert len(layers) == 3 and all(layer.isa == BEST for layer in layers)
+    g = torch.Generator().manual_seed(8)
+    prompts = {rid: torch.randint(4, 256, (n,), generator=g).tolist() for rid, n in (("a", 20), ("b", 7))}
+    got = _generate(hybrid, prompts, 16)
+    try:
+        for layer in layers:
+            layer.isa = None
+        want = _generate(hybrid, prompts, 16)
+    finally:
+        for layer in layers:
+            layer.isa = BEST
+    for rid in prompts:
+        assert got[rid][0] == want[rid][0], rid
+        assert max(abs(x - y) for x, y in zip(got[rid][1], want[rid][1])) < 1e-4, rid

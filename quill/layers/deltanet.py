@@ -12,7 +12,8 @@ Per token t and value head h (Qwen3.5's ``linear_attn``; transformers' ``Qwen3_5
 A prompt runs the chunked form (chunks of ``CHUNK`` positions: the intra-chunk updates solved as one
 triangular system, then one state update per chunk), a decode token one recurrent step.  Both read
 and write the state through a :class:`StateView` (the engine's per-sequence pools), or start from zero
-without one.
+without one.  Decode tokens of a float32 model run the native update (quill.kernels.deltanet: conv step,
+delta rule and gated norm in one call, on the ISA chosen at load); otherwise torch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quill.errors import CheckpointError
+from quill.kernels import deltanet as native_deltanet
 from quill.layers.context import LoadContext
 from quill.layers.merged import merged
 from quill.layers.slots import RMSNorm, Slot, checked, linear
@@ -147,6 +149,7 @@ class DeltaNetDims:
     value_dim: int
     conv_kernel: int
     eps: float
+    tiled: bool = False  # value head h reads key head h % Hk (llama.cpp's order), else h // (Hv / Hk) (HF's)
 
     @property
     def conv_channels(self) -> int:
@@ -172,6 +175,7 @@ class GatedDeltaNet(nn.Module, Slot):
         self.norm = GatedRMSNorm(d.value_dim, d.eps)
         self.out_proj = linear(vd, d.hidden)
         self.params: dict[str, torch.Tensor] = {}
+        self.isa: str | None = None  # the native variant decode tokens run (chosen at load), None: torch
 
     def state_spec(self) -> StateSpec:
         d = self.d
@@ -186,6 +190,7 @@ class GatedDeltaNet(nn.Module, Slot):
         if attr not in self.PARAMS:
             return False
         self.params[attr] = checked(ctx, f"{name}.{attr}", tensor, (self.d.value_heads,)).to(torch.float32)
+        self.isa = ctx.native_isa
         return True
 
     def check_filled(self, name: str, ctx: LoadContext) -> None:
@@ -199,6 +204,7 @@ class GatedDeltaNet(nn.Module, Slot):
 
     def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
         self.params = {p: checked(ctx, f"{name}.{p}", tensors[p], (self.d.value_heads,)) for p in self.PARAMS}
+        self.isa = ctx.native_isa
 
     # ---- the math ----------------------------------------------------------------------
     def forward(self, x: torch.Tensor, state: StateView | None) -> torch.Tensor:
@@ -209,22 +215,42 @@ class GatedDeltaNet(nn.Module, Slot):
         qkv, z, b, a = self.proj(x)
         g = -self.params["A_log"].exp() * F.softplus(a.float() + self.params["dt_bias"])  # [B, T, Hv]
         beta = torch.sigmoid(b.float())
+        done = None  # (packed rows, their gated-normed outputs) the native decode update gave
         if state is None:
             o, _ = self._mix(qkv, g, beta, self._zeros(B))
         else:
-            o = torch.empty(T, d.value_heads, d.value_dim, dtype=torch.float32)
-            self._by_sequence(qkv[0], g[0], beta[0], state, o)
+            o = torch.zeros(T, d.value_heads, d.value_dim, dtype=torch.float32)
+            done = self._native_decodes(qkv[0], z[0], a[0], b[0], state)
+            self._by_sequence(qkv[0], g[0], beta[0], state, o, skip=done is not None)
             o = o[None]
         out = self.norm(o.to(x.dtype), z.reshape(B, T, d.value_heads, d.value_dim))
+        if done is not None:
+            out[0, done[0]] = done[1].view(-1, d.value_heads, d.value_dim).to(out.dtype)
         return self.out_proj(out.reshape(B, T, -1))
+
+    def _native_decodes(self, qkv, z, a, b, state: StateView) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The packed row's decode tokens through the native update, or None (none, or it cannot run them)."""
+        decodes = [i for i, (_, n) in enumerate(state.segments) if n == 1]
+        if not decodes or self.isa is None:
+            return None
+        rows = torch.tensor([state.segments[i][0] for i in decodes])
+        # copies, updated in place, then staged: the engine keeps them once the whole step succeeded
+        conv, s = (t.contiguous() for t in state.read(decodes))
+        out = native_deltanet.decode(qkv[rows], z[rows], a[rows], b[rows], self.conv1d.weight, self.params["A_log"],
+                                     self.params["dt_bias"], self.norm.weight, self.norm.eps, conv, s, self.isa)
+        if out is None:
+            return None
+        state.write(decodes, [conv, s])
+        return rows, out
 
     def _zeros(self, n: int) -> list[torch.Tensor]:
         return [torch.zeros(n, *s) for s in self.state_spec().shapes]
 
-    def _by_sequence(self, qkv, g, beta, state: StateView, o: torch.Tensor) -> None:
-        """The packed row's decode tokens in one recurrent step, each prompt chunk in the chunked form."""
+    def _by_sequence(self, qkv, g, beta, state: StateView, o: torch.Tensor, skip: bool = False) -> None:
+        """The packed row's decode tokens in one recurrent step (unless ``skip``: the native update ran them),
+        each prompt chunk in the chunked form."""
         decodes = [i for i, (_, n) in enumerate(state.segments) if n == 1]
-        if decodes:
+        if decodes and not skip:
             rows = torch.tensor([state.segments[i][0] for i in decodes])
             out, new = self._mix(qkv[rows][:, None], g[rows][:, None], beta[rows][:, None], state.read(decodes))
             o[rows] = out[:, 0]
@@ -243,9 +269,11 @@ class GatedDeltaNet(nn.Module, Slot):
         mixed, conv = causal_conv(qkv.float(), self.conv1d.weight, states[0])
         kd = d.key_heads * d.key_dim
         q, k, v = mixed.split([kd, kd, d.value_heads * d.value_dim], dim=-1)
-        rep = d.value_heads // d.key_heads  # key head j serves value heads j*rep .. j*rep+rep-1
-        q = l2norm(q.reshape(N, T, d.key_heads, d.key_dim)).repeat_interleave(rep, 2) * d.key_dim ** -0.5
-        k = l2norm(k.reshape(N, T, d.key_heads, d.key_dim)).repeat_interleave(rep, 2)
+        rep = d.value_heads // d.key_heads
+        def per_value_head(t):  # [N, T, Hk, Dk] -> [N, T, Hv, Dk]
+            t = l2norm(t.reshape(N, T, d.key_heads, d.key_dim))
+            return t.repeat(1, 1, rep, 1) if d.tiled else t.repeat_interleave(rep, 2)
+        q, k = per_value_head(q) * d.key_dim ** -0.5, per_value_head(k)
         v = v.reshape(N, T, d.value_heads, d.value_dim)
         if T == 1:
             o, s = recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], states[1])
