@@ -13,6 +13,7 @@ it aborts the request when one appears.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence as Seq
@@ -30,10 +31,12 @@ from quill.engine.scheduler import Scheduler
 from quill.engine.scoring import PromptScores, ScoreAccumulator, ScoreSpec
 from quill.engine.sequence import Sequence, Status
 from quill.engine.state_cache import StatePool, state_bytes
+from quill.engine.structured import GrammarCompiler, constrain
 from quill.errors import GenerationError
 from quill.models.base import ForwardContext
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+COMPILE_WAIT = 0.005  # s an idle step waits for a grammar being compiled (a caller on an event loop steps again)
 LONE_FAULTS = 3  # one-request steps whose forward failed, in a row, before the engine is called broken
 
 log = logging.getLogger("quill.engine")
@@ -122,6 +125,10 @@ class PromptLimits:
         if bad:
             raise GenerationError(f"SamplingParams.stop_token_ids: token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.vocab})")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab]
+        if bad:
+            raise GenerationError(f"SamplingParams.logit_bias: token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self.vocab})")
 
 
 @dataclass
@@ -142,15 +149,18 @@ class EngineStats:
     state_slots_used: int = 0  # sequences holding recurrent state (hybrid models; 0 otherwise)
     state_slots_total: int = 0
     state_bytes: int = 0  # the recurrent-state pool, out of the same budget as the KV blocks
+    grammar_compiles: int = 0  # structured-output grammars compiled (a spec seen before is not; cumulative)
 
 
 class EngineCore:
     """Continuous batching over a paged KV cache with prefix caching (see the module docstring)."""
 
     def __init__(self, model: nn.Module, eos_token_ids: Seq[int], context_length: int,
-                 config: EngineConfig | None = None, seed: int = 0, isa: str | None = None):
+                 config: EngineConfig | None = None, seed: int = 0, isa: str | None = None,
+                 grammars: GrammarCompiler | None = None):
         """``isa``: the native variant chosen at load (``LoadContext.native_isa``) that decode attention
-        runs; None runs it in torch."""
+        runs; None runs it in torch.  ``grammars``: compiles structured-output specs for this model's
+        tokenizer (None: such requests are refused)."""
         self.model, self.config = model, config or EngineConfig()
         self.eos = frozenset(eos_token_ids)
         self.context_length = context_length
@@ -186,6 +196,8 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.num_aborted = self.num_failed = 0
         self._forward_faults = 0  # steps in a row whose forward failed for every request
+        self.grammars = grammars
+        self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}  # queued once compiled
 
     def _pool_bytes(self, per_block: int) -> int:
         c = self.config
@@ -224,7 +236,10 @@ class EngineCore:
         seq.timings.prompt_tokens = len(ids)
         self._arrivals += 1
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured_outputs is not None:  # scheduled once its grammar is compiled (off the step)
+            self._compiling[request_id] = (seq, self._grammar(params))
+        else:
+            self.scheduler.add(seq)
 
     def check_request(self, prompt_token_ids: Seq[int], label: str = "prompt",
                       params: SamplingParams | None = None) -> list[int]:
@@ -233,7 +248,17 @@ class EngineCore:
         Reads only what never changes after construction, so any thread may call it."""
         if params is not None:
             self.limits.check_params(params)
+            if params.structured_outputs is not None:
+                self._grammar(params)
         return self.limits.check(prompt_token_ids, label)
+
+    def _grammar(self, params: SamplingParams) -> concurrent.futures.Future:
+        """The compile of ``params``' structured-output spec (started now unless cached); a
+        StructuredOutputError naming its field if the spec is invalid."""
+        if self.grammars is None:
+            raise GenerationError("SamplingParams.structured_outputs: this model was loaded without a tokenizer, "
+                                  "which structured outputs need")
+        return self.grammars.compile(params.structured_outputs)
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """End a request now and free its blocks; unknown or finished ids are ignored (False).
@@ -243,7 +268,10 @@ class EngineCore:
         if seq is None or seq.status is Status.FINISHED:
             return False
         seq.finish_reason = reason
-        self.scheduler.finish(seq)
+        if self._compiling.pop(request_id, None) is not None:  # never scheduled
+            seq.status = Status.FINISHED
+        else:
+            self.scheduler.finish(seq)
         self.num_aborted += reason == "abort"
         return True
 
@@ -253,14 +281,15 @@ class EngineCore:
         self.num_failed += 1
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def stats(self) -> EngineStats:
         b, s, st = self.blocks, self.scheduler, self.states
         return EngineStats(len(s.running), len(s.waiting), b.num_used, b.num_blocks, b.num_cached_free,
                            b.queried_tokens, b.hit_tokens, self.prompt_tokens_total, self.generation_tokens_total,
                            s.num_preemptions, self.num_aborted, self.num_failed, b.prefix_caching,
-                           st.num_used if st else 0, st.num_slots if st else 0, st.nbytes() if st else 0)
+                           st.num_used if st else 0, st.num_slots if st else 0, st.nbytes() if st else 0,
+                           self.grammars.compiles if self.grammars else 0)
 
     # ---- one step -----------------------------------------------------------------
     @torch.inference_mode()
@@ -270,18 +299,20 @@ class EngineCore:
         An exception that concerns one request (its sampling, log-probs, scores, or a forward that
         fails only with it in the batch) ends that request alone with finish reason "error" and the
         error in ``StepOutput.error``; one that cannot be pinned on a request is raised."""
+        outputs = self._compiled()
         batch = self.scheduler.schedule()
         if not batch:
-            return self._unschedulable()
+            return outputs + self._unschedulable()
         scored = {seq: seq.scorer.positions(seq.num_computed, n) for seq, n in batch
                   if seq.scorer is not None and not seq.scorer.done()}  # prompt positions scored this step
-        outputs: list[StepOutput] = []
         try:
             groups = [(batch, *self._forward(batch, scored))]
             self._forward_faults = 0
         except Exception as e:  # find the request it belongs to, if any (a cold path)
             groups = self._forward_apart(batch, scored, e, outputs)
         for part, logits, rows in groups:
+            sampled = [(seq, rows[seq][-1]) for seq, n in part if seq.num_computed + n == seq.num_tokens]
+            constrain(logits, sampled, self.grammars)  # grammar bitmasks and logit_bias, before sampling
             for seq, n in part:
                 try:  # free in CPython 3.11 unless it raises
                     out = self._advance(seq, n, logits, rows[seq], scored.get(seq))
@@ -289,6 +320,33 @@ class EngineCore:
                     out = self._failed(seq, e)
                 if out is not None:
                     outputs.append(out)
+        return outputs
+
+    def _compiled(self) -> list[StepOutput]:
+        """Queue the requests whose grammar is compiled; end those whose compile failed.  With nothing else
+        to run, wait a little for a compile rather than spin."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished():
+            concurrent.futures.wait([f for _, f in self._compiling.values()], COMPILE_WAIT,
+                                    concurrent.futures.FIRST_COMPLETED)
+        outputs = []
+        for rid, (seq, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                seq.grammar = self.grammars.matcher(future.result())
+            except Exception as e:  # its compile (or matcher) failed: this request alone ends
+                log.error("request %s: its grammar failed to compile", rid, exc_info=e)
+                seq.status, seq.finish_reason = Status.FINISHED, "error"
+                self.requests.pop(rid, None)
+                self.num_failed += 1
+                outputs.append(StepOutput(rid, [], None, None, "error", None, len(seq.prompt), 0,
+                                          error=f"{seq.params.structured_outputs.source}: the grammar failed to "
+                                                f"compile: {type(e).__name__}: {e}"))
+                continue
+            self.scheduler.add(seq)
         return outputs
 
     def _advance(self, seq: Sequence, n: int, logits: torch.Tensor, rows: list[int],
@@ -390,7 +448,11 @@ class EngineCore:
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
         p = seq.params
         processed = process_logits(logits, p, seq.prompt, seq.output, self.eos)
+        if seq.grammar is not None and not torch.isfinite(processed).any():
+            processed = logits  # min_tokens banned EOS where the grammar allows nothing else: the grammar wins
         token = sample_token(processed, p, torch.empty(0, dtype=torch.int64), seq.generator)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         lp = [token_logprobs(torch.log_softmax(logits, -1), token, p.logprobs)] if p.logprobs is not None else None
         seq.output.append(token)
         self.generation_tokens_total += 1
@@ -413,7 +475,9 @@ class EngineCore:
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        if token in p.stop_token_ids and len(seq.output) >= p.min_tokens:
+        if seq.grammar is not None and seq.grammar.terminated:  # its stop token (EOS) ended the grammar
+            seq.finish_reason = "stop"
+        elif token in p.stop_token_ids and len(seq.output) >= p.min_tokens:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos and not p.ignore_eos and len(seq.output) >= p.min_tokens:
             seq.finish_reason = "stop"

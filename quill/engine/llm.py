@@ -28,6 +28,7 @@ from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.scoring import PromptScores, ScoreSpec
 from quill.engine.sequence import Timings
 from quill.engine.startup import load_model
+from quill.engine.structured import GrammarCompiler
 from quill.errors import ConfigError, GenerationError, KernelSelectionError
 from quill.layers import LoadContext
 from quill.options import ActQuant, RunOptions, describe_activations, describe_kv_cache, is_gguf
@@ -177,8 +178,11 @@ class LLM:
         self.context_length = self.model.args.context_length
         if max_model_len is not None:
             self.context_length = min(self.context_length, max_model_len)
+        # structured outputs compile against the tokenizer (xgrammar is imported at the first such request)
+        grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.model.args.vocab_size,
+                                                                        self.eos_token_ids)
         self.engine = EngineCore(self.model, self.eos_token_ids, self.context_length, engine_config, seed,
-                                 isa=ctx.native_isa)
+                                 isa=ctx.native_isa, grammars=grammars)
         self.arithmetic = self._arithmetic(engine_config)
         keep_step_memory()  # steps reuse their intermediates' pages instead of faulting them in again
         self.processor = OutputProcessor(self.engine, self.tokenizer)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quill.engine.structured import StructuredOutputs
 from quill.errors import GenerationError
 
 
@@ -28,7 +29,9 @@ class SamplingParams:
     ``seed`` is any integer ``torch.Generator.manual_seed`` takes, in [-2**63, 2**64 - 1];
     ``repetition_penalty`` is in [0.01, 100] (see ``REPETITION_PENALTY``).  Token ids
     (``stop_token_ids``) are checked against the vocabulary when the engine takes the request
-    (``PromptLimits.check_params``).
+    (``PromptLimits.check_params``).  ``structured_outputs`` holds the output to a JSON schema, regex,
+    choice or grammar (``quill.engine.structured``); ``logit_bias`` adds {token id: bias in [-100, 100]}
+    to the logits before sampling (OpenAI's; -100 bans a token, +100 all but forces it).
     """
 
     max_tokens: int | None = 16
@@ -47,6 +50,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -72,6 +77,10 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise GenerationError(f"SamplingParams.stop_token_ids: expected token ids >= 0, found {ids!r}")
         self.stop_token_ids = ids
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise GenerationError(f"SamplingParams.structured_outputs: expected a StructuredOutputs, found "
+                                  f"{type(self.structured_outputs).__name__}")
+        self.logit_bias = _check_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +92,22 @@ SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed takes
 # A factor on the logits of seen tokens.  Far outside it they leave float32's range once divided by a
 # small temperature (1e-300 made them inf and the sampler's probabilities NaN); in practice 1.0-1.5.
 REPETITION_PENALTY = (0.01, 100.0)
+
+
+LOGIT_BIAS = (-100.0, 100.0)  # OpenAI's bounds
+
+
+def _check_logit_bias(bias) -> dict[int, float] | None:
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise GenerationError(f"SamplingParams.logit_bias: expected a dict of token id -> bias, found "
+                              f"{type(bias).__name__}")
+    for t, v in bias.items():
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise GenerationError(f"SamplingParams.logit_bias: key {t!r}: expected a token id >= 0")
+        _check_number(v, f"logit_bias[{t}]", *LOGIT_BIAS)
+    return {t: float(v) for t, v in bias.items()}
 
 
 def _check_int(v, name: str, lo: int | None, allow_none: bool = False, hi: int | None = None) -> None:

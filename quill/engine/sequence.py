@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,6 +62,9 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_acc: list[dict[int, Logprob] | None] | None = None  # prompt log-probs so far (chunked prefill)
     scorer: ScoreAccumulator | None = None  # a scored prompt's rows so far (quill.engine.scoring)
+    # structured outputs: the grammar's matcher (quill.engine.structured.GrammarState), once compiled; it has
+    # seen exactly ``output``, which a preemption keeps, so it is never rolled back
+    grammar: Any = None
     timings: Timings = field(default_factory=Timings)
     started: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
