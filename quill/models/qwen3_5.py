@@ -64,6 +64,9 @@ class ModelArgs(BaseModelArgs):
     linear_num_value_heads: int = 32
     layer_types: list | None = None
     full_attention_interval: int = 4
+    # value heads in tiled order (key head j serves value heads j, j + Hk, ...), as llama.cpp's converter
+    # writes them; HF checkpoints group them (key head j serves j*r .. j*r + r-1)
+    linear_value_heads_tiled: bool = False
 
     @classmethod
     def from_dict(cls, params):
@@ -108,7 +111,7 @@ class ModelArgs(BaseModelArgs):
     def deltanet_dims(self) -> DeltaNetDims:
         return DeltaNetDims(self.hidden_size, self.linear_num_key_heads, self.linear_num_value_heads,
                             self.linear_key_head_dim, self.linear_value_head_dim, self.linear_conv_kernel_dim,
-                            self.rms_norm_eps)
+                            self.rms_norm_eps, self.linear_value_heads_tiled)
 
 
 class GatedAttention(nn.Module):

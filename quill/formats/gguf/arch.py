@@ -29,7 +29,22 @@ class ArchSpec:
     moe_model_type: str | None = None
     moe_architecture: str | None = None
     moe_prefix: str = "mlp"  # HF module holding the router and experts
+    block_names: tuple[tuple[str, str], ...] = ()  # this architecture's own blk.N.<leaf> -> HF module names
+    hybrid: bool = False  # Qwen3.5: Gated DeltaNet layers (ssm_*) beside attention, zero-centred norms
 
+
+# Qwen3.5's Gated DeltaNet tensors (llama.cpp's QWEN35 names); ssm_a and ssm_dt.bias are mapped in map_name
+_QWEN35_NAMES = (
+    ("attn_qkv", "linear_attn.in_proj_qkv"), ("attn_gate", "linear_attn.in_proj_z"),
+    ("ssm_beta", "linear_attn.in_proj_b"), ("ssm_alpha", "linear_attn.in_proj_a"),
+    ("ssm_conv1d", "linear_attn.conv1d"), ("ssm_norm", "linear_attn.norm"), ("ssm_out", "linear_attn.out_proj"),
+    ("post_attention_norm", "post_attention_layernorm"),
+)
+# what llama.cpp's converter changed in a Qwen3.5 file, undone on load (conversion/qwen.py, Qwen3NextModel):
+# zero-centred norms written as 1 + w, A_log as ssm_a = -exp(A_log), the conv weight squeezed to [C, K]
+_QWEN35_OFFSET_NORMS = ("attn_norm", "post_attention_norm", "output_norm", "attn_q_norm", "attn_k_norm")
+_SSM_A = re.compile(r"blk\.(\d+)\.ssm_a")
+_SSM_DT = re.compile(r"blk\.(\d+)\.ssm_dt\.bias")
 
 ARCHS: dict[str, ArchSpec] = {
     # Mixtral is written as general.architecture "llama" with expert tensors.
@@ -38,6 +53,9 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", False),
     "qwen2moe": ArchSpec("qwen2_moe", "Qwen2MoeForCausalLM", False, "qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ArchSpec("qwen3_moe", "Qwen3MoeForCausalLM", False, "qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen35": ArchSpec("qwen3_5_text", "Qwen3_5ForCausalLM", False, block_names=_QWEN35_NAMES, hybrid=True),
+    "qwen35moe": ArchSpec("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", False, "qwen3_5_moe_text",
+                          "Qwen3_5MoeForCausalLM", block_names=_QWEN35_NAMES, hybrid=True),
 }
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -62,7 +80,7 @@ _BLOCK_NAMES = {
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Old Mixtral files store one 2-D tensor per expert: blk.N.ffn_gate.E.weight.
 _LEGACY_EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z][a-z0-9_]*)(?:\.(\d+))?\.(weight|bias)")  # ssm_conv1d
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,9 @@ def arch_spec(arch: str, path) -> ArchSpec:
 def map_name(gguf_name: str, spec: ArchSpec, is_moe: bool, path) -> TensorName:
     """The HF name of one GGUF tensor, or ``UnsupportedFormatError`` naming it."""
     stem, _, suffix = gguf_name.rpartition(".")
+    if spec.hybrid and (m := _SSM_A.fullmatch(gguf_name) or _SSM_DT.fullmatch(gguf_name)):
+        attr = "A_log" if m.re is _SSM_A else "dt_bias"  # parameters of the linear_attn module itself
+        return TensorName(gguf_name, f"model.layers.{m.group(1)}.linear_attn", attr)
     if stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
         return TensorName(gguf_name, _GLOBAL_NAMES[stem], suffix)
     m = _BLOCK_RE.fullmatch(gguf_name)
@@ -100,12 +121,28 @@ def map_name(gguf_name: str, spec: ArchSpec, is_moe: bool, path) -> TensorName:
             return TensorName(gguf_name, f"{prefix}.{moe}.experts.{expert}.{_LEGACY_EXPERT_NAMES[leaf]}", suffix)
         if expert is None and leaf in _EXPERT_NAMES:
             return TensorName(gguf_name, f"{prefix}.{moe}.experts.{{expert}}.{_EXPERT_NAMES[leaf]}", suffix, True)
-        if expert is None and leaf in _BLOCK_NAMES:
-            return TensorName(gguf_name, f"{prefix}.{_BLOCK_NAMES[leaf].format(moe=moe)}", suffix)
+        names = {**_BLOCK_NAMES, **dict(spec.block_names)}
+        if expert is None and leaf in names:
+            return TensorName(gguf_name, f"{prefix}.{names[leaf].format(moe=moe)}", suffix)
     raise UnsupportedFormatError(
         f"{path}: tensor '{gguf_name}' has no Hugging Face name quill knows for this architecture; "
         f"supported: token_embd, output_norm, output, blk.N.{{{', '.join(sorted(_BLOCK_NAMES))}}}, "
         f"blk.N.{{{', '.join(sorted(_EXPERT_NAMES))}}}")
+
+
+def converter_undo(gguf_name: str, spec: ArchSpec):
+    """The inverse of what llama.cpp's converter did to a dense tensor of ``spec`` (a function of the
+    tensor), or None."""
+    leaf = gguf_name.rpartition(".weight")[0].rpartition(".")[2] if gguf_name.endswith(".weight") else ""
+    if not spec.hybrid:
+        return None
+    if leaf in _QWEN35_OFFSET_NORMS or gguf_name == "output_norm.weight":
+        return lambda t: t.float() - 1.0  # the model adds the 1 back (zero-centred RMSNorm)
+    if _SSM_A.fullmatch(gguf_name):
+        return lambda t: torch.log(-t.float())  # ssm_a = -exp(A_log)
+    if leaf == "ssm_conv1d":
+        return lambda t: t.reshape(t.shape[0], 1, t.shape[-1])  # [C, K] -> HF's [C, 1, K]
+    return None
 
 
 def qk_heads(gguf_name: str, config: dict) -> int | None:
@@ -180,7 +217,7 @@ def build_config(meta: dict, arch: str, tensors: dict, n_tokens: int | None, pat
     heads = _int(meta, f"{a}.attention.head_count", path)
     head_dim = _int(meta, f"{a}.attention.key_length", path, hidden // heads)
     rope_dim = _int(meta, f"{a}.rope.dimension_count", path, head_dim)
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and not spec.hybrid:
         raise UnsupportedFormatError(f"{path}: {a}.rope.dimension_count {rope_dim} differs from head_dim "
                                      f"{head_dim} (partial rotary); supported: full rotary")
     vocab = meta.get(f"{a}.vocab_size", n_tokens)
@@ -211,6 +248,8 @@ def build_config(meta: dict, arch: str, tensors: dict, n_tokens: int | None, pat
         cfg["rope_scaling"] = rope_scaling
     if is_moe:
         cfg.update(_moe_config(meta, a, spec, n_experts, cfg, path))
+    if spec.hybrid:
+        cfg.update(_hybrid_config(meta, a, cfg, rope_dim, path))
     for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("padding_token_id", "pad_token_id")):
         if f"tokenizer.ggml.{key}" in meta:
@@ -235,6 +274,26 @@ def _moe_config(meta: dict, a: str, spec: ArchSpec, n_experts: int, cfg: dict, p
         moe["shared_expert_intermediate_size"] = _int(meta, f"{a}.expert_shared_feed_forward_length", path)
     cfg.setdefault("intermediate_size", moe["moe_intermediate_size"])
     return moe
+
+
+def _hybrid_config(meta: dict, a: str, cfg: dict, rope_dim: int, path) -> dict:
+    """Qwen3.5's Gated DeltaNet fields (llama.cpp's ssm.* metadata) and which layers are recurrent."""
+    recurrent = meta.get(f"{a}.attention.recurrent_layers")
+    if not isinstance(recurrent, list) or len(recurrent) != cfg["num_hidden_layers"]:
+        raise ConfigError(f"{path}: GGUF metadata '{a}.attention.recurrent_layers' should list "
+                          f"{cfg['num_hidden_layers']} booleans, found {recurrent!r}")
+    value_heads = _int(meta, f"{a}.ssm.time_step_rank", path)
+    return {
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+        "linear_conv_kernel_dim": _int(meta, f"{a}.ssm.conv_kernel", path),
+        "linear_key_head_dim": _int(meta, f"{a}.ssm.state_size", path),
+        "linear_num_key_heads": _int(meta, f"{a}.ssm.group_count", path),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": _int(meta, f"{a}.ssm.inner_size", path) // value_heads,
+        "partial_rotary_factor": rope_dim / cfg["head_dim"],
+        # the converter reorders value heads from grouped by key head to tiled (ggml's broadcast order)
+        "linear_value_heads_tiled": True,
+    }
 
 
 def _torch_dtype(tensors: dict) -> str:

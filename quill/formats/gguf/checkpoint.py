@@ -33,6 +33,7 @@ from quill.formats.gguf.arch import (
     TensorName,
     arch_spec,
     build_config,
+    converter_undo,
     map_name,
     qk_heads,
     unpermute_index,
@@ -65,6 +66,7 @@ class _Source:
     expert: int | None = None  # slice of a stacked [E, out, in] expert tensor
     heads: int | None = None  # llama q/k: un-interleave rows per head
     shape: tuple[int, ...] | None = None  # reshape a dense tensor to this HF shape
+    undo: object = None  # the inverse of a change llama.cpp's converter made (arch.converter_undo)
 
 
 class GGUFCheckpoint:
@@ -130,7 +132,7 @@ class GGUFCheckpoint:
             return
         # llama.cpp stores shared_expert_gate as a vector; HF's Linear(hidden, 1) weight is [1, hidden].
         reshape = (1, shape[0]) if tn.module.endswith("shared_expert_gate") and len(shape) == 1 else None
-        yield tn.module, _Source(tn.gguf, heads=heads, shape=reshape)
+        yield tn.module, _Source(tn.gguf, heads=heads, shape=reshape, undo=converter_undo(tn.gguf, self.spec))
 
     def _expect_matrix(self, name: str, ggml_type: int, shape: tuple[int, ...]) -> None:
         if len(shape) not in (2, 3):
@@ -187,6 +189,8 @@ class GGUFCheckpoint:
             t = t.index_select(0, unpermute_index(t.shape[0], src.heads, src.gguf))
         if src.shape is not None:
             t = t.reshape(src.shape)
+        if src.undo is not None:
+            t = src.undo(t)
         return t
 
     def release_pages(self) -> None:
