@@ -166,6 +166,31 @@ def test_bad_checkpoints_are_named_errors(pair, tmp_path):
         quill.LLM(str(bad), kernel="reference", skip_tokenizer_init=True)
 
 
+def test_multimodal_checkpoint_runs_its_text_model(pair, tmp_path, caplog):
+    """A qwen3_5 checkpoint (text model under model.language_model, a vision tower beside it): the text model
+    loads and runs, the vision tensors are skipped with one log line."""
+    from safetensors.torch import load_file, save_file
+    _, llm, d = pair
+    if llm.model.args.model_type != "qwen3_5_text":
+        pytest.skip("one architecture is enough")
+    text = json.loads((d / "config.json").read_text())
+    state = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(d / "model.safetensors").items()}
+    state.update({"model.visual.blocks.0.attn.qkv.weight": torch.zeros(8, 4), "model.visual.merger.norm.weight":
+                  torch.ones(4)})
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "architectures":
+                                                      ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+                                                      "vision_config": {"depth": 1}}))
+    save_file(state, tmp_path / "model.safetensors")
+    with caplog.at_level("INFO", logger="quill.engine"):
+        mm = quill.LLM(str(tmp_path), kernel="reference", skip_tokenizer_init=True, kv_cache_dtype="float32")
+    assert [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()] == [
+        f"{tmp_path}: 2 tensors skipped (^(model\\.visual|visual|mtp)\\.: parts the qwen3_5 text model does not "
+        "run, e.g. a vision tower)"]
+    ids = torch.tensor([prompt(30, 6)])
+    with torch.inference_mode():
+        assert torch.equal(mm.model(ids, ForwardContext.causal(1, 30)), llm.model(ids, ForwardContext.causal(1, 30)))
+
+
 def test_state_of_the_wrong_size_is_refused():
     pool = StatePool([None, StateSpec(((6, 3), (2, 4, 5)))], num_slots=2)
     view = pool.views([None, None], [pool.take("r")], [(0, 1)])[1]
