@@ -50,6 +50,16 @@ def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def window_mask(q_pos: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
+    """bool [n, s]: query at position q_pos[i] may attend key position j (causal; with a sliding window,
+    only its last ``window`` positions, its own included: transformers' ``kv > q - window``)."""
+    k_pos = torch.arange(s)[None, :]
+    seen = k_pos <= q_pos[:, None]
+    if window is not None:
+        seen &= k_pos > q_pos[:, None] - window
+    return seen
+
+
 def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                            scale: float) -> torch.Tensor:
     """Attention of one query token per sequence, the query heads grouped by KV head (two bmm).
@@ -108,7 +118,8 @@ KV_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the nati
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                           lens: torch.Tensor, scale: float, isa: str | None = None) -> torch.Tensor:
+                           lens: torch.Tensor, scale: float, isa: str | None = None,
+                           window: int | None = None) -> torch.Tensor:
     """Decode attention read through a paged pool's slot tables, without gathering the context.
 
     q [B, H, 1, D]; k_pool and v_pool [N, Hkv, D]; slots int64 [B, Smax] (the pool rows of each
@@ -116,21 +127,27 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     native kernel (``isa`` as chosen at load; None for torch) returns the bits
     :func:`decode_attention` gives on the gathered, masked rows (float32; bfloat16 and float16 pools
     are widened exactly as read, q enters as float32 and the result is rounded to q's dtype).
+    ``window``: a local layer's sliding window, each sequence attends its last ``window`` positions
+    (the new token's included, as transformers counts); None: all.
     """
     ext = _ext() if isa is not None else None
     if (ext is not None and q.dtype in (torch.float32, torch.bfloat16) and k_pool.dtype in KV_POOL_DTYPES
             and not q.requires_grad):
-        return ext.paged_decode_attention(q.float(), k_pool, v_pool, slots, lens, scale, isa).to(q.dtype)
+        return ext.paged_decode_attention(q.float(), k_pool, v_pool, slots, lens, scale, isa,
+                                          window or 0).to(q.dtype)
     kd = k_pool[slots].permute(0, 2, 1, 3)  # [B, Hkv, Smax, D]
     vd = v_pool[slots].permute(0, 2, 1, 3)
     mask = None
-    if bool((lens != slots.shape[1]).any()):
-        mask = (torch.arange(slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, Smax]
+    pos = torch.arange(slots.shape[1])[None, :]
+    if window is not None:
+        mask = ((pos < lens[:, None]) & (pos >= lens[:, None] - window))[:, None, None, :]
+    elif bool((lens != slots.shape[1]).any()):
+        mask = (pos < lens[:, None])[:, None, None, :]  # [B, 1, 1, Smax]
     return decode_attention_torch(q, kd.to(q.dtype), vd.to(q.dtype), mask, scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: torch.Tensor,
-                            scale: float, isa: str | None = None) -> torch.Tensor:
+                            scale: float, isa: str | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of a chunk of one sequence's new tokens through its paged pool's slot table.
 
     q [n, H, D] (token-major); k_pool and v_pool [N, Hkv, D]; ctx int64 [S], S >= n (the pool rows of
@@ -139,19 +156,26 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     past blocks of query rows (csrc/prefill.h) and writes token-major; torch gathers the context
     and runs ATen's flash attention.  16-bit pools (a float16 / bfloat16 KV cache) are widened exactly
     as read, attention computing in float32 as with float32 pools holding the same values.
+    ``window``: a local layer's sliding window, token i attends only the last ``window`` of those
+    positions; None: all.
     """
     ext = _ext() if isa is not None else None
     if (ext is not None and q.dtype == torch.float32 and k_pool.dtype in KV_POOL_DTYPES
             and v_pool.dtype == k_pool.dtype and not q.requires_grad):
-        return ext.paged_prefill_attention(q.contiguous(), k_pool, v_pool, ctx, scale, isa)
+        return ext.paged_prefill_attention(q.contiguous(), k_pool, v_pool, ctx, scale, isa, window or 0)
     n, s = q.shape[0], ctx.numel()
     kc = k_pool[ctx].permute(1, 0, 2)[None].to(q.dtype)  # [1, Hkv, S, D]
     vc = v_pool[ctx].permute(1, 0, 2)[None].to(q.dtype)
-    causal = torch.arange(s)[None, :] <= torch.arange(s - n, s)[:, None]  # [n, S]
+    causal = window_mask(torch.arange(s - n, s), s, window)  # [n, S]
     qc = q.transpose(0, 1)[None]  # [1, H, n, D]
     out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=causal[None, None], scale=scale,
                                          enable_gqa=qc.shape[1] != kc.shape[1])
     return out[0].transpose(0, 1)  # [n, H, D]
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) (tanh approximation, transformers' gelu_pytorch_tanh) * up: Gemma's gated MLP (torch)."""
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

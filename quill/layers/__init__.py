@@ -9,7 +9,7 @@ load (through :class:`LoadContext`) and never seen by a model or the engine.
 """
 
 from quill.layers.context import LayerInfo, LoadContext
-from quill.layers.decoder import AttentionSpec, DecoderLayerSpec, MLPSpec, MoESpec, Projections
+from quill.layers.decoder import SANDWICH_NORM, AttentionSpec, DecoderLayerSpec, MLPSpec, MoESpec, Projections
 from quill.layers.merged import MergedLinear, merged
 from quill.layers.moe import (
     ExpertSlot,
@@ -26,7 +26,7 @@ from quill.layers.slots import Embedding, Linear, PostLoad, RMSNorm, Slot, linea
 
 __all__ = [
     "ACTIVATIONS", "Embedding", "ExpertSlot", "LayerInfo", "Linear", "LoadContext", "MergedLinear", "PostLoad",
-    "RMSNorm", "merged",
+    "RMSNorm", "SANDWICH_NORM", "merged",
     "AttentionSpec", "DecoderLayerSpec", "KVPools", "MLPSpec", "MoESpec", "NativeDecodeStep", "Projections",
     "build_native_step",
     "RopeConfig", "RotaryEmbedding", "SharedExpertMoeBlock", "Slot", "SparseMoeBlock", "apply_rope_qk", "attend",

@@ -19,6 +19,9 @@ from quill.layers.slots import Linear, RMSNorm
 
 # h = x + attention(input_norm(x)); out = h + ffn(post_attention_norm(h))  (Llama, Qwen, Mixtral)
 PRE_NORM = "pre-norm"
+# h = x + attention_out_norm(attention(input_norm(x))); out = h + ffn_out_norm(ffn(post_attention_norm(h)))
+# (Gemma 3: a norm before and after each block)
+SANDWICH_NORM = "sandwich-norm"
 # softmax over the experts' logits, the top k, renormalized to sum 1 when asked
 SOFTMAX_TOP_K = "softmax-top-k"
 
@@ -46,6 +49,9 @@ class AttentionSpec:
     # Qwen3.5: q_proj gives each head's query and a gate, out = o_proj(attn * sigmoid(gate))
     output_gate: bool = False
     rotary_dim: int | None = None  # channels of each head rotated (partial rotary); None: all of them
+    # a local layer's sliding window: each token attends its last `window` positions, its own included
+    # (transformers' `kv > q - window`); None: a global layer, the whole context
+    window: int | None = None
 
     @property
     def qkv_bias(self) -> bool:
@@ -97,6 +103,10 @@ class DecoderLayerSpec:
 
     input_norm: RMSNorm
     attention: AttentionSpec | RecurrentSpec
-    post_attention_norm: RMSNorm
+    post_attention_norm: RMSNorm  # the norm the feed-forward block reads (Llama's name for it)
     ffn: MLPSpec | MoESpec
     residual: str = PRE_NORM
+    attention_out_norm: RMSNorm | None = None  # SANDWICH_NORM: the norms of the blocks' outputs
+    ffn_out_norm: RMSNorm | None = None
+    # the rotary table this layer's q and k turn by: "global", or "local" (Gemma 3's local layers' own base)
+    rope: str = "global"

@@ -142,6 +142,8 @@ def _unsupported(spec: DecoderLayerSpec) -> str | None:
     """Why the step cannot compute what ``spec`` describes, whichever kernels its linears got; None: it can."""
     if spec.residual != PRE_NORM:
         return f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}')"
+    if spec.rope != "global":
+        return f"rotary table '{spec.rope}' (the step turns every layer by one table)"
     if isinstance(spec.attention, RecurrentSpec):
         return (f"{spec.attention.name}: recurrent layer ({spec.attention.kind}): runs in Python until the "
                 "native kernel lands")
@@ -186,6 +188,7 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
         "ln2": norms[1].contiguous(), "eps2": spec.post_attention_norm.eps,
         "qkv": qkv[0], "qkv_bias": qkv[1], "o": o[0][0], "o_bias": o[1][0], **ffn,
         "q_norm": qk_norms[0], "k_norm": qk_norms[1], "qk_eps": _qk_eps(attn),
+        "window": attn.window or 0,  # a local layer's sliding window (0: global)
     }, None
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from quill.kernels import fused
 
 # hidden_act -> fused activation-and-multiply of a gated MLP
-ACTIVATIONS = {"silu": fused.silu_mul}
+ACTIVATIONS = {"silu": fused.silu_mul, "gelu_pytorch_tanh": fused.gelu_tanh_mul}
 
 # decode and prefill attention through a paged KV pool's slot tables (the engine's cache calls them)
 paged_decode_attention = fused.paged_decode_attention
@@ -30,13 +30,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, mask: torch.Tensor | None,
-           scale: float) -> torch.Tensor:
+           scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of the new tokens, through the layer's KV cache when there is one.
 
     q [B, H, T, D], k and v [B, Hkv, T, D] (the new tokens' keys and values) -> [B, H, T, D].
     A cache (``quill.models.base.LayerCache``) stores k and v and attends over everything it
     holds for each sequence; without one the new tokens attend to themselves under ``mask``.
+    ``window``: a local layer's sliding window (each token attends its last ``window`` positions,
+    its own included); None: a global layer.
     """
     if cache is None:
+        if window is not None:
+            T = q.shape[2]
+            band = fused.window_mask(torch.arange(T), T, window)[None, None]  # [1, 1, T, T]
+            mask = band if mask is None else mask & band
         return attention(q, k, v, mask, scale)
-    return cache.attend(q, k, v, mask, scale)
+    if window is None:  # global layers call caches that know no windows the way they always did
+        return cache.attend(q, k, v, mask, scale)
+    return cache.attend(q, k, v, mask, scale, window=window)

@@ -301,6 +301,11 @@ class Embedding(nn.Module, Slot):
     def filled(self) -> bool:
         return self.weight is not None or self.quantized is not None
 
+    @property
+    def table_dtype(self) -> torch.dtype:
+        """The dtype rows come out of the table in: the stored one, float32 for a quantized table."""
+        return self.weight.dtype if self.weight is not None else torch.float32
+
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [B, T] -> [B, T, D]
         if self.weight is not None:
             return self.weight[ids].to(dtype)

@@ -13,12 +13,14 @@ from quill.errors import ModelError
 # model_type -> module under quill.models implementing it
 ARCHITECTURES: dict[str, str] = {
     "llama": "llama",
-    "mistral": "llama",  # dense Mistral is the Llama decoder (a sliding window caps the context)
+    "mistral": "llama",  # dense Mistral is the Llama decoder (its sliding window on every layer)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "gemma3_text": "gemma3",  # local sliding-window layers between global ones
+    "gemma3": "gemma3",  # the multimodal checkpoint's text model (its vision tower skipped)
     "qwen3_5_text": "qwen3_5",  # hybrid: Gated DeltaNet layers beside gated attention
     "qwen3_5": "qwen3_5",  # the multimodal checkpoint's text model (its vision tower skipped)
     "qwen3_5_moe_text": "qwen3_5_moe",

@@ -42,8 +42,9 @@ class LayerCache(Protocol):
     """One layer's view of a KV cache (``quill.engine.kv_cache``; the model tests' ``tests/padded_cache.py``)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float) -> torch.Tensor:
-        """Store the new tokens' k, v [B, Hkv, T, D]; attend q [B, H, T, D] over the cache -> [B, H, T, D]."""
+               scale: float, window: int | None = None) -> torch.Tensor:
+        """Store the new tokens' k, v [B, Hkv, T, D]; attend q [B, H, T, D] over the cache -> [B, H, T, D]
+        (``window``: a local layer's sliding window, each token attends its last ``window`` positions)."""
 
 
 @dataclass
@@ -94,15 +95,3 @@ class DecoderLM(nn.Module):
         """Every decoder layer of an all-decode step in one native call over ``cache``'s pools,
         ``step(layout, h, rope) -> h`` (``ForwardContext.layers``), or (None, why not, naming the layer)."""
         return build_native_step(self.decoder_layer_specs(), self.dtype, cache, type(self).__name__)
-
-
-def sliding_window_limit(sliding_window: int | None, enabled: bool, max_positions: int) -> int:
-    """Context limit under sliding-window attention.
-
-    quill runs full attention.  Up to the window, sliding-window attention *is*
-    full attention, so a model with a window is exact when its context is
-    capped at the window; beyond it would need a windowed mask, which we refuse.
-    """
-    if enabled and sliding_window:
-        return min(max_positions, int(sliding_window))
-    return max_positions

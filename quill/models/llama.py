@@ -27,7 +27,7 @@ from quill.layers import (
     linear,
     merged,
 )
-from quill.models.base import BaseModelArgs, DecoderLM, ForwardContext, LayerCache, sliding_window_limit
+from quill.models.base import BaseModelArgs, DecoderLM, ForwardContext, LayerCache
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ModelArgs(BaseModelArgs):
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
-    sliding_window: int | None = None  # Mistral v0.1: a window means windowed attention
+    sliding_window: int | None = None  # Mistral / Mixtral: a window on every layer (None: global attention)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -71,8 +71,15 @@ class ModelArgs(BaseModelArgs):
 
     @property
     def context_length(self) -> int:
-        return sliding_window_limit(self.sliding_window, self.sliding_window is not None,
-                                    self.max_position_embeddings)
+        return self.max_position_embeddings  # local layers attend their window, global ones everything
+
+    def layer_window(self, layer: int) -> int | None:
+        """Decoder layer ``layer``'s sliding window (it attends its last W positions, its own included), or
+        None: it attends the whole context.  Mistral's convention: a ``sliding_window`` holds on every layer."""
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ModelError(f"config field 'sliding_window': expected a positive integer or null, found "
+                             f"{self.sliding_window!r}")
+        return self.sliding_window
 
 
 class Attention(nn.Module):
@@ -80,6 +87,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.scale = self.head_dim ** -0.5
+        self.window: int | None = None  # a local layer's sliding window (the model sets it per layer)
         self.q_proj = linear(args.hidden_size, self.n_heads * self.head_dim, qkv_bias)
         self.k_proj = linear(args.hidden_size, self.n_kv_heads * self.head_dim, qkv_bias)
         self.v_proj = linear(args.hidden_size, self.n_kv_heads * self.head_dim, qkv_bias)
@@ -88,7 +96,7 @@ class Attention(nn.Module):
 
     def spec(self) -> AttentionSpec:
         return AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.scale,
-                             Projections(("q_proj", "k_proj", "v_proj"), self.qkv), self.o_proj)
+                             Projections(("q_proj", "k_proj", "v_proj"), self.qkv), self.o_proj, window=self.window)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, E] -> q [B, T, H, D], k and v [B, T, Hkv, D]."""
@@ -103,7 +111,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x)  # [B, T, H, D]
         q, k = apply_rope_qk(q, k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        out = attend(q, k, v, cache, mask, self.scale)  # [B, H, T, D]
+        out = attend(q, k, v, cache, mask, self.scale, self.window)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -168,7 +176,7 @@ class Model(DecoderLM):
         super().__init__()
         self.args = args
         self.dtype = dtype
-        layers = [self.make_layer(args, i) for i in range(args.num_hidden_layers)]
+        layers = [self.windowed(self.make_layer(args, i), i) for i in range(args.num_hidden_layers)]
         self.model = DecoderModel(args, layers)
         self.lm_head = linear(args.hidden_size, args.vocab_size, False)
         self.rotary = RotaryEmbedding(args.rope, args.head_dim)
@@ -182,6 +190,13 @@ class Model(DecoderLM):
 
     def make_layer(self, args: ModelArgs, layer: int) -> nn.Module:
         return DecoderLayer(args, self.make_attention(args), self.make_mlp(args, layer))
+
+    def windowed(self, layer: nn.Module, index: int) -> nn.Module:
+        """``layer`` with its attention's sliding window set from the config (None: global); layers without
+        attention (a recurrent token mixer) have no window."""
+        if isinstance(getattr(layer, "self_attn", None), Attention):
+            layer.self_attn.window = self.args.layer_window(index)
+        return layer
 
     def decoder_layer_specs(self) -> list[DecoderLayerSpec]:
         return [layer.spec() for layer in self.model.layers]

@@ -41,6 +41,14 @@ class ModelArgs(qwen2.ModelArgs):
     def is_sparse(self, layer: int) -> bool:
         return is_sparse_layer(layer, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
 
+    def layer_window(self, layer: int) -> int | None:
+        """transformers' Qwen2-MoE default when ``layer_types`` is absent: even layers below
+        ``max_window_layers`` are local (with ``use_sliding_window``)."""
+        if self.layer_types is None and self.use_sliding_window and self.sliding_window:
+            cutoff = self.max_window_layers if self.max_window_layers is not None else 28
+            return self.sliding_window if layer % 2 == 0 and layer < cutoff else None
+        return super().layer_window(layer)
+
 
 class Model(qwen2.Model):
     def make_attention(self, args: ModelArgs) -> nn.Module:

@@ -12,20 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from quill.layers import AttentionSpec, RMSNorm
-from quill.models import llama
-from quill.models.base import sliding_window_limit
+from quill.models import llama, qwen2
 
 
 @dataclass
-class ModelArgs(llama.ModelArgs):
-    use_sliding_window: bool = False
-    max_window_layers: int | None = None
-    layer_types: list | None = None
-
-    @property
-    def context_length(self) -> int:
-        windowed = self.use_sliding_window or any(t != "full_attention" for t in self.layer_types or ())
-        return sliding_window_limit(self.sliding_window, windowed, self.max_position_embeddings)
+class ModelArgs(qwen2.ModelArgs):
+    pass  # Qwen2's window convention (use_sliding_window, layer_types, max_window_layers)
 
 
 class Attention(llama.Attention):

@@ -28,6 +28,10 @@ class ModelArgs(qwen3.ModelArgs):
     decoder_sparse_step: int = 1
     mlp_only_layers: list | None = None
 
+    def layer_window(self, layer: int) -> int | None:
+        """transformers' Qwen3-MoE: ``use_sliding_window`` puts the window on every layer."""
+        return self.sliding_window if self.use_sliding_window else None
+
     def __post_init__(self):
         super().__post_init__()
         self.num_experts = expert_count(self.model_type, self.num_experts, self.num_local_experts, 128)

@@ -112,10 +112,11 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
 }
 
 // q [B, H, 1, D] float32; k and v pools [N, Hkv, D] float32 or bfloat16; slots int64 [B, Smax] (pool rows of each
-// sequence's context, in order); lens int64 [B] (1 <= lens[b] <= Smax) -> [B, H, 1, D]
+// sequence's context, in order); lens int64 [B] (1 <= lens[b] <= Smax); window: attend the last `window`
+// positions only (0: all) -> [B, H, 1, D]
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& slots_in, const at::Tensor& lens_in, double scale,
-                                  const std::string& isa) {
+                                  const std::string& isa, int64_t window) {
   const AttnHead head = backend_for(isa, "decode_attention").attn_head;
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
     fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
@@ -143,7 +144,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
   set_pools(a, k, v);
   a.out = out.data_ptr<float>();
   a.kh = a.vh = D, a.ks = a.vs = hkv * D;
-  a.slots = sl, a.lens = ln, a.slot_b = S;
+  a.slots = sl, a.lens = ln, a.slot_b = S, a.window = window;
   a.b = B, a.h = H, a.hkv = hkv, a.s = S, a.d = D;
   a.scale = float(scale);
   launch(a, head);
@@ -152,8 +153,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
 
 // q [n, H, D] float32 (the chunk's queries); k and v pools [N, Hkv, D] float32; ctx int64 [S], S >= n (pool rows
 // of the context, the chunk's tokens its last n) -> [n, H, D]: token i attends positions 0 .. S - n + i
+// (window > 0: only the last `window` of them)
 at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& ctx_in, double scale, const std::string& isa) {
+                                   const at::Tensor& ctx_in, double scale, const std::string& isa, int64_t window) {
   const PrefillBlock block = backend_for(isa, "prefill_attention").prefill;
   auto bad = [](const auto&... parts) { op_fail("prefill_attention", parts...); };
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 3 || q_in.size(0) < 1)
@@ -174,7 +176,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, 
   a.q = q.data_ptr<float>(), a.ctx = cp;
   set_pools(a, k, v);
   a.out = out.data_ptr<float>();
-  a.n = n, a.start = S - n, a.h = H, a.hkv = hkv, a.d = D, a.scale = float(scale);
+  a.n = n, a.start = S - n, a.h = H, a.hkv = hkv, a.d = D, a.scale = float(scale), a.window = window;
   // (KV head, query block) items, the last blocks (the most keys) first, taken one at a time
   const int64_t tb = prefill_tokens_per_block(H / hkv), nb = (n + tb - 1) / tb, items = hkv * nb;
   const int64_t scratch = prefill_scratch(H / hkv, D, tb);
@@ -212,11 +214,11 @@ void register_attention(pybind11::module_& m) {
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
         py::arg("scale"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
-        py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("isa"),
+        py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("isa"), py::arg("window") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("store_kv", &store_kv_rows, py::arg("src"), py::arg("pool"), py::arg("isa"));
   m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
-        py::arg("ctx"), py::arg("scale"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
+        py::arg("ctx"), py::arg("scale"), py::arg("isa"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill

@@ -33,6 +33,9 @@ struct AttnArgs {
   const int64_t* slots = nullptr; // [B, S] pool rows, or null
   const int64_t* lens = nullptr;  // [B] context lengths (<= S), with slots
   int64_t slot_b = 0;
+  // Paged: a sliding window, sequence b attends its last `window` positions only (those past
+  // lens[b] - window; the current token is one of them, as transformers counts); 0: all of them.
+  int64_t window = 0;
   float* out = nullptr;          // [B, H, D] contiguous
   int64_t kb = 0, kh = 0, ks = 0, vb = 0, vh = 0, vs = 0;
   int64_t mask_b = 0;            // mask row stride: S, or 0 when one row serves every sequence

@@ -293,10 +293,13 @@ template <int DC, class T>
 void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, float* __restrict scratch) {
   // Paged: S is this sequence's length, rows come through its slot table (masked padding
   // past the length would add exact zeros to the same lanes: the bits do not change).
-  const int64_t G = a.h / a.hkv, S = a.slots ? a.lens[b] : a.s, D = DC ? DC : a.d;
+  // A window starts the sequence `first` positions in: the rows before it are never read.
+  const int64_t len = a.slots ? a.lens[b] : a.s;
+  const int64_t first = a.slots && a.window > 0 && len > a.window ? len - a.window : 0;
+  const int64_t G = a.h / a.hkv, S = len - first, D = DC ? DC : a.d;
   const int64_t g0 = a.g_begin, NG = (a.g_end < 0 ? G : a.g_end) - g0;  // this call's query heads
   const float* __restrict q = a.q + (b * a.h + kvh * G + g0) * D;  // [NG, D]
-  const int64_t* rows = a.slots ? a.slots + b * a.slot_b : nullptr;  // [S] pool rows
+  const int64_t* rows = a.slots ? a.slots + b * a.slot_b + first : nullptr;  // [S] pool rows
   const T* kbase = k + (rows ? 0 : b * a.kb) + kvh * a.kh;     // [S, D], rows ks apart
   const T* vbase = v + (rows ? 0 : b * a.vb) + kvh * a.vh;     // [S, D], rows vs apart
   const uint8_t* mask = a.mask ? a.mask + b * a.mask_b : nullptr;  // [S]

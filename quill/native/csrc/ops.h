@@ -35,7 +35,8 @@ void rope_f32(float* x, const float* cos, const float* sin, int64_t heads, int64
 void silu_mul_f32(const float* g, const float* u, float* y, int64_t i0, int64_t i1);  // elements [i0, i1)
 // attention.cpp: q [B, H, 1, D] float32 through a paged pool's slot tables [B, S] -> [B, H, 1, D]
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                  const at::Tensor& slots, const at::Tensor& lens, double scale, const std::string& isa);
+                                  const at::Tensor& slots, const at::Tensor& lens, double scale, const std::string& isa,
+                                  int64_t window = 0);
 
 void register_ops(pybind11::module_& m);
 void register_dense(pybind11::module_& m);      // dense.cpp: NativeDense

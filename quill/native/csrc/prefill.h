@@ -31,6 +31,8 @@ struct PrefillArgs {
   int64_t n = 0, start = 0;        // chunk tokens; positions before the chunk (token i sits at start + i)
   int64_t h = 0, hkv = 0, d = 0;
   float scale = 1.0f;
+  // A sliding window: position p attends keys (p - window, p] only (attention.h AttnArgs); 0: [0, p].
+  int64_t window = 0;
 };
 
 constexpr int64_t kPrefillKeys = 64;  // keys per block, in every variant (it fixes the softmax's rounding)

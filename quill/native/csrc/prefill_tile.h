@@ -82,15 +82,18 @@ inline void pv(const float* const* __restrict vrows, const float* __restrict pT,
 }
 
 // Online softmax of one key block, every row at once: sT becomes p = exp(score - new max) where
-// key j0 + j <= the row's position, else 0; alpha the factor the row's earlier sums are rescaled by.
+// key j0 + j <= the row's position (and within its window), else 0; alpha the factor the row's earlier
+// sums are rescaled by.  A row none of whose keys are seen yet keeps m = kMasked and l = 0.
 inline void softmax_block(float* __restrict sT, const int64_t* __restrict pos, float* __restrict m,
                           float* __restrict l, float* __restrict alpha, float* __restrict bm, int64_t j0, int64_t nk,
-                          int64_t rp) {
+                          int64_t rp, int64_t window) {
+  // a key is seen when pos - window < key <= pos (window 0: every key up to pos)
+  auto seen = [&](int64_t key, int64_t p) { return key <= p && (window == 0 || key > p - window); };
   for (int64_t r = 0; r < rp; ++r) bm[r] = m[r];
   for (int64_t j = 0; j < nk; ++j)  // the max is exact whatever the order
     for (int64_t r = 0; r < rp; ++r) {
       const float s = sT[j * rp + r];
-      bm[r] = j0 + j <= pos[r] && s > bm[r] ? s : bm[r];
+      bm[r] = seen(j0 + j, pos[r]) && s > bm[r] ? s : bm[r];
     }
   for (int64_t r = 0; r < rp; ++r) {
     alpha[r] = m[r] == kMasked ? 0.0f : exp_neg(m[r] - bm[r]);
@@ -99,7 +102,7 @@ inline void softmax_block(float* __restrict sT, const int64_t* __restrict pos, f
   }
   for (int64_t j = 0; j < nk; ++j)
     for (int64_t r = 0; r < rp; ++r) {
-      const float p = j0 + j <= pos[r] ? exp_neg(sT[j * rp + r] - m[r]) : 0.0f;
+      const float p = seen(j0 + j, pos[r]) ? exp_neg(sT[j * rp + r] - m[r]) : 0.0f;
       sT[j * rp + r] = p;
       l[r] = l[r] + p;
     }
@@ -132,7 +135,9 @@ void prefill_typed(const PrefillArgs& a, const T* kpool, const T* vpool, int64_t
     m[r] = kMasked, l[r] = 0.0f, pos[r] = a.start + i0 + rr / G;
   }
   const int64_t last = a.start + i1 - 1;  // the block's last position: keys [0, last]
-  for (int64_t j0 = 0; j0 <= last; j0 += BK) {
+  // with a window, keys before the first row's window are never read
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, a.start + i0 - a.window + 1) : 0;
+  for (int64_t j0 = first; j0 <= last; j0 += BK) {
     const int64_t nk = std::min(BK, last + 1 - j0);
     for (int64_t j = 0; j < nk; ++j) {
       const T* kr = kpool + a.ctx[j0 + j] * row + kvh * D;
@@ -156,12 +161,12 @@ void prefill_typed(const PrefillArgs& a, const T* kpool, const T* vpool, int64_t
       for (int64_t r0 = 0; r0 < rp; r0 += PF_QK_VECS * VW) qk<PF_QK_KEYS, PF_QK_VECS>(krows, qT, sT, j, r0, D, rp);
     for (; j < nk; ++j)
       for (int64_t r0 = 0; r0 < rp; r0 += PF_QK_VECS * VW) qk<1, PF_QK_VECS>(krows, qT, sT, j, r0, D, rp);
-    softmax_block(sT, pos, m, l, alpha, bm, j0, nk, rp);
+    softmax_block(sT, pos, m, l, alpha, bm, j0, nk, rp, a.window);
     for (int64_t r0 = 0; r0 < rp; r0 += PF_PV_ROWS)
       for (int64_t dc = 0; dc < dp; dc += PF_PV_VECS * VW)
         pv<PF_PV_ROWS, PF_PV_VECS>(vrows, sT, alpha, acc, r0, dc, dp, rp, nk);
   }
-  for (int64_t r = 0; r < R; ++r) {  // every row saw key 0: l > 0
+  for (int64_t r = 0; r < R; ++r) {  // every row saw its own position: l > 0
     const float inv = 1.0f / l[r];
     float* o = a.out + ((i0 + r / G) * a.h + kvh * G + r % G) * D;
     for (int64_t i = 0; i < D; ++i) o[i] = acc[r * dp + i] * inv;

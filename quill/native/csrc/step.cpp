@@ -91,6 +91,7 @@ struct Layer {
   bool renormalize = false;
   std::optional<at::Tensor> q_norm, k_norm;  // [D] (Qwen3)
   double qk_eps = 0;
+  int64_t window = 0;  // a local layer's sliding window (attention.h AttnArgs), 0: global
   at::Tensor k_pool, v_pool;  // [N, Hkv, D]
 };
 
@@ -149,7 +150,8 @@ class DecoderStep {
                  const std::vector<LinearOp*>& gate_up, const std::vector<std::optional<at::Tensor>>& gate_up_bias,
                  LinearOp* down, std::optional<at::Tensor> down_bias, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, double qk_eps, at::Tensor k_pool, at::Tensor v_pool,
-                 LinearOp* router, const ExpertGroup* experts, int64_t top_k, bool renormalize) {
+                 LinearOp* router, const ExpertGroup* experts, int64_t top_k, bool renormalize, int64_t window) {
+    if (window < 0) fail("window ", window, ": expected 0 (global) or a positive number of positions");
     expect_f32(ln1, {e_}, "input_layernorm");
     expect_f32(ln2, {e_}, "post_attention_layernorm");
     if (q_norm.has_value() != k_norm.has_value()) fail("q_norm and k_norm come together");
@@ -164,7 +166,7 @@ class DecoderStep {
     if (o == nullptr) fail("o_proj is required");
     if ((down == nullptr) != (experts != nullptr)) fail("a layer takes either down_proj or routed experts");
     Layer l;
-    l.ln1 = std::move(ln1), l.ln2 = std::move(ln2), l.eps1 = eps1, l.eps2 = eps2;
+    l.ln1 = std::move(ln1), l.ln2 = std::move(ln2), l.eps1 = eps1, l.eps2 = eps2, l.window = window;
     l.qkv = projs(qkv, qkv_bias, e_, {h_ * d_, hkv_ * d_, hkv_ * d_}, "q/k/v");
     l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d_, e_);
     if (experts != nullptr) {
@@ -255,7 +257,7 @@ class DecoderStep {
       backend_->kv_store(pool_row(l.v_pool, slots[i]), vr + i * v.stride(0), row, kv_type_);
     }
     const at::Tensor out = paged_decode_attention(q.view({t, h_, 1, d_}), l.k_pool, l.v_pool, ctx_slots, lens,
-                                                  scale_, isa_);  // [T, H, 1, D]
+                                                  scale_, isa_, l.window);  // [T, H, 1, D]
     return l.o(out.view({t, h_ * d_}));
   }
 
@@ -405,6 +407,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
       bar.wait();
       AttnArgs la = a;
       set_pools(la, l.k_pool, l.v_pool);
+      la.window = l.window;
       int64_t q0, q1;  // this thread's query heads of [T, H], in (token, KV head, query head) order
       team_share(t * h_, tid, nt, q0, q1);
       for (int64_t p = q0 / g; p * g < q1; ++p) {  // (token, KV head) pairs, each for its share of heads
@@ -457,7 +460,7 @@ void register_step(pybind11::module_& m) {
            py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"), py::arg("gate_up"),
            py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"), py::arg("q_norm"), py::arg("k_norm"),
            py::arg("qk_eps"), py::arg("k_pool"), py::arg("v_pool"), py::arg("router") = nullptr,
-           py::arg("experts") = nullptr, py::arg("top_k") = 0, py::arg("renormalize") = false,
+           py::arg("experts") = nullptr, py::arg("top_k") = 0, py::arg("renormalize") = false, py::arg("window") = 0,
            py::keep_alive<1, 20>())  // the step holds the experts' Python object
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
       .def("forward", &DecoderStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slots"),

@@ -1,0 +1,175 @@
+"""Gemma 3 text (quill/models/gemma3.py): tiny random transformers models (gemma3_text, and the text half of a
+multimodal gemma3 checkpoint) against transformers' eager float32 forward: log-probabilities at every
+position of a prompt several windows long, 32 greedy tokens, batched = alone, preempted = uninterrupted; the
+native decode step says why it does not run these layers; the chat template renders.  GGUF files:
+tests/test_gemma3_gguf.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import quill
+from quill.engine.core import EngineConfig, EngineCore
+from quill.engine.scoring import ScoreSpec
+from quill.models.base import ForwardContext
+from tests.model_util import save_hf_dir
+
+WINDOW = 16
+# odd sizes; layers 0 and 2 local, 1 and 3 global; their own rope bases, linear scaling on the global ones
+TEXT = dict(vocab_size=320, hidden_size=72, intermediate_size=100, num_hidden_layers=4, num_attention_heads=6,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=WINDOW,
+            query_pre_attn_scalar=20, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+PROMPT = [int(t) for t in torch.randint(4, 320, (100,), generator=torch.Generator().manual_seed(11))]
+GEMMA_TEMPLATE = (  # google/gemma-3-*-it's chat template (tokenizer_config.json), system turn folded in
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + "
+    "'\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}{{ '<start_of_turn>' + role + '\n' + "
+    "(first_user_prefix if loop.first else \"\") }}{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}")
+
+
+def randomized(model):
+    """``model`` with larger bfloat16-valued weights (far from uniform logits; what the native dense kernels
+    hold) and norms away from their 0 init, so the (1 + w) offsets are exercised."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+            p.copy_(p.bfloat16().float())
+    return model.eval()
+
+
+def hf_gemma3(seed: int = 0, **overrides):
+    import transformers
+    cfg = transformers.Gemma3TextConfig(**{**TEXT, **overrides})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomized(transformers.Gemma3ForCausalLM(cfg))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = hf_gemma3(seed=1)
+    d = save_hf_dir(hf, tmp_path_factory.mktemp("gemma3"), tokenizer=False)
+    return hf, quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def core(llm, **cfg) -> EngineCore:
+    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                      EngineConfig(**{"kv_cache_dtype": "float32", "block_size": 8, **cfg}), isa=llm.engine.cache.isa)
+
+
+def greedy(c: EngineCore, prompts: dict[str, list[int]], n: int = 32) -> dict[str, list[int]]:
+    params = quill.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for rid, p in prompts.items():
+        c.add_request(rid, p, params)
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while c.has_unfinished_requests():
+        for o in c.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+def test_the_model_describes_gemma3(pair):
+    _, llm = pair
+    specs = llm.model.decoder_layer_specs()
+    assert [s.attention.window for s in specs] == [WINDOW, None, WINDOW, None]
+    assert [s.rope for s in specs] == ["local", "global", "local", "global"]
+    assert {s.residual for s in specs} == {"sandwich-norm"} and specs[0].ffn.activation == "gelu_pytorch_tanh"
+    assert specs[0].attention.scale == 20 ** -0.5 and llm.context_length == 256
+
+
+@pytest.mark.parametrize("chunk", [256, 24])
+def test_logprobs_match_transformers_at_every_position(pair, chunk):
+    hf, llm = pair
+    c = core(llm, max_num_batched_tokens=chunk)
+    c.add_request("s", PROMPT, quill.SamplingParams(max_tokens=1), score=ScoreSpec())
+    got = None
+    while c.has_unfinished_requests():
+        for o in c.step():
+            got = o.scores.token_logprobs if o.scores is not None else got
+    ref = hf_logprobs(hf, PROMPT)
+    assert got.shape == ref.shape and (got - ref).abs().max() < 1e-3
+
+
+def test_greedy_batched_and_preempted_match_transformers(pair):
+    hf, llm = pair
+    prompts = {str(i): PROMPT[i * 9:] for i in range(3)}
+    want = {}
+    with torch.no_grad():
+        for rid, p in prompts.items():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
+            want[rid] = out[0, len(p):].tolist()
+    assert greedy(core(llm), {"0": prompts["0"]}) == {"0": want["0"]}
+    assert greedy(core(llm), prompts) == want
+    args = llm.model.args
+    per_block = 2 * args.num_hidden_layers * 8 * args.num_key_value_heads * args.head_dim * 4
+    tight = core(llm, kv_cache_memory=32 * per_block, enable_prefix_caching=False)
+    assert greedy(tight, prompts) == want and tight.stats().num_preemptions > 0
+
+
+def test_the_native_step_says_why_it_does_not_run_gemma3(pair):
+    _, llm = pair
+    assert llm.engine.native_step is None
+    assert llm.engine.native_step_reason in (
+        "layer 0: residual structure 'sandwich-norm' (the step runs 'pre-norm')",
+        "native kernels unavailable", "decode attention runs in torch")
+
+
+def test_multimodal_checkpoint_loads_its_text_model(tmp_path, caplog):
+    import transformers
+    text = hf_gemma3(seed=2)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4)
+    mm = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    mm.model.language_model.load_state_dict(text.model.state_dict())
+    mm.lm_head.load_state_dict(text.lm_head.state_dict())
+    d = save_hf_dir(mm, tmp_path / "mm", tokenizer=False)
+    with caplog.at_level(logging.INFO, logger="quill"):
+        llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
+    assert any("skipped" in r.getMessage() for r in caplog.records)
+    assert llm.model.args.model_type == "gemma3"
+    ids = torch.tensor([PROMPT[:40]])
+    with torch.inference_mode():
+        got = llm.model(ids, ForwardContext.causal(1, 40))
+        ref = text(ids).logits
+    assert (got - ref).abs().max() < 1e-4
+
+
+def test_gemma_chat_template_renders(tmp_path):
+    import transformers
+
+    from quill.tokenizer import Tokenizer, hf_tokenizer_spec
+    from tests.model_util import byte_tokenizer
+    tok = byte_tokenizer()
+    tok.add_special_tokens(["<start_of_turn>", "<end_of_turn>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": GEMMA_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello "},
+            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
+    got = Tokenizer(hf_tokenizer_spec(tmp_path, {})).apply_chat_template(chat, add_generation_prompt=True)
+    assert got == ("<s><start_of_turn>user\nBe brief.\n\nhello<end_of_turn>\n<start_of_turn>model\nhi<end_of_turn>\n"
+                   "<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n")
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+    assert got == ref
