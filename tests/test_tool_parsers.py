@@ -199,3 +199,9 @@ def test_a_prompt_that_opens_the_thought():
     assert reasoning_parser("qwen3", None).opened_by(qwq_like)
     assert not reasoning_parser("qwen3", None).opened_by("<|im_start|>assistant\n")
     assert reasoning_parser("deepseek_r1", None).opened_by("<|im_start|>assistant\n")
+
+
+def test_the_serve_flags_list_every_parser():
+    from quill.cli.serve import REASONING_PARSERS, TOOL_PARSERS
+    from quill.serving import reasoning, tool_parsers
+    assert TOOL_PARSERS == tuple(tool_parsers.PARSERS) and REASONING_PARSERS == tuple(reasoning.PARSERS)

@@ -39,6 +39,9 @@ def parse_bytes(text: str, flag: str = "--kv-cache-memory") -> int:
 
 
 SERVE_BATCHED_TOKENS = 128
+# the names of quill.serving.tool_parsers.PARSERS and quill.serving.reasoning.PARSERS (not imported: --help stays light)
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 def register(sub) -> None:
@@ -72,6 +75,12 @@ def register(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_PARSERS],
+                   help="how tool calls are read from answers (default auto: the model family's, from its chat "
+                        "template; templates without tools get quill's Hermes-format prompt and parser)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
+                   help="split <think> reasoning into reasoning_content (default auto: qwen3 for chat templates "
+                        "that know </think>, none for others)")
     h = p.add_argument_group("HTTP limits (quill serve without replicas)")
     h.add_argument("--max-body-size", default=None, metavar="BYTES",
                    help="largest request body, e.g. 8MiB (default); larger ones get 413 before they are read")
@@ -163,7 +172,8 @@ def run(args) -> int:
     if bound != args.host and bound not in ("0.0.0.0", "::"):  # --host named the machine: its address too
         http["allowed_hosts"] = (*http.get("allowed_hosts", ()), bound)
     config = ServeConfig(args.served_model_name, args.api_key, args.max_waiting, args.stream_interval,
-                         host=args.host, **http)
+                         host=args.host, tool_call_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser, **http)
     app = create_app(llm, config, executor)
     stats = llm.engine.stats()
     host, port = sock.getsockname()[:2]

@@ -55,6 +55,8 @@ class ServeConfig:
     host: str | None = None  # the address the server is bound to: Host headers must name it (or a loopback)
     allowed_hosts: tuple[str, ...] = ()  # more Host names to answer ("*": any)
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call the API; none by default
+    tool_call_parser: str = "auto"  # quill.serving.tool_parsers name; auto: the model family's (its chat template)
+    reasoning_parser: str = "auto"  # quill.serving.reasoning name, or none; auto: qwen3 for thinking templates
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(self.max_body_size, self.body_timeout, allowed_hosts(self.host, self.allowed_hosts))
@@ -308,7 +310,8 @@ def create_app(llm, config: ServeConfig = ServeConfig(), executor=None) -> FastA
                          on_loop=executor is None)
     metrics = ServerMetrics(engine.stats, name)
     engine.metrics = metrics
-    serving = OpenAIServing(engine, llm.tokenizer, name, llm.context_length)
+    serving = OpenAIServing(engine, llm.tokenizer, name, llm.context_length,
+                            tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

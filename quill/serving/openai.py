@@ -21,8 +21,12 @@ from collections.abc import AsyncIterator, Callable
 
 from quill.errors import GenerationError
 from quill.serving import responses as R
+from quill.serving import tool_calls as TC
 from quill.serving.engine import EngineStopped, ServerBusy
 from quill.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request
+from quill.serving.reasoning import reasoning_parser as make_reasoning_parser
+from quill.serving.tool_parsers import parser_for_template
+from quill.serving.tool_parsers import tool_parser as make_tool_parser
 
 
 class EventStream:
@@ -70,12 +74,20 @@ class OpenAIServing:
     (or an awaitable of one; an async iterable of ``(index, StreamChunk)`` with ``close()``).  ``affinity``
     (requests with one key share a prefix cache) and ``streamed`` (False: nothing is sent before the
     end) are hints for an engine over replicas; one engine ignores them.  ``tokenizer``: ``quill.tokenizer.Tokenizer``.
+    ``tool_call_parser`` / ``reasoning_parser``: names (``quill.serving.tool_parsers`` / ``reasoning``), or
+    "auto": the model family's, from its chat template.
     """
 
-    def __init__(self, engine, tokenizer, model_name: str, context_length: int, created: int | None = None):
+    def __init__(self, engine, tokenizer, model_name: str, context_length: int, created: int | None = None,
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         self.engine, self.tokenizer = engine, tokenizer
         self.model_name, self.context_length = model_name, context_length
         self.created = created or R.now()
+        template = tokenizer.spec.chat_template if tokenizer is not None else None
+        if tool_call_parser == "auto":
+            tool_call_parser = parser_for_template(template)
+        self.tool_parser = make_tool_parser(tool_call_parser)
+        self.reasoning = make_reasoning_parser(reasoning_parser, template)
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -223,8 +235,10 @@ class OpenAIServing:
         limit = req.completion_limit
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = [_sampling(lambda j=j: req.sampling_params(limit, k, None, j)) for j in range(req.n)]
+        plan = TC.plan(req.offered_tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
         try:  # jinja and the tokenizer on a worker thread: a long conversation does not stall the loop
-            ids = await asyncio.to_thread(self.tokenizer.encode_chat, req.conversation(), req.add_generation_prompt)
+            ids, opened = await asyncio.to_thread(self.render_chat, req.conversation(), req.add_generation_prompt,
+                                                  plan)
         except GenerationError as e:
             raise bad_request(str(e), "messages") from None
         ids = self._check_prompt(ids, limit, "messages", params[0])
@@ -232,7 +246,7 @@ class OpenAIServing:
         subs = [(f"{rid}-{j}", ids, params[j]) for j in range(req.n)]
         handle = await self._submit(subs, req.user or _key(_opening(req.conversation())), req.stream)
         if req.stream:
-            return EventStream(self._chat_stream(req, rid, handle, k), handle)
+            return EventStream(self._chat_stream(req, rid, handle, k, plan, opened), handle)
         choices, usage = [R.Choice() for _ in range(req.n)], R.Usage()
         try:
             async for index, chunk in _chunks(handle):
@@ -240,11 +254,35 @@ class OpenAIServing:
                 usage.add(0, chunk)
         finally:
             handle.close()
-        return R.chat_body(rid, R.now(), self.model_name, [R.chat_choice(i, c, k) for i, c in enumerate(choices)],
-                           usage)
+        return R.chat_body(rid, R.now(), self.model_name,
+                           [self._chat_choice(i, c, k, plan, opened) for i, c in enumerate(choices)], usage)
 
-    async def _chat_stream(self, req, rid, handle, k) -> AsyncIterator[str]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    plan: TC.ToolPlan) -> tuple[list[int], bool]:
+        """A conversation's prompt ids (the plan's tools shown, its call opening written) and whether the
+        prompt leaves the answer inside a thought."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, plan.tools) + plan.prefix
+        opened = self.reasoning is not None and self.reasoning.opened_by(text)
+        return self.tokenizer.encode(text, add_special_tokens=False), opened
+
+    def answer_parser(self, plan: TC.ToolPlan, opened: bool):
+        """An ``OutputParser`` for one answer; None when there is nothing to read (all content)."""
+        if plan.parser is None and self.reasoning is None:
+            return None
+        return plan.output_parser(self.reasoning, opened)
+
+    def _chat_choice(self, index: int, choice: R.Choice, k, plan: TC.ToolPlan, opened: bool) -> dict:
+        body = R.chat_choice(index, choice, k)
+        parser = self.answer_parser(plan, opened)
+        if parser is not None:
+            answer = parser.read("".join(choice.text))
+            body["message"].update(TC.message(answer, plan.parallel))
+            body["finish_reason"] = TC.finish_reason(body["finish_reason"], bool(answer.calls))
+        return body
+
+    async def _chat_stream(self, req, rid, handle, k, plan, opened) -> AsyncIterator[str]:
         created, usage, inc = R.now(), R.Usage(), req.include_usage
+        parsers = [self.answer_parser(plan, opened) for _ in range(req.n)]
         try:
             for j in range(req.n):  # the role first, as OpenAI streams it
                 role = {"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -256,8 +294,14 @@ class OpenAIServing:
                 if k is not None and chunk.token_id is not None and chunk.logprobs is not None:
                     lp = R.chat_logprobs([(chunk.token_id, chunk.logprobs)], k)
                 finish = R.finish_reason(chunk.finish_reason)
-                if chunk.text or lp is not None or finish:
-                    delta = {"content": chunk.text} if chunk.text else {}
+                deltas = _deltas(parsers[index], chunk.text, finish, plan.parallel)
+                if parsers[index] is not None:
+                    finish = TC.finish_reason(finish, parsers[index].called)
+                for delta in deltas[:-1]:  # a piece that completes several things: one chunk each
+                    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                    yield R.sse(R.chat_chunk(rid, created, self.model_name, [choice], None, inc))
+                if deltas or lp is not None or finish:
+                    delta = deltas[-1] if deltas else {}
                     choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
                     if finish:
                         choice["stop_reason"] = chunk.stop_reason
@@ -273,6 +317,14 @@ class OpenAIServing:
 
 
 AFFINITY_TOKENS = 64  # a completion's routing key: its first tokens (4 KV blocks)
+
+
+def _deltas(parser, text: str, finish: str | None, parallel: bool) -> list[dict]:
+    """A streamed piece's chat deltas: its text as content, or what ``parser`` reads in it."""
+    if parser is None:
+        return [{"content": text}] if text else []
+    events = (parser.feed(text) if text else []) + (parser.finish() if finish else [])
+    return [d for e in events if (d := TC.delta(e, parallel)) is not None]
 
 
 def _opening(messages: list[dict]) -> list[dict]:

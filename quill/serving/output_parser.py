@@ -39,12 +39,14 @@ class Answer:
 class OutputParser:
     """``tools``: read tool calls (None: the text is all content); ``reasoning``: split thoughts off;
     ``opened``: the prompt left the answer inside a thought; ``prefix``: text the prompt already wrote
-    of the answer (a required call's opening), read as its beginning."""
+    of the answer (a required call's opening), read as its beginning; ``suffix``: text that closes the
+    answer once it is complete (the end of a call whose arguments were held to their schema)."""
 
     tools: ToolParser | None = None
     reasoning: ReasoningParser | None = None
     opened: bool = False
     prefix: str = ""
+    suffix: str = ""
     text: str = ""
     _sent: dict = field(default_factory=lambda: {"reasoning": "", "content": ""})
     _calls: list = field(default_factory=list)  # [id, name, arguments sent]
@@ -54,7 +56,7 @@ class OutputParser:
 
     def read(self, text: str, final: bool = True) -> Answer:
         """The answer ``text`` (the prompt's prefix not included) as a whole."""
-        split, parsed = self._parse(self.prefix + text, final)
+        split, parsed = self._parse(self.prefix + text + (self.suffix if final else ""), final)
         return Answer(split.reasoning, parsed.content, [(call_id(), c) for c in parsed.calls])
 
     def _parse(self, text: str, final: bool) -> tuple[Split, Parsed]:
@@ -70,6 +72,7 @@ class OutputParser:
 
     def finish(self) -> list[Event]:
         """Events for what was held back, once the answer is complete."""
+        self.text += self.suffix
         return self._diff(True)
 
     @property

@@ -3,7 +3,7 @@
 Field names, defaults and bounds are OpenAI's; vLLM's extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are
 accepted too.  Unknown fields are ignored, as vLLM does; fields quill cannot honour
-(``logit_bias``, tools, ``suffix``, JSON response formats) are refused by name.
+(``logit_bias``, ``suffix``, JSON response formats) are refused by name.  Tools: ``protocol_tools``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from quill.engine.sampling import REPETITION_PENALTY, SEED_MAX, SEED_MIN, SamplingParams
 from quill.errors import QuillError
+from quill.serving.protocol_tools import Tool, ToolCallIn, ToolChoice, check_tools
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class APIError(QuillError):
@@ -127,6 +128,8 @@ class ChatMessage(BaseModel):
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -142,8 +145,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
 
@@ -155,8 +159,7 @@ class ChatCompletionRequest(_Sampling):
             if m.role not in ROLES:
                 raise bad_request(f"messages[{i}].role '{m.role}' is not supported; supported: "
                                   f"{', '.join(ROLES)}", f"messages[{i}].role")
-        if self.tools:
-            raise bad_request("tools are not supported by quill", "tools", "unsupported_parameter")
+        check_tools(self.tools, self.tool_choice)
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request(f"response_format type '{self.response_format.get('type')}' is not supported; "
                               f"supported: text", "response_format", "unsupported_parameter")
@@ -167,6 +170,23 @@ class ChatCompletionRequest(_Sampling):
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict]:
         """The messages as chat templates expect them (``developer`` is the newer name of ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [_template_message(m) for m in self.messages]
+
+    @property
+    def offered_tools(self) -> list[dict] | None:
+        """The tools the model is told about (none with ``tool_choice: "none"``)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.template_form() for t in self.tools]
+
+
+def _template_message(m: ChatMessage) -> dict:
+    out = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        out["content"] = m.text() if m.content is not None else None  # templates tell "" from no text
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out

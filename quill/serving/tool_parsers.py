@@ -131,6 +131,8 @@ class ToolParser:
 
     name = ""
     start = ""  # the marker that opens the calls
+    args_key = "arguments"
+    close = ""  # what follows a call object that ``call_prefix`` opened
 
     def parse(self, text: str, final: bool) -> Parsed:
         at = text.find(self.start)
@@ -148,6 +150,10 @@ class ToolParser:
         """What the answer starts with when a call is required (of ``name`` when given)."""
         raise NotImplementedError
 
+    def call_suffix(self, name: str | None = None) -> str:
+        """What closes a call ``call_prefix`` opened once its JSON (the arguments, with ``name``) is whole."""
+        return ("}" if name else "") + self.close
+
 
 def _skip_ws(text: str, i: int) -> int:
     while i < len(text) and text[i].isspace():
@@ -156,7 +162,7 @@ def _skip_ws(text: str, i: int) -> int:
 
 
 class HermesParser(ToolParser):
-    name, start, end = "hermes", "<tool_call>", "</tool_call>"
+    name, start, close = "hermes", "<tool_call>", "\n</tool_call>"
 
     def calls(self, text: str, i: int, final: bool) -> list[ToolCall]:
         out = []
@@ -177,7 +183,7 @@ class HermesParser(ToolParser):
 
 
 class Llama3JsonParser(ToolParser):
-    name, start = "llama3_json", "<|python_tag|>"
+    name, start, args_key = "llama3_json", "<|python_tag|>", "parameters"
 
     def parse(self, text: str, final: bool) -> Parsed:
         body = text.lstrip()
@@ -214,7 +220,7 @@ _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)")
 
 
 class MistralParser(ToolParser):
-    name, start = "mistral", "[TOOL_CALLS]"
+    name, start, close = "mistral", "[TOOL_CALLS]", "]"
 
     def calls(self, text: str, i: int, final: bool) -> list[ToolCall]:
         i = _skip_ws(text, i)
