@@ -31,6 +31,7 @@ class ArchSpec:
     moe_prefix: str = "mlp"  # HF module holding the router and experts
     block_names: tuple[tuple[str, str], ...] = ()  # this architecture's own blk.N.<leaf> -> HF module names
     hybrid: bool = False  # Qwen3.5: Gated DeltaNet layers (ssm_*) beside attention, zero-centred norms
+    offset_norms: bool = False  # Gemma 3: every norm stored as 1 + w by the converter (undone on load)
 
 
 # Qwen3.5's Gated DeltaNet tensors (llama.cpp's QWEN35 names); ssm_a and ssm_dt.bias are mapped in map_name
@@ -46,6 +47,12 @@ _QWEN35_OFFSET_NORMS = ("attn_norm", "post_attention_norm", "output_norm", "attn
 _SSM_A = re.compile(r"blk\.(\d+)\.ssm_a")
 _SSM_DT = re.compile(r"blk\.(\d+)\.ssm_dt\.bias")
 
+# Gemma 3's norms around attention and the MLP (llama.cpp's GEMMA3 names; ffn_norm is the MLP's input norm)
+_GEMMA3_NAMES = (
+    ("post_attention_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+)
+
 ARCHS: dict[str, ArchSpec] = {
     # Mixtral is written as general.architecture "llama" with expert tensors.
     "llama": ArchSpec("llama", "LlamaForCausalLM", True, "mixtral", "MixtralForCausalLM", "block_sparse_moe"),
@@ -56,6 +63,7 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen35": ArchSpec("qwen3_5_text", "Qwen3_5ForCausalLM", False, block_names=_QWEN35_NAMES, hybrid=True),
     "qwen35moe": ArchSpec("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", False, "qwen3_5_moe_text",
                           "Qwen3_5MoeForCausalLM", block_names=_QWEN35_NAMES, hybrid=True),
+    "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", False, block_names=_GEMMA3_NAMES, offset_norms=True),
 }
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -134,6 +142,8 @@ def converter_undo(gguf_name: str, spec: ArchSpec):
     """The inverse of what llama.cpp's converter did to a dense tensor of ``spec`` (a function of the
     tensor), or None."""
     leaf = gguf_name.rpartition(".weight")[0].rpartition(".")[2] if gguf_name.endswith(".weight") else ""
+    if spec.offset_norms and leaf.endswith("norm"):
+        return lambda t: t.float() - 1.0  # Gemma's converter wrote 1 + w; the model adds the 1 back
     if not spec.hybrid:
         return None
     if leaf in _QWEN35_OFFSET_NORMS or gguf_name == "output_norm.weight":
@@ -250,6 +260,8 @@ def build_config(meta: dict, arch: str, tensors: dict, n_tokens: int | None, pat
         cfg.update(_moe_config(meta, a, spec, n_experts, cfg, path))
     if spec.hybrid:
         cfg.update(_hybrid_config(meta, a, cfg, rope_dim, path))
+    if spec.model_type == "gemma3_text":
+        cfg.update(_gemma3_config(meta, a, cfg, path))
     for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("padding_token_id", "pad_token_id")):
         if f"tokenizer.ggml.{key}" in meta:
@@ -304,3 +316,33 @@ def _torch_dtype(tensors: dict) -> str:
     if F16 in kinds:
         return "float16"
     return "float32"
+
+
+def _gemma3_config(meta: dict, a: str, cfg: dict, path) -> dict:
+    """What llama.cpp reads for Gemma 3 besides the common keys (src/models/gemma3.cpp): the window, which
+    layers are local (``sliding_window_pattern``: a period, default 6, or one flag per layer), their rope base
+    (default 10000), the final soft-cap, and the query scale the file does not store (1 / sqrt(head_dim), but
+    hidden / heads for the 62-layer 27B, as llama.cpp and Gemma's own config do)."""
+    n = cfg["num_hidden_layers"]
+    out = {"hidden_activation": "gelu_pytorch_tanh",
+           "rope_local_base_freq": _float(meta, f"{a}.rope.freq_base_swa", path, 10000.0),
+           "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"]}
+    window = _int(meta, f"{a}.attention.sliding_window", path, 0)
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern", 6)
+    if window > 0:
+        if isinstance(pattern, (list, tuple)):
+            local = [bool(p) for p in pattern]
+            if len(local) != n:
+                raise UnsupportedFormatError(f"{path}: {a}.attention.sliding_window_pattern has {len(local)} "
+                                             f"entries for {n} layers")
+        else:
+            period = int(pattern)
+            local = [period == 0 or i % period < period - 1 for i in range(n)]
+        out["sliding_window"] = window
+        out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
+    else:
+        out["sliding_window"] = None  # no local layers
+        out["layer_types"] = ["full_attention"] * n
+    if f"{a}.final_logit_softcapping" in meta:
+        out["final_logit_softcapping"] = _float(meta, f"{a}.final_logit_softcapping", path)
+    return out
