@@ -17,6 +17,10 @@ from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUB_SCALE_DTYPES = (torch.int8, torch.int16)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A power-of-two scale in one byte (OCP MX's E8M0: 2 ** (e - 127); e = 255 is NaN and refused).
+E8M0 = torch.float8_e8m0fnu
+# OCP MX FP4 (E2M1) values by code: bit 3 is the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,12 @@ class QuantizedWeight:
                      offsets[o, g]                             otherwise
         w[o, i]    = (codes[o, i] - z[o, g]) * s[o, g]  (+ m[o, g] if offsets is not None)
 
-    with ``k = G / S`` groups per super-group.  Computed in float32 (scales upcast
+    with ``k = G / S`` groups per super-group.  Codes that index a non-uniform value table
+    (``codebook``, FP4 E2M1 for MXFP4) skip the zero point::
+
+        w[o, i]    = codebook[codes[o, i]] * scales[o, g]
+
+    Computed in float32 (scales upcast
     from their stored dtype), which makes it exact for every format quill reads:
     ``codes - z`` is a small integer, a 16-bit scale times a small integer
     sub-scale is representable in float32, and so is its product with the code.
@@ -94,6 +103,11 @@ class QuantizedWeight:
         dtype:   the model's original float dtype (what the weight was quantized from).
         bias:    float [out] or None.
         activation: the input quantization the checkpoint prescribes (W8A8), or None.
+        codebook: float32 [2**bits], the value of every code, or None (uniform codes).  With it:
+                 symmetric, no offsets, single-level scales, no act-order; scales may be
+                 ``E8M0`` (MXFP4: FP4 E2M1 codes, a power-of-two scale per 32 weights,
+                 4.25 bits per weight as stored).  :meth:`uniform` is the same values with
+                 integer codes, for kernels that read only uniform codes.
     """
 
     codes: torch.Tensor
@@ -108,6 +122,7 @@ class QuantizedWeight:
     activation: ActivationQuant | None = None
     super_scales: torch.Tensor | None = None
     super_offsets: torch.Tensor | None = None
+    codebook: torch.Tensor | None = None
     name: str = field(default="<unnamed>", compare=False)
 
     # ---- shape facts -------------------------------------------------
@@ -167,12 +182,46 @@ class QuantizedWeight:
         weight's implicit zero spelt out.  For kernels that run a wider code than stored."""
         if bits < self.bits:
             raise ConfigError(f"{self.name}: cannot widen {self.bits}-bit codes to {bits} bits")
+        if self.codebook is not None:
+            raise ConfigError(f"{self.name}: codebook codes cannot be widened; uniform() re-expresses them")
         if bits == self.bits:
             return self
         zeros = self.zeros
         if zeros is None:
             zeros = torch.full(tuple(self.scales.shape), 1 << (self.bits - 1), dtype=torch.int16)
         return self.with_(bits=bits, zeros=zeros)
+
+    def uniform(self) -> "QuantizedWeight":
+        """The same values with uniform integer codes, for kernels that read no codebook; ``self`` when
+        the codes already are.  Every codebook value must be an integer multiple ``q * u`` of a power of
+        two ``u`` (FP4 E2M1: u = 0.5, q in [-12, 12]); codes become ``q + 2**(bits'-1)`` at the fewest
+        bits that hold them (:meth:`uniform_bits`: 5 for FP4) and scales ``s * u`` in float32, exact
+        (a power of two times a power of two, or a float times 2**-k)."""
+        if self.codebook is None:
+            return self
+        u, q, bits = self._uniform_form()
+        codes = (q + (1 << (bits - 1))).to(torch.uint8)[self.codes.long()]
+        return self.with_(codes=codes, bits=bits, scales=self.scales.to(torch.float32) * u, codebook=None)
+
+    def uniform_bits(self) -> int:
+        """The code width of :meth:`uniform` (``bits`` when the codes already are uniform)."""
+        return self.bits if self.codebook is None else self._uniform_form()[2]
+
+    def _uniform_form(self) -> tuple[float, torch.Tensor, int]:
+        """(u, q int64 [2**bits], bits'): codebook == q * u, q fits bits'-bit two's complement."""
+        cb = self.codebook.to(torch.float64)
+        u = 1.0
+        while not bool((cb / u == torch.round(cb / u)).all()):
+            u /= 2
+            if u < 2.0 ** -24:
+                raise UnsupportedFormatError(f"{self.name}: codebook {self.codebook.tolist()} is not a set of "
+                                             "multiples of a power of two; no uniform form")
+        q = torch.round(cb / u).to(torch.int64)
+        bits = next((b for b in SUPPORTED_BITS if -(1 << (b - 1)) <= int(q.min()) and int(q.max()) < 1 << (b - 1)),
+                    None)
+        if bits is None:
+            raise UnsupportedFormatError(f"{self.name}: codebook {self.codebook.tolist()} spans more than 8 bits")
+        return u, q, bits
 
     def take_rows(self, ids: torch.Tensor) -> "QuantizedWeight":
         """Output rows ``ids`` of every per-row tensor (codes, scales, zeros, offsets, super-, bias)."""
@@ -186,7 +235,8 @@ class QuantizedWeight:
         """float32 [len(ids), in]: ``take_rows(ids).dequantize()``, the same bits, in fewer ops when the
         groups are contiguous (no act-order): broadcast per group instead of gathered per column.
         An embedding lookup runs it every step."""
-        if self.g_idx is not None or self.in_features != self.num_groups * self.group_size:
+        if (self.g_idx is not None or self.codebook is not None
+                or self.in_features != self.num_groups * self.group_size):
             return self.take_rows(ids).dequantize()
 
         def pick(t):
@@ -220,7 +270,8 @@ class QuantizedWeight:
             return None if t is None else t.dtype
         return (self.bits, self.group_size, self.in_features, self.num_groups, self.groups_per_super,
                 self.dtype, self.activation, kind(self.scales), kind(self.zeros), kind(self.offsets),
-                kind(self.super_scales), kind(self.super_offsets), kind(self.bias), kind(self.codes))
+                kind(self.super_scales), kind(self.super_offsets), kind(self.bias), kind(self.codes),
+                None if self.codebook is None else tuple(self.codebook.tolist()))
 
     def group_index(self) -> torch.Tensor:
         """int64 [in]: the scale group of every input column."""
@@ -256,6 +307,8 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], computed exactly as the class docstring says."""
         g = self.group_index()
+        if self.codebook is not None:
+            return self.codebook.to(torch.float32)[self.codes.long()] * self.scales.to(torch.float32)[:, g]
         w = self.codes.to(torch.float32)
         if self.zeros is None:
             w = w - float(1 << (self.bits - 1))
@@ -271,7 +324,8 @@ class QuantizedWeight:
         return replace(self, **changes)
 
     # ---- saving (the prepacked cache) ----------------------------------
-    TENSOR_FIELDS = ("codes", "scales", "zeros", "offsets", "g_idx", "bias", "super_scales", "super_offsets")
+    TENSOR_FIELDS = ("codes", "scales", "zeros", "offsets", "g_idx", "bias", "super_scales", "super_offsets",
+                     "codebook")
 
     def saved(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """This weight as JSON-able facts and its tensors (:meth:`from_saved` rebuilds it)."""
@@ -303,6 +357,9 @@ class QuantizedWeight:
                 f"{n}: group_size {self.group_size} does not divide in_features {inp}; "
                 "supported: a positive divisor of in_features (or per-channel)")
         scale_kinds = SUB_SCALE_DTYPES if self.super_scales is not None else FLOAT_DTYPES
+        if self.codebook is not None:
+            scale_kinds = FLOAT_DTYPES + (E8M0,)
+            self._validate_codebook()
         _expect(self.scales.dtype in scale_kinds and self.scales.dim() == 2 and self.scales.shape[0] == out,
                 n, "scales", f"{_kind(scale_kinds)} [out={out}, G], found {self.scales.dtype} "
                 f"{list(self.scales.shape)}")
@@ -334,6 +391,19 @@ class QuantizedWeight:
             raise CheckpointError(
                 f"{n}: codes reach {int(self.codes.max())}, above the {self.bits}-bit maximum {(1 << self.bits) - 1}")
         return self
+
+    def _validate_codebook(self) -> None:
+        n, cb = self.name, self.codebook
+        _expect(cb.dtype == torch.float32 and tuple(cb.shape) == (1 << self.bits,), n, "codebook",
+                f"float32 [{1 << self.bits}], found {cb.dtype} {list(cb.shape)}")
+        extra = [f for f in ("zeros", "offsets", "super_scales", "super_offsets", "g_idx")
+                 if getattr(self, f) is not None]
+        if extra:
+            raise ConfigError(f"{n}: codebook codes with {', '.join(extra)} are not supported; "
+                              "supported: symmetric codebook codes with one scale per group")
+        if self.scales.dtype == E8M0 and bool((self.scales.view(torch.uint8) == 255).any()):
+            raise CheckpointError(f"{n}: tensor 'scales' has E8M0 exponent 255 (NaN in the MX spec); "
+                                  "supported: exponents 0-254")
 
     def _validate_levels(self, out: int, groups: int) -> None:
         n = self.name

@@ -230,13 +230,13 @@ def test_rope_scaling_rope_freqs_and_missing_config(tmp_path):
         GGUFCheckpoint(write_gguf(tmp_path / "m.gguf", "llama", kv))
 
 
-@pytest.mark.parametrize("qtype,nbytes", [(T.IQ4_XS, 136), (T.IQ2_XXS, 66), (T.TQ2_0, 66), (T.MXFP4, 17)])
+@pytest.mark.parametrize("qtype,nbytes", [(T.IQ4_XS, 136), (T.IQ2_XXS, 66), (T.TQ2_0, 66), (T.NVFP4, 36)])
 def test_unsupported_tensor_type_names_tensor_and_supported_types(tmp_path, qtype, nbytes):
     data = np.random.default_rng(7).integers(0, 256, (4, nbytes * (256 // GGML_TYPES[qtype][1])), dtype=np.uint8)
     path = write_gguf(tmp_path / "k.gguf", "llama", _arch_kv("llama"), [("blk.0.ffn_up.weight", data, qtype)])
     with pytest.raises(UnsupportedFormatError, match=rf"'blk.0.ffn_up.weight' has ggml type {qtype.name}.*"
                                                      r"supported: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, "
-                                                     r"Q4_K, Q5_K, Q6_K, F32, F16, BF16"):
+                                                     r"Q4_K, Q5_K, Q6_K, MXFP4, F32, F16, BF16"):
         GGUFCheckpoint(path)
 
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.bench.stats import sqnr_db
-from quill.canonical import ActivationQuant, QuantizedWeight
+from quill.canonical import E8M0, FP4_E2M1, ActivationQuant, QuantizedWeight
 from quill.kernels import LinearLayerConfig, resolve_activation
 from quill.kernels.selection import KERNELS, kernel_class
 from quill.platform import detect
@@ -38,7 +38,7 @@ MIN_CASES = 12  # each kernel must run at least this many grid cases (x every M)
 class Case:
     bits: int
     group: int  # -1: per-channel
-    kind: str  # "sym" | "asym" | "offsets"
+    kind: str  # "sym" | "asym" | "offsets" | "fp4" (MXFP4: FP4 E2M1 codebook codes, E8M0 scales per 32)
     act_order: bool
     n: int
     k: int
@@ -60,6 +60,12 @@ ACTIVATIONS = {
 
 def make_weight(case: Case, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
+    if case.kind == "fp4":
+        w = QuantizedWeight(codes=torch.randint(0, 16, (case.n, case.k), dtype=torch.uint8, generator=g), bits=4,
+                            group_size=32, codebook=FP4_E2M1.clone(), name=f"test[{case}]",
+                            scales=torch.randint(118, 126, (case.n, case.k // 32), dtype=torch.uint8,
+                                                 generator=g).view(E8M0))
+        return w.with_(activation=resolve_activation(w, case.act))
     w = quantize_rtn(torch.randn(case.n, case.k, generator=g), case.bits, case.group,
                      symmetric=case.kind == "sym", offsets=case.kind == "offsets", act_order=case.act_order,
                      generator=g)
@@ -88,6 +94,10 @@ def _grid() -> list[Case]:
     # W8A8 with per-channel symmetric weights (what W8A8 checkpoints hold) on more shapes
     for (n, k), act in itertools.product(((64, 256), (7, 520), (130, 64), (1, 384)), ("int8",) + tuple(ACTIVATIONS)):
         cases.append(Case(8, -1, "sym", False, n, k, act))
+    # MXFP4 (its own native kernels; every other kernel runs its uniform 5-bit form, as selection gives it)
+    for (n, k), act in itertools.product(((40, 384), (33, 96), (1, 96), (17, 64), (64, 256), (130, 64), (16, 32),
+                                          (48, 128), (7, 160), (80, 96), (3, 224), (25, 64)), (None, "int8-group")):
+        cases.append(Case(4, 32, "fp4", False, n, k, act))
     # odd shapes: N not a multiple of 16, a single output, K = 96 and K = 136 (not a multiple of 32)
     for (n, k), bits, group, kind, act in itertools.product(
             ((33, 96), (1, 96), (17, 136)), (4, 8), (8, 32, -1), ("sym", "asym"), (None, "int8")):
@@ -108,7 +118,7 @@ def oracle():
         if case not in cache:
             w = make_weight(case)
             cfg = LinearLayerConfig.from_weight(w, PLATFORM)
-            cache[case] = (w, cfg, REFERENCE.prepare(w, cfg), {})
+            cache[case] = (w, cfg, REFERENCE.prepare(w.uniform(), cfg.as_uniform()), {})
         w, cfg, state, outs = cache[case]
         if m not in outs:
             x = torch.randn(m, case.k, generator=torch.Generator().manual_seed(m))
@@ -131,6 +141,8 @@ def test_kernel_matrix(name, oracle):
     ran, refused, failures = defaultdict(int), {}, []
     for case in GRID:
         w, cfg, _ = oracle(case, M_VALUES[0])
+        if not kernel.codebook_codes:  # what build_quant_linear hands it
+            w, cfg = w.uniform(), cfg.as_uniform()
         reason = kernel.can_implement(cfg)
         if reason is not None:
             assert isinstance(reason, str) and reason.strip(), f"{name} refused {case} without a reason"
@@ -171,9 +183,12 @@ def test_kernel_3d_input_bias_and_half_precision(name):
                  Case(4, 64, "sym", True, 48, 256, None), Case(8, -1, "sym", False, 48, 256, None),
                  Case(4, 32, "sym", False, 48, 256, "int8"),  # W4A8
                  Case(6, 32, "asym", False, 48, 256, None), Case(5, 32, "sym", False, 48, 256, "int8"),
-                 Case(3, 32, "asym", False, 48, 256, None), Case(2, 16, "sym", False, 48, 256, "int8")):
+                 Case(3, 32, "asym", False, 48, 256, None), Case(2, 16, "sym", False, 48, 256, "int8"),
+                 Case(4, 32, "fp4", False, 48, 256, None), Case(4, 32, "fp4", False, 48, 256, "int8-group")):
         w = make_weight(case)
         cfg = LinearLayerConfig.from_weight(w, PLATFORM)
+        if not kernel.codebook_codes:
+            w, cfg = w.uniform(), cfg.as_uniform()
         if kernel.can_implement(cfg):
             continue
         state, ref_state = kernel.prepare(w, cfg), REFERENCE.prepare(w, cfg)

@@ -29,10 +29,12 @@ ModuleMap = Mapping[str, frozenset[str]]  # module prefix -> tensor suffixes sto
 class ModuleTensors:
     """Typed, validating access to the tensors of one module (``<module>.<suffix>``)."""
 
-    def __init__(self, module: str, suffixes: Sequence[str], load: Callable[[str], torch.Tensor]):
+    def __init__(self, module: str, suffixes: Sequence[str], load: Callable[[str], torch.Tensor], sep: str = "."):
         self.module = module
         self.suffixes = frozenset(suffixes)
         self._load = load
+        self.sep = sep  # between module and suffix: '.' ('q_proj.qweight'), '_' for MXFP4's 'gate_up_proj_blocks'
+
 
     def has(self, suffix: str) -> bool:
         return suffix in self.suffixes
@@ -44,7 +46,7 @@ class ModuleTensors:
         shape: Sequence[int | None] | None = None,
     ) -> torch.Tensor:
         """Load ``<module>.<suffix>``; check dtype and shape (``None`` in ``shape`` matches any size)."""
-        name = f"{self.module}.{suffix}"
+        name = f"{self.module}{self.sep}{suffix}"
         if suffix not in self.suffixes:
             raise CheckpointError(f"layer {self.module}: tensor '{name}' is missing from the checkpoint")
         t = self._load(name)
@@ -75,6 +77,7 @@ class FormatReader(ABC):
     """
 
     method: ClassVar[str]  # canonical quant_method name, e.g. "gptq"
+    suffix_separator: ClassVar[str] = "."  # a planned module's tensors are '<module><sep><suffix>'
 
     def __init__(self, qcfg: Mapping[str, Any], model_config: Mapping[str, Any]):
         self.qcfg = dict(qcfg)

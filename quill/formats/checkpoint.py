@@ -122,13 +122,14 @@ class SafetensorsCheckpoint:
         return None if self.reader is None else self.reader.method
 
     def consumed(self) -> set[str]:
-        return {f"{m}.{s}" for m, suffixes in self.plan.items() for s in suffixes}
+        sep = "." if self.reader is None else self.reader.suffix_separator
+        return {f"{m}{sep}{s}" for m, suffixes in self.plan.items() for s in suffixes}
 
     def read_layer(self, module: str) -> QuantizedWeight:
         """Convert one quantized module (by name) into its canonical weight."""
         if module not in self.plan:
             raise CheckpointError(f"{self.path}: '{module}' is not a quantized layer of this checkpoint")
-        tensors = ModuleTensors(module, self.plan[module], self.store.get)
+        tensors = ModuleTensors(module, self.plan[module], self.store.get, self.reader.suffix_separator)
         return self.reader.read(tensors).with_(name=module).validate()
 
     def quantized_layers(self) -> Iterator[tuple[str, QuantizedWeight]]:

@@ -20,6 +20,7 @@ READERS: dict[str, str] = {
     "awq": "quill.formats.awq:AWQReader",
     "compressed-tensors": "quill.formats.compressed_tensors.reader:CompressedTensorsReader",
     "auto-round": "quill.formats.autoround:AutoRoundReader",
+    "mxfp4": "quill.formats.mxfp4:MXFP4Reader",
 }
 
 # Other spellings of the same formats, accepted silently.

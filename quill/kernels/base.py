@@ -25,6 +25,9 @@ class LinearKernel(ABC):
     name: ClassVar[str]
     # True: ``prepare`` reads two-level scales itself; False: it gets ``weight.single_level()``
     two_level_scales: ClassVar[bool] = False
+    # True: ``prepare`` reads codebook codes (MXFP4) itself; False: it gets ``weight.uniform()`` and
+    # ``can_implement`` is asked about ``cfg.as_uniform()``
+    codebook_codes: ClassVar[bool] = False
 
     @classmethod
     def supported(cls, platform: Platform) -> str | None:

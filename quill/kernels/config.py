@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
-from quill.canonical import ActivationQuant, QuantizedWeight
+from quill.canonical import E8M0, ActivationQuant, QuantizedWeight
 from quill.platform import Platform
 
 
@@ -34,6 +35,11 @@ class LinearLayerConfig:
     platform: Platform
     threads: int = 1  # the run's threads (RunOptions.threads), handed to native kernels
     two_level: bool = False  # scales (mins) are a float per super-block x a small integer per group (K-quants)
+    # codes index a value table (MXFP4's FP4 E2M1): the bits of their exact uniform form (weight.uniform()),
+    # which kernels that read no codebook are asked about instead; None: the codes are uniform
+    uniform_bits: int | None = None
+    codebook: tuple[float, ...] | None = None  # the codes' values (with uniform_bits)
+    e8m0_scales: bool = False  # scales are E8M0 powers of two, one byte each (MXFP4)
 
     @property
     def per_channel(self) -> bool:
@@ -52,7 +58,15 @@ class LinearLayerConfig:
             symmetric=w.symmetric, has_offsets=w.offsets is not None, act_order=w.has_act_order,
             act=act_kind(w.activation), act_symmetric=w.activation is None or w.activation.symmetric,
             platform=platform, threads=threads or max(1, platform.physical_cores), two_level=w.two_level,
+            uniform_bits=None if w.codebook is None else w.uniform_bits(),
+            codebook=None if w.codebook is None else tuple(w.codebook.tolist()), e8m0_scales=w.scales.dtype == E8M0,
         )
+
+    def as_uniform(self) -> "LinearLayerConfig":
+        """The layer as a kernel that reads no codebook runs it (``weight.uniform()``); ``self`` if uniform."""
+        if self.uniform_bits is None:
+            return self
+        return dataclasses.replace(self, bits=self.uniform_bits, uniform_bits=None, codebook=None, e8m0_scales=False)
 
     def summary(self) -> str:
         """Short human description, e.g. 'W4A16 g128 sym 4096x4096'."""
@@ -60,7 +74,8 @@ class LinearLayerConfig:
              ActKind.INT8_GROUP: "A8 dyn/group"}[self.act]
         g = "ch" if self.per_channel else f"g{self.group_size}"
         kind = "sym" if self.symmetric else ("offset" if self.has_offsets else "asym")
-        extra = (" act-order" if self.act_order else "") + (" 2-level" if self.two_level else "")
+        extra = ((" act-order" if self.act_order else "") + (" 2-level" if self.two_level else "")
+                 + (" codebook" if self.uniform_bits is not None else ""))
         return f"W{self.bits}{a} {g} {kind}{extra} {self.out_features}x{self.in_features}"
 
 

@@ -75,6 +75,8 @@ def build_quant_linear(
     stored = weight.storage_bytes()
     if not sel.kernel.two_level_scales:  # exact: one float32 scale (offset) per group
         weight = weight.single_level()
+    if not sel.kernel.codebook_codes:  # exact: integer codes (FP4 E2M1 x 2: 5-bit), float32 scales
+        weight, cfg = weight.uniform(), cfg.as_uniform()
     state = sel.kernel.prepare(weight, cfg)
     bias = None if weight.bias is None else weight.bias.to(bias_dtype).contiguous()
     return QuantLinear(weight.name, weight.in_features, weight.out_features, sel, cfg, state, bias, stored,

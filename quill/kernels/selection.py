@@ -25,6 +25,8 @@ __all__ = ["KERNELS", "LINEAR_KERNELS", "PRIORITIES", "KernelPolicy", "KernelSel
 
 # Every linear kernel quill knows, by name -> "module:Class" (imported on first use).
 KERNELS: dict[str, str] = {
+    "native_mxfp4a16": "quill.kernels.mxfp4:NativeMxfp4A16Kernel",
+    "native_mxfp4a8": "quill.kernels.mxfp4:NativeMxfp4A8Kernel",
     "native_w3a16": "quill.kernels.native:NativeW3A16Kernel",
     "native_w3a8": "quill.kernels.native:NativeW3A8Kernel",
     "native_w4a16": "quill.kernels.native:NativeW4A16Kernel",
@@ -46,7 +48,9 @@ KERNELS: dict[str, str] = {
 # The native kernels come first: decode (M = 1) streams weights ~2x faster than torch
 # int4pack (docs/lab/BENCHMARKS-notebook.md); native_w8a8 vs zentorch, 4096x4096, 2 threads: 0.50 vs
 # 0.67 ms at M = 1, 0.85 vs 0.98 at M = 16, but 7.2 vs 5.7 ms at M = 128.
-_NATIVE = ("native_w3a16", "native_w3a8", "native_w4a16", "native_w4a8", "native_w6a16", "native_w6a8",
+# MXFP4 first: only they read its codes as stored (the others run its exact 5-bit uniform form)
+_NATIVE = ("native_mxfp4a16", "native_mxfp4a8",
+           "native_w3a16", "native_w3a8", "native_w4a16", "native_w4a8", "native_w6a16", "native_w6a8",
            "native_w8a8", "native_w8a16")
 PRIORITIES: dict[str, tuple[str, ...]] = {
     # every level from AVX2 up (avx_vnni, avx512, avx512_vnni, amx): the native kernels pick their
@@ -74,5 +78,9 @@ class KernelSelector(PrioritySelector):
         super().__post_init__()
         self.dense = DenseSelector.for_linear(self.platform, self.policy, self.threads)
 
+    def refusal(self, impl: type[LinearKernel], cfg: LinearLayerConfig) -> str | None:
+        # a kernel that reads no codebook runs codebook codes in their exact uniform form
+        return super().refusal(impl, cfg if impl.codebook_codes else cfg.as_uniform())
+
     def log_key(self, cfg: LinearLayerConfig) -> Hashable:
-        return (cfg.bits, cfg.group_size, cfg.symmetric, cfg.has_offsets, cfg.act_order, cfg.act)
+        return (cfg.bits, cfg.group_size, cfg.symmetric, cfg.has_offsets, cfg.act_order, cfg.act, cfg.uniform_bits)

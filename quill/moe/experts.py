@@ -103,9 +103,12 @@ def _stackable(a: QuantizedWeight, b: QuantizedWeight) -> bool:
 
 
 def _stack_quantized(a: QuantizedWeight, b: QuantizedWeight, name: str) -> QuantizedWeight:
-    if a.two_level and a.layout() == b.layout():  # GGUF K-quant gate and up of one type: rows as stored
+    if (a.two_level or a.codebook is not None) and a.layout() == b.layout():  # K-quants, MXFP4: rows as stored
         return QuantizedWeight.concat_rows([a, b], name).validate()
-    a, b = a.single_level(), b.single_level()  # otherwise two-level scales as exact float32 groups
+    # otherwise two-level scales as exact float32 groups, codebook codes in their uniform form
+    a, b = a.single_level().uniform(), b.single_level().uniform()
+    bits = max(a.bits, b.bits)
+    a, b = a.widened(bits), b.widened(bits)  # e.g. FP4's 5-bit uniform codes beside Q4_0
     zeros = offsets = None
     if a.zeros is not None or b.zeros is not None:  # a symmetric half gets its implicit zero spelt out
         zeros = torch.cat([_zeros(a), _zeros(b)])

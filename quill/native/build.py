@@ -50,15 +50,17 @@ AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 # ISA variant -> its translation units and their -m flags (the variant's names as quill.native.ISAS)
 VARIANT_SOURCES: dict[str, dict[str, list[str]]] = {
     "avx512": {"avx512_vnni.cpp": AVX512 + ["-mavx512vnni"], "dense_avx512.cpp": AVX512,
-               "attention_avx512.cpp": AVX512, "deltanet_avx512.cpp": AVX512},
-    "avx2": {"avx2.cpp": AVX2, "dense_avx2.cpp": AVX2, "attention_avx2.cpp": AVX2, "deltanet_avx2.cpp": AVX2},
-    "scalar": {"scalar.cpp": [], "dense_scalar.cpp": [], "attention_scalar.cpp": [], "deltanet_scalar.cpp": []},
+               "attention_avx512.cpp": AVX512, "deltanet_avx512.cpp": AVX512, "mxfp4_avx512.cpp": AVX512},
+    "avx2": {"avx2.cpp": AVX2, "dense_avx2.cpp": AVX2, "attention_avx2.cpp": AVX2, "deltanet_avx2.cpp": AVX2,
+             "mxfp4_avx2.cpp": AVX2},
+    "scalar": {"scalar.cpp": [], "dense_scalar.cpp": [], "attention_scalar.cpp": [], "deltanet_scalar.cpp": [],
+               "mxfp4_scalar.cpp": []},
 }
 # every build: stream builders, huge pages, the backend table (its -D flags name the variants compiled)
 PLAIN_SOURCES = ("stream.cpp", "hugepage.cpp", "backends.cpp")
 # the slow ones: they see torch headers, precompiled once (PCH) for all of them
 TORCH_SOURCES = ("binding.cpp", "linear.cpp", "ops.cpp", "dense.cpp", "attention.cpp", "step.cpp", "moe.cpp",
-                 "deltanet.cpp")
+                 "deltanet.cpp", "mxfp4.cpp")
 PCH = CSRC / "torch_pch.h"
 # Compiler CPU seconds per TU (g++ 12 on Zen 3; torch TUs with the PCH), to start the longest first.
 COST = {"avx2.cpp": 62, "avx512_vnni.cpp": 60, "step.cpp": 30, "linear.cpp": 29, "moe.cpp": 23, "ops.cpp": 21,

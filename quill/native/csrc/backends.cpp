@@ -30,20 +30,20 @@ std::array<Variant, 3> known() {
   return {{
 #ifdef QUILL_BUILT_AVX512
       {{"avx512", &table_avx512(), dense_gemm_avx512(), attn_head_avx512(), kv_store_avx512(), prefill_block_avx512(),
-        dn_conv_avx512(), dn_head_avx512()},
+        dn_conv_avx512(), dn_head_avx512(), &mxfp4_avx512()},
        runs_avx512, "AVX512F/BW/VL and AVX512-VNNI"},
 #else
-      {{"avx512", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}, runs_avx512, "AVX512F/BW/VL and AVX512-VNNI"},
+      {{"avx512", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}, runs_avx512, "AVX512F/BW/VL and AVX512-VNNI"},
 #endif
 #ifdef QUILL_BUILT_AVX2
       {{"avx2", &table_avx2(), dense_gemm_avx2(), attn_head_avx2(), kv_store_avx2(), prefill_block_avx2(),
-        dn_conv_avx2(), dn_head_avx2()},
+        dn_conv_avx2(), dn_head_avx2(), &mxfp4_avx2()},
        runs_avx2, "AVX2, FMA and F16C"},
 #else
-      {{"avx2", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}, runs_avx2, "AVX2, FMA and F16C"},
+      {{"avx2", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}, runs_avx2, "AVX2, FMA and F16C"},
 #endif
       {{"scalar", &table_scalar(), dense_gemm_scalar(), attn_head_scalar(), kv_store_scalar(), prefill_block_scalar(),
-        dn_conv_scalar(), dn_head_scalar()},
+        dn_conv_scalar(), dn_head_scalar(), &mxfp4_scalar()},
        runs_scalar, ""},
   }};
 }

@@ -22,6 +22,7 @@
 
 namespace quill {
 void register_deltanet(pybind11::module_& m);  // deltanet.cpp: deltanet_decode
+void register_mxfp4(pybind11::module_& m);     // mxfp4.cpp: NativeMxfp4
 namespace {
 
 // Exposed for tests: the activation quantizer alone, x [M, K] -> (q [M, Kp], qsum [M, S], scale [M], zero [M],
@@ -163,6 +164,7 @@ PYBIND11_MODULE(_quill_native, m) {
   quill::register_step(m);
   quill::register_moe(m);
   quill::register_deltanet(m);
+  quill::register_mxfp4(m);
   m.def("huge_page_copy", &quill::huge_page_copy, py::arg("t"));
   m.def("stream_read", &quill::stream_read, py::arg("buf"), py::arg("threads"));
   m.def("quantize_activations", &quill::quantize_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),

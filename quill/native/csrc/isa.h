@@ -17,6 +17,7 @@
 #include "common.h"
 #include "deltanet.h"
 #include "dense.h"
+#include "mxfp4.h"
 #include "prefill.h"
 
 namespace quill {
@@ -30,6 +31,7 @@ struct IsaBackend {
   PrefillBlock prefill;        // prefill attention, one (KV head, query block) (prefill.h)
   DnConv dn_conv;              // Gated DeltaNet decode: conv step of a channel range (deltanet.h)
   DnHead dn_head;              // Gated DeltaNet decode: delta rule and gated norm of one value head
+  const Mxfp4Kernels* mxfp4;   // MXFP4 linears, float and int8 activations (mxfp4.h)
 };
 
 // An ISA name that is unknown, not built into this extension, or not runnable on this CPU
