@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import quill
+from quill.cli.inspect import report
 from quill.engine.core import EngineConfig, EngineCore
 from quill.engine.scoring import ScoreSpec
 from quill.models.base import ForwardContext
@@ -129,8 +130,10 @@ def test_the_native_step_says_why_it_does_not_run_gemma3(pair):
     _, llm = pair
     assert llm.engine.native_step is None
     assert llm.engine.native_step_reason in (
-        "layer 0: residual structure 'sandwich-norm' (the step runs 'pre-norm')",
+        "layer 0: residual structure 'sandwich-norm' (the step runs 'pre-norm'); rotary table 'local' (the step "
+        "turns every layer by one table); feed-forward activation 'gelu_pytorch_tanh' (the step runs silu)",
         "native kernels unavailable", "decode attention runs in torch")
+    assert f"decode step: the model's Python layers ({llm.engine.native_step_reason})" in report(llm)
 
 
 def test_multimodal_checkpoint_loads_its_text_model(tmp_path, caplog):

@@ -139,29 +139,29 @@ def _sizes(specs: Sequence[DecoderLayerSpec]) -> tuple[tuple | None, str | None]
 
 
 def _unsupported(spec: DecoderLayerSpec) -> str | None:
-    """Why the step cannot compute what ``spec`` describes, whichever kernels its linears got; None: it can."""
-    if spec.residual != PRE_NORM:
-        return f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}')"
-    if spec.rope != "global":
-        return f"rotary table '{spec.rope}' (the step turns every layer by one table)"
+    """Why the step cannot compute what ``spec`` describes, whichever kernels its linears got (every reason,
+    joined by "; ", so the load log names all a new architecture lacks); None: it can."""
     if isinstance(spec.attention, RecurrentSpec):
         return (f"{spec.attention.name}: recurrent layer ({spec.attention.kind}): runs in Python until the "
                 "native kernel lands")
-    if spec.attention.output_gate:
-        return "gated attention output (the step runs ungated attention)"
-    if spec.attention.rotary_dim not in (None, spec.attention.head_dim):
-        a = spec.attention
-        return f"partial rotary ({a.rotary_dim} of {a.head_dim} channels; the step rotates all)"
-    if (spec.attention.q_norm is None) != (spec.attention.k_norm is None):
-        return "a q norm without a k norm, or a k norm without a q norm (the step runs both or neither)"
-    ffn = spec.ffn
+    a, ffn, why = spec.attention, spec.ffn, []
+    if spec.residual != PRE_NORM:
+        why.append(f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}')")
+    if spec.rope != "global":
+        why.append(f"rotary table '{spec.rope}' (the step turns every layer by one table)")
+    if a.output_gate:
+        why.append("gated attention output (the step runs ungated attention)")
+    if a.rotary_dim not in (None, a.head_dim):
+        why.append(f"partial rotary ({a.rotary_dim} of {a.head_dim} channels; the step rotates all)")
+    if (a.q_norm is None) != (a.k_norm is None):
+        why.append("a q norm without a k norm, or a k norm without a q norm (the step runs both or neither)")
     if isinstance(ffn, MLPSpec) and ffn.activation not in _NATIVE_ACTIVATIONS:
-        return f"feed-forward activation '{ffn.activation}' (the step runs {', '.join(_NATIVE_ACTIVATIONS)})"
+        why.append(f"feed-forward activation '{ffn.activation}' (the step runs {', '.join(_NATIVE_ACTIVATIONS)})")
     if isinstance(ffn, MoESpec) and ffn.router_kind != SOFTMAX_TOP_K:
-        return f"{ffn.name}: router '{ffn.router_kind}' (the step runs '{SOFTMAX_TOP_K}')"
+        why.append(f"{ffn.name}: router '{ffn.router_kind}' (the step runs '{SOFTMAX_TOP_K}')")
     if isinstance(ffn, MoESpec) and ffn.shared_expert is not None:
-        return f"{ffn.name}: a shared expert (the step runs routed experts only)"
-    return None
+        why.append(f"{ffn.name}: a shared expert (the step runs routed experts only)")
+    return "; ".join(why) if why else None
 
 
 def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
