@@ -8,7 +8,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,4 +19,7 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from quill.engine.sampling import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputs":
+        from quill.engine.structured import StructuredOutputs
+        return StructuredOutputs
     raise AttributeError(f"module 'quill' has no attribute {name!r}")

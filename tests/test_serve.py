@@ -277,7 +277,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "n": "2"}, "n"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, "stop"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
     ("/v1/completions", {"prompt": "word " * 9000}, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 9000}, "max_tokens"),

@@ -40,6 +40,7 @@ ENGINE_COUNTERS = (
     ("quill_num_preemptions", "num_preemptions", "Requests preempted (blocks freed, recomputed later)"),
     ("quill_requests_aborted", "num_aborted", "Requests ended before they finished because their client left"),
     ("quill_requests_failed", "num_failed", "Requests ended by an error of their own (the engine went on)"),
+    ("quill_grammar_compiles", "grammar_compiles", "Structured-output grammars compiled (a spec seen before is not)"),
 )
 
 

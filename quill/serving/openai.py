@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Callable
 
+from quill.engine.structured import StructuredOutputError
 from quill.errors import GenerationError
 from quill.serving import responses as R
 from quill.serving import tool_calls as TC
@@ -112,6 +113,12 @@ class OpenAIServing:
                               "context_length_exceeded")
         return ids
 
+    async def _checked(self, ids: list[int], max_tokens: int | None, param: str, params) -> list[int]:
+        """``_check_prompt``, on a worker thread when it parses a grammar (the first imports xgrammar: ~1 s)."""
+        if params.structured_outputs is None:
+            return self._check_prompt(ids, max_tokens, param, params)
+        return await asyncio.to_thread(self._check_prompt, ids, max_tokens, param, params)
+
     async def _submit(self, requests: list[tuple[str, list[int], object]], affinity: str | None, streamed: bool):
         try:
             handle = self.engine.submit(requests, affinity=affinity, streamed=streamed)
@@ -148,7 +155,7 @@ class OpenAIServing:
         params = [_sampling(lambda j=j: req.sampling_params(req.max_tokens, k, echo_lp, j)) for j in range(req.n)]
         prompts = await self._tokenize(req.prompt)
         many = len(prompts) > 1
-        ids = [self._check_prompt(p, req.max_tokens, f"prompt[{i}]" if many else "prompt", params[0])
+        ids = [await self._checked(p, req.max_tokens, f"prompt[{i}]" if many else "prompt", params[0])
                for i, (_, p) in enumerate(prompts)]
         rid = R.new_id("cmpl")
         subs = [(f"{rid}-{i}-{j}", p, params[j]) for i, p in enumerate(ids) for j in range(req.n)]
@@ -241,7 +248,7 @@ class OpenAIServing:
                                                   plan)
         except GenerationError as e:
             raise bad_request(str(e), "messages") from None
-        ids = self._check_prompt(ids, limit, "messages", params[0])
+        ids = await self._checked(ids, limit, "messages", params[0])
         rid = R.new_id("chatcmpl")
         subs = [(f"{rid}-{j}", ids, params[j]) for j in range(req.n)]
         handle = await self._submit(subs, req.user or _key(_opening(req.conversation())), req.stream)
@@ -365,7 +372,10 @@ _PARAM = re.compile(r"^SamplingParams\.(\w+):")
 
 
 def _param_error(e: GenerationError, default: str | None = None) -> APIError:
-    """A 400 naming the SamplingParams field the message starts with (else ``default``)."""
+    """A 400 naming the SamplingParams field the message starts with (else ``default``), or the request
+    field an invalid structured-output spec came from."""
+    if isinstance(e, StructuredOutputError):
+        return bad_request(str(e), e.source)
     m = _PARAM.match(str(e))
     return bad_request(str(e), m.group(1) if m else default)
 

@@ -3,7 +3,8 @@
 Field names, defaults and bounds are OpenAI's; vLLM's extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are
 accepted too.  Unknown fields are ignored, as vLLM does; fields quill cannot honour
-(``logit_bias``, ``suffix``, JSON response formats) are refused by name.  Tools: ``protocol_tools``.
+(``suffix``) are refused by name.  Structured outputs (``response_format`` and the rest) and
+``logit_bias``: ``protocol_structured``.  Tools: ``protocol_tools``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from quill.engine.sampling import REPETITION_PENALTY, SEED_MAX, SEED_MIN, SamplingParams
 from quill.errors import QuillError
+from quill.serving.protocol_structured import StructuredFields, logit_bias
 from quill.serving.protocol_tools import Tool, ToolCallIn, ToolChoice, check_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -44,8 +46,8 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Sampling(BaseModel):
-    """Fields both endpoints share."""
+class _Sampling(StructuredFields):
+    """Fields both endpoints share (the structured-output ones: ``protocol_structured``)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -69,8 +71,6 @@ class _Sampling(BaseModel):
     user: StrictStr | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by quill", "logit_bias", "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
@@ -88,7 +88,8 @@ class _Sampling(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, structured_outputs=self.structured(),
+            logit_bias=logit_bias(self.logit_bias))
 
     @property
     def include_usage(self) -> bool:
@@ -160,9 +161,6 @@ class ChatCompletionRequest(_Sampling):
                 raise bad_request(f"messages[{i}].role '{m.role}' is not supported; supported: "
                                   f"{', '.join(ROLES)}", f"messages[{i}].role")
         check_tools(self.tools, self.tool_choice)
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(f"response_format type '{self.response_format.get('type')}' is not supported; "
-                              f"supported: text", "response_format", "unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 
