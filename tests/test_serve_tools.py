@@ -1,12 +1,13 @@
 """Tool calling through a live ``quill serve`` on the default model with the official ``openai`` client
-(issue 42): tools and tool results rendered into the prompt, ``tool_choice`` (none, auto, a named
-function), calls parsed into ``tool_calls`` whole and streamed, bad tool fields refused by name.
+(issue 42): tools and tool results rendered into the prompt, ``tool_choice`` (none, auto, required, a
+named function), calls parsed into ``tool_calls`` whole and streamed, bad tool fields refused by name.
 
 SmolLM2's template knows no tools, so quill writes them in Hermes' format (quill.chat_tools) and reads
-``<tool_call>`` blocks back.  A 135M model rarely writes a call unprompted; a conversation that already
-holds one call and a named ``tool_choice`` (whose opening quill writes into the prompt) gets it to
-write the next, which is what the parsing tests need.  Prompt sizes are checked against the prompt
-rendered here with the model's own tokenizer: the tools and tool results really are in it.
+``<tool_call>`` blocks back.  With ``tool_choice`` required or named, quill writes the call's opening into
+the prompt and holds the rest to the tool's JSON schema (the engine's structured outputs), so even a
+135M model's call parses; a conversation that already holds one call gets it to write the next well.
+Prompt sizes are checked against the prompt rendered here with the model's own tokenizer: the tools and
+tool results really are in it.
 """
 
 from __future__ import annotations
@@ -111,6 +112,18 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_answer(client, server
     whole = named_call.choices[0].message.tool_calls
     assert finish == "tool_calls" and content == ""
     assert list(calls.values()) == [{"name": c.function.name, "arguments": c.function.arguments} for c in whole]
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_forced_call_on_a_bare_question_is_schema_valid(client, server, choice):
+    """No example call in the history: the arguments (and with required the name) are held to the schema."""
+    r = client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": "Time in Tokyo?"}],
+                                       tools=[WEATHER, TIME], tool_choice=choice, temperature=0, max_tokens=60)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    assert choice == "required" or tool is WEATHER
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
 @pytest.mark.parametrize("fields, param, words", [

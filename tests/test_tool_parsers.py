@@ -205,3 +205,27 @@ def test_the_serve_flags_list_every_parser():
     from quill.cli.serve import REASONING_PARSERS, TOOL_PARSERS
     from quill.serving import reasoning, tool_parsers
     assert TOOL_PARSERS == tuple(tool_parsers.PARSERS) and REASONING_PARSERS == tuple(reasoning.PARSERS)
+
+
+@pytest.mark.parametrize("family, generated", [
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Oslo"}}'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    ("mistral", '{"name": "get_weather", "arguments": {"city": "Oslo"}}'),
+])
+def test_a_forced_call_is_held_to_its_schema_and_closed(family, generated):
+    """tool_choice required / named: the call's opening is in the prompt, the generated JSON is held to the
+    schema (the engine's structured outputs), and the closing is added: the answer reads as one call."""
+    from quill.serving.protocol_tools import FunctionName, NamedToolChoice
+    from quill.serving.tool_calls import plan
+    tools = [WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    required = plan(tools, "required", tool_parser(family))
+    assert [s["properties"]["name"] for s in required.schema["anyOf"]] == [{"const": "get_weather"},
+                                                                           {"const": "get_time"}]
+    answer = required.output_parser(None, False).read(generated)
+    assert [(c.name, c.arguments) for _, c in answer.calls] == [("get_weather", '{"city": "Oslo"}')]
+    named = plan(tools, NamedToolChoice(type="function", function=FunctionName(name="get_weather")),
+                 tool_parser(family))
+    assert named.schema == WEATHER["function"]["parameters"]
+    answer = named.output_parser(None, False).read('{"city": "Oslo"}')
+    assert [(c.name, c.arguments) for _, c in answer.calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert plan(tools, "auto", tool_parser(family)).schema is None

@@ -37,6 +37,8 @@ from quill.serving.http_limits import HttpLimits, RequestGuard, allowed_hosts
 from quill.serving.metrics import ServerMetrics
 from quill.serving.openai import OpenAIServing
 from quill.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from quill.serving.responses_api import ResponsesServing
+from quill.serving.responses_protocol import ResponsesRequest
 
 log = logging.getLogger("quill.serving")
 
@@ -289,6 +291,13 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None, api_
     async def chat(request: Request):
         req = await _parse(request, ChatCompletionRequest)
         return await _answer(request, req.stream, serving.chat(req))
+
+    responses = ResponsesServing(serving)
+
+    @app.post("/v1/responses")
+    async def responses_route(request: Request):
+        req = await _parse(request, ResponsesRequest)
+        return await _answer(request, req.stream, responses.create(req))
 
     return app
 

@@ -243,6 +243,7 @@ class OpenAIServing:
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = [_sampling(lambda j=j: req.sampling_params(limit, k, None, j)) for j in range(req.n)]
         plan = TC.plan(req.offered_tools, req.tool_choice, self.tool_parser, req.parallel_tool_calls)
+        params = [_sampling(lambda p=p: plan.constrain(p)) for p in params]
         try:  # jinja and the tokenizer on a worker thread: a long conversation does not stall the loop
             ids, opened = await asyncio.to_thread(self.render_chat, req.conversation(), req.add_generation_prompt,
                                                   plan)

@@ -89,12 +89,3 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None, field: str 
 def _choice_name(choice: ToolChoice) -> str:
     return choice if isinstance(choice, str) else choice.function.name
 
-
-def call_schema(tools: list[Tool], name: str | None, args_key: str = "arguments") -> dict:
-    """The JSON schema of one call's object (``{"name", args_key}``), of the tool ``name`` or any."""
-    def one(fn: FunctionDef) -> dict:
-        params = fn.parameters or {"type": "object"}
-        return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: params},
-                "required": ["name", args_key], "additionalProperties": False}
-    chosen = [t.function for t in tools if name is None or t.function.name == name]
-    return one(chosen[0]) if len(chosen) == 1 else {"anyOf": [one(fn) for fn in chosen]}

@@ -3,14 +3,18 @@
 ``tool_choice``: ``none`` -- the tools are not shown to the model and its text is all content; ``auto``
 -- shown, and calls in the answer are read by the model family's parser; ``required`` / a named
 function -- the answer is opened with the family's call opening (``ToolParser.call_prefix``) written
-into the prompt, so the model continues inside a call.  ``parallel_tool_calls: false`` keeps the
-first call.
+into the prompt, the rest of the call is held to its JSON schema (structured outputs: the named
+function's parameters, or any tool's ``{"name", "arguments"}`` object), and the call's closing text is
+added once that JSON is whole, so a forced call always parses.  ``parallel_tool_calls: false`` keeps
+the first call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from quill.engine.sampling import SamplingParams
+from quill.engine.structured import StructuredOutputs
 from quill.serving.output_parser import Answer, Event, OutputParser
 from quill.serving.protocol_tools import NamedToolChoice
 from quill.serving.reasoning import ReasoningParser
@@ -23,9 +27,17 @@ class ToolPlan:
     parser: ToolParser | None = None  # None: the answer is not read for calls
     prefix: str = ""  # the answer's opening, written into the prompt
     parallel: bool = True
+    schema: dict | None = None  # what the generated rest of a forced call is held to
+    suffix: str = ""  # the forced call's closing, after its JSON
 
     def output_parser(self, reasoning: ReasoningParser | None, opened: bool) -> OutputParser:
-        return OutputParser(self.parser, reasoning, opened, self.prefix)
+        return OutputParser(self.parser, reasoning, opened, self.prefix, self.suffix)
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """``params`` holding a forced call to its schema (a forced call replaces other constraints)."""
+        if self.schema is None:
+            return params
+        return replace(params, structured_outputs=StructuredOutputs(json=self.schema, source="tools"))
 
 
 def plan(tools: list[dict] | None, choice, parser: ToolParser, parallel: bool = True) -> ToolPlan:
@@ -33,8 +45,21 @@ def plan(tools: list[dict] | None, choice, parser: ToolParser, parallel: bool = 
     if not tools:
         return ToolPlan()
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    forced = choice == "required" or named is not None
-    return ToolPlan(tools, parser, parser.call_prefix(named) if forced else "", parallel)
+    if choice != "required" and named is None:
+        return ToolPlan(tools, parser, parallel=parallel)
+    return ToolPlan(tools, parser, parser.call_prefix(named), parallel, _schema(tools, named, parser.args_key),
+                    parser.call_suffix(named))
+
+
+def _schema(tools: list[dict], name: str | None, args_key: str) -> dict:
+    """The named function's parameters, or (``required``) one call object of any tool, name first."""
+    functions = [t["function"] for t in tools]
+    if name is not None:
+        return next(f for f in functions if f["name"] == name).get("parameters") or {"type": "object"}
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               args_key: f.get("parameters") or {"type": "object"}},
+              "required": ["name", args_key], "additionalProperties": False} for f in functions]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def message(answer: Answer, parallel: bool) -> dict:
