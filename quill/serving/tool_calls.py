@@ -34,7 +34,10 @@ class ToolPlan:
         return OutputParser(self.parser, reasoning, opened, self.prefix, self.suffix)
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
-        """``params`` holding a forced call to its schema (a forced call replaces other constraints)."""
+        """``params`` holding a forced call to its schema (a forced call replaces other constraints), and
+        keeping special tokens in the text when the family's call marker is one (Mistral's, as vLLM does)."""
+        if self.parser is not None and self.parser.special_start:
+            params = replace(params, skip_special_tokens=False)
         if self.schema is None:
             return params
         return replace(params, structured_outputs=StructuredOutputs(json=self.schema, source="tools"))

@@ -133,6 +133,7 @@ class ToolParser:
     start = ""  # the marker that opens the calls
     args_key = "arguments"
     close = ""  # what follows a call object that ``call_prefix`` opened
+    special_start = False  # the marker is a special token, which detokenizing would drop
 
     def parse(self, text: str, final: bool) -> Parsed:
         at = text.find(self.start)
@@ -220,7 +221,7 @@ _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)")
 
 
 class MistralParser(ToolParser):
-    name, start, close = "mistral", "[TOOL_CALLS]", "]"
+    name, start, close, special_start = "mistral", "[TOOL_CALLS]", "]", True
 
     def calls(self, text: str, i: int, final: bool) -> list[ToolCall]:
         i = _skip_ws(text, i)
