@@ -243,6 +243,9 @@ def test_both_replicas_serve_and_outputs_equal_offline(server, llm):
     served = _replicas(server)
     assert len(served) == 2 and all(r["requests"] >= 1 for r in served.values()), served
     assert len({r["pid"] for r in served.values()}) == 2
+    # the replicas' arithmetic, said as one `quill serve` process says it
+    said = [line for line in server.lines if line.startswith("quill: activations: int8 per token and weight group")]
+    assert len(said) == 1 and "KV cache: float16" in said[0], "".join(server.lines)
 
 
 def test_a_chat_stays_on_its_replica(server):

@@ -152,7 +152,8 @@ class QuillReplica:
         tok = self.llm.tokenizer
         return {"limits": dataclasses.asdict(self.llm.engine.limits), "context_length": self.llm.context_length,
                 "model_name": default_model_name(self.llm.path),
-                "tokenizer": None if tok is None else spec_to_dict(tok.spec), **self.who}
+                "tokenizer": None if tok is None else spec_to_dict(tok.spec), "arithmetic": self.llm.arithmetic,
+                **self.who}
 
     async def generate(self, requests: list, affinity: str | None = None, streamed: bool = True):
         """("replica", who) once it is queued (or ("busy" | "stopped" | "invalid", why)), then ("chunks",
@@ -259,9 +260,14 @@ class QuillIngress:
         self.engine = RemoteEngine(replicas, PromptLimits(**about["limits"]), ReplicaMetrics(self.metrics))
         self.serving = OpenAIServing(self.engine, tokenizer, name, about["context_length"])
         self.api_key = options.api_key
+        self.arithmetic = about["arithmetic"]
 
     def model_name(self) -> str:
         return self.serving.model_name
+
+    def load_line(self) -> str:
+        """Which arithmetic the replicas run and why: the line ``quill serve`` prints for one process."""
+        return "quill: " + "; ".join(f"{k}: {v}" for k, v in self.arithmetic.items())
 
     def __serve_build_asgi_app__(self):
         return build_http_app(self.serving, self.metrics, self.api_key)
@@ -350,6 +356,7 @@ def serve_on_ray(options: RayServeOptions, host: str, port: int, ray_address: st
         ingress = serve.run(application(options), name=APP_NAME, route_prefix="/")
         count = options.replicas or f"{options.min_replicas}-{options.max_replicas}"
         name = ingress.options(method_name="model_name").remote().result()
+        print(ingress.options(method_name="load_line").remote().result(), file=sys.stderr, flush=True)
         print(f"quill serve: '{name}' at http://{host}:{port}/v1 (Ray Serve: {count} replicas x "
               f"{options.threads_per_replica} threads)", file=sys.stderr, flush=True)
         _wait_for_signal()
