@@ -90,11 +90,11 @@ def test_mixed_batch_equals_solo_runs(llm):
 def test_preempted_equals_uninterrupted_under_a_constraint(llm):
     args = llm.model.args
     per_block = 2 * args.num_hidden_layers * 4 * args.num_key_value_heads * args.head_dim * 4  # float32 blocks of 4
-    prompts = [llm.chat_prompt(chat(t)) for t in TOPICS[:2]]
+    prompts = [llm.tokenizer.encode(f"{t.capitalize()} as JSON:") for t in TOPICS[:2]]  # short: cheap recomputes
 
     def run(core):
         for i, p in enumerate(prompts):
-            core.add_request(str(i), p, constrained(24, json=PERSON))
+            core.add_request(str(i), p, constrained(16, json=PERSON))
         out = {}
         while core.has_unfinished_requests():
             for o in core.step():
@@ -103,9 +103,10 @@ def test_preempted_equals_uninterrupted_under_a_constraint(llm):
 
     # a float32 cache: a recomputed prompt then reads back the keys and values decode wrote, not 16-bit roundings
     config = dict(block_size=4, enable_prefix_caching=False, kv_cache_dtype="float32")
-    roomy, want = run(EngineCore(llm.model, llm.eos_token_ids, llm.context_length, EngineConfig(**config),
+    blocks = sum(-(-(len(p) + 16) // 4) for p in prompts) - 2  # both cannot run to the end at once
+    roomy, want = run(EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                                 EngineConfig(**config, kv_cache_memory=4 * blocks * per_block),
                                  grammars=llm.engine.grammars))
-    blocks = sum(-(-(len(p) + 24) // 4) for p in prompts) - 4  # both cannot run to the end at once
     tight, got = run(EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
                                 EngineConfig(**config, kv_cache_memory=blocks * per_block),
                                 grammars=llm.engine.grammars))

@@ -161,7 +161,7 @@ class GrammarCompiler:
             if kind == "choice":
                 return xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
             return xgr.Grammar.from_ebnf(text)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors (and InvalidJSONError)
+        except Exception as e:  # whatever xgrammar's parsers raise on user input is the user's error (400, not 500)
             what = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar"}.get(kind, kind)
             name = spec.source if spec.source != "structured_outputs" else f"structured_outputs.{kind}"
             raise StructuredOutputError(f"{name}: invalid {what}: {_first_line(e)}", spec.source) from None
