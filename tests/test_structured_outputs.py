@@ -138,7 +138,7 @@ def test_a_schema_seen_before_is_not_compiled_again(llm):
 def test_a_compiling_request_can_be_aborted(llm):
     core = llm.engine
     core.add_request("c", llm.chat_prompt(chat("a cat")), constrained(8, regex=r"[a-z]{1,7}q"))
-    assert core.has_unfinished_requests()
+    assert core.has_unfinished_requests() and core.stats().num_waiting == 1  # waiting while it compiles
     assert core.abort_request("c")
     assert not core.has_unfinished_requests()
 

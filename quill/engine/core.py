@@ -285,7 +285,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         b, s, st = self.blocks, self.scheduler, self.states
-        return EngineStats(len(s.running), len(s.waiting), b.num_used, b.num_blocks, b.num_cached_free,
+        waiting = len(s.waiting) + len(self._compiling)  # a request whose grammar compiles waits too
+        return EngineStats(len(s.running), waiting, b.num_used, b.num_blocks, b.num_cached_free,
                            b.queried_tokens, b.hit_tokens, self.prompt_tokens_total, self.generation_tokens_total,
                            s.num_preemptions, self.num_aborted, self.num_failed, b.prefix_caching,
                            st.num_used if st else 0, st.num_slots if st else 0, st.nbytes() if st else 0,
