@@ -200,21 +200,26 @@ class Llama3JsonParser(ToolParser):
         return Parsed("", calls)
 
     def calls(self, text: str, i: int, final: bool) -> list[ToolCall]:
-        out = []
-        while True:
-            call, j = scan_call(text, _skip_ws(text, i), final)
-            if call is None:
-                return out
-            out.append(call)
-            if not call.complete:
-                return out
-            j = _skip_ws(text, j)
-            if j >= len(text) or text[j] not in ";,":
-                return out
-            i = j + 1
+        return _call_list(text, i, final, ";,")
 
     def call_prefix(self, name: str | None = None) -> str:
         return f'{{"name": {json.dumps(name)}, "parameters": ' if name else ""
+
+
+def _call_list(text: str, i: int, final: bool, separators: str) -> list[ToolCall]:
+    """JSON calls from ``text[i:]`` separated by any of ``separators``, up to the first incomplete one."""
+    out = []
+    while True:
+        call, j = scan_call(text, _skip_ws(text, i), final)
+        if call is None:
+            return out
+        out.append(call)
+        if not call.complete:
+            return out
+        j = _skip_ws(text, j)
+        if j >= len(text) or text[j] not in separators:
+            return out
+        i = j + 1
 
 
 _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)")
@@ -247,18 +252,7 @@ class MistralParser(ToolParser):
                 i += len(self.start)
 
     def _array(self, text: str, i: int, final: bool) -> list[ToolCall]:
-        out = []
-        while True:
-            call, j = scan_call(text, _skip_ws(text, i), final)
-            if call is None:
-                return out
-            out.append(call)
-            if not call.complete:
-                return out
-            j = _skip_ws(text, j)
-            if j >= len(text) or text[j] != ",":
-                return out
-            i = j + 1
+        return _call_list(text, i, final, ",")
 
     def call_prefix(self, name: str | None = None) -> str:
         return f'{self.start}[{{"name": {json.dumps(name)}, "arguments": ' if name else f"{self.start}["
