@@ -313,30 +313,35 @@ def test_kv_pool_is_zero_and_takes_memory_only_where_written():
 @given(st.lists(st.tuples(st.integers(0, 70), st.sampled_from([1, 1, 1, 3, 17])), min_size=1, max_size=9),
        st.sampled_from([1, 4, 16]), st.randoms(use_true_random=False))
 def test_step_layout_slots_by_their_definition(seqs, block_size, rnd):
-    """Every token's slot is table[p // block_size] * block_size + p % block_size, in packed order."""
+    """Every token's slot is table[p // block_size] * block_size + p % block_size, in packed order; a
+    piece's prompt tokens (p < its prompt length) are one prefill chunk, each generated token a decode
+    row seeing positions 0 .. p, whatever the piece's size (a one-token prompt chunk, a recompute)."""
     from quill.engine.kv_cache import StepLayout
     pieces = []
     for done, new in seqs:
         need = -(-(done + new) // block_size)
-        pieces.append((rnd.sample(range(500), need + rnd.randint(0, 2)), done, new))  # tables may run ahead
+        prompt = rnd.choice([done, done + 1, done + new, done + new + 5, max(1, done - 3)])
+        pieces.append((rnd.sample(range(500), need + rnd.randint(0, 2)), done, new, prompt))  # tables may run ahead
     lay = StepLayout.build(pieces, block_size)
 
     def slot(table, p):
         return table[p // block_size] * block_size + p % block_size
 
-    want = [slot(t, p) for t, done, new in pieces for p in range(done, done + new)]
+    want = [slot(t, p) for t, done, new, _ in pieces for p in range(done, done + new)]
     assert lay.slots.tolist() == want
-    decode = [(i, pc) for i, pc in enumerate(pieces) if pc[2] == 1]
-    rows = [sum(pc[2] for pc in pieces[:i]) for i, _ in decode]
-    assert lay.decode_rows.tolist() == rows and lay.decode_lens.tolist() == [d + 1 for _, (_, d, _) in decode]
-    width = max((d + 1 for _, (_, d, _) in decode), default=0)
+    starts = [sum(pc[2] for pc in pieces[:i]) for i in range(len(pieces))]
+    decode = [(starts[i] + p - d, t, p) for i, (t, d, n, pr) in enumerate(pieces) for p in range(max(d, pr), d + n)]
+    assert lay.decode_rows.tolist() == [r for r, _, _ in decode]
+    assert lay.decode_lens.tolist() == [p + 1 for _, _, p in decode]
+    width = max((p + 1 for _, _, p in decode), default=0)
     assert lay.decode_slots.shape == (len(decode), width)
-    for r, (_, (t, d, _)) in enumerate(decode):
-        assert lay.decode_slots[r].tolist() == [slot(t, p) for p in range(d + 1)] + [0] * (width - d - 1)
-    prefill = [(i, pc) for i, pc in enumerate(pieces) if pc[2] != 1]
-    assert [(s, n) for s, n, _ in lay.prefills] == [(sum(pc[2] for pc in pieces[:i]), pc[2]) for i, pc in prefill]
-    for (_, _, ctx), (_, (t, d, n)) in zip(lay.prefills, prefill):
+    for r, (_, t, p) in enumerate(decode):
+        assert lay.decode_slots[r].tolist() == [slot(t, q) for q in range(p + 1)] + [0] * (width - p - 1)
+    prefill = [(starts[i], min(d + n, pr) - d, t, d) for i, (t, d, n, pr) in enumerate(pieces) if pr > d]
+    assert [(s, n) for s, n, _ in lay.prefills] == [(s, n) for s, n, _, _ in prefill]
+    for (_, _, ctx), (_, n, t, d) in zip(lay.prefills, prefill):
         assert ctx.tolist() == [slot(t, p) for p in range(d + n)]
+    assert lay.one_row_per_sequence(len(pieces)) == all(n == 1 and d >= pr for _, d, n, pr in pieces)
 
 
 # ---- faults stay with their request ------------------------------------------------------------

@@ -404,7 +404,7 @@ class EngineCore:
             start = len(tokens)
             tokens += seq.tokens[seq.num_computed:seq.num_computed + n]
             positions += range(seq.num_computed, seq.num_computed + n)
-            pieces.append((seq.block_table, seq.num_computed, n))
+            pieces.append((seq.block_table, seq.num_computed, n, len(seq.prompt)))
             picked = range(start, start + n) if seq.wants_prompt_logprobs else (
                 [start + n - 1] if seq.num_computed + n == seq.num_tokens else [])
             if seq in scored:  # scored rows come before the sampled one
@@ -412,7 +412,7 @@ class EngineCore:
             rows[seq] = list(range(len(want), len(want) + len(picked)))
             want += picked
         layout = StepLayout.build(pieces, self.blocks.block_size)
-        if self.native_step is not None and not layout.prefills:  # every token a decode
+        if self.native_step is not None and layout.one_row_per_sequence(len(batch)):  # every token a decode
             ctx = ForwardContext(torch.tensor([positions]), None, None, torch.tensor(want, dtype=torch.int64),
                                  layers=partial(self.native_step, layout))
         else:

@@ -7,6 +7,13 @@ which slots hold each sequence's whole context.  Attention then runs per kind:
 every decode token at once (the paged decode-attention kernel, reading each
 sequence's keys and values in the pool through its slot table), and each prefill
 chunk over its cached prefix plus itself, causally.
+
+Which kernel attends a token depends only on what the token is, never on how the step was
+scheduled: a prompt token goes through prefill attention (even alone in its chunk: the last
+token of a chunked prompt, or the one left after a prefix-cache hit), a generated token fed back
+through decode attention (even when a preempted sequence recomputes it inside a chunk).  The two
+kernels round differently, so this keeps greedy output the same however the prompt was chunked,
+cached or preempted.
 """
 
 from __future__ import annotations
@@ -32,46 +39,42 @@ class StepLayout:
     prefills: list[tuple[int, int, torch.Tensor]]  # (start in the row, new tokens, context slots int64 [S])
 
     @classmethod
-    def build(cls, pieces: list[tuple[list[int], int, int]], block_size: int) -> "StepLayout":
-        """``pieces``: per sequence (block table, tokens already computed, new tokens), in packed order.
+    def build(cls, pieces: list[tuple[list[int], int, int, int]], block_size: int) -> "StepLayout":
+        """``pieces``: per sequence (block table, tokens already computed, new tokens, prompt length), in
+        packed order.  The new tokens at positions below the prompt length form a prefill chunk; each one
+        at or past it (a generated token) is a decode row with its own context length.
 
-        The decode sequences' slot tables are formed all at once (a handful of torch ops per step,
-        not per sequence: 16 decoding sequences took ~0.4 ms a step one by one)."""
-        if all(new == 1 for _, _, new in pieces):
+        The decode rows' slot tables are formed all at once (a handful of torch ops per step, not per
+        sequence: 16 decoding sequences took ~0.4 ms a step one by one)."""
+        if all(new == 1 and done >= prompt for _, done, new, prompt in pieces):
             return cls._all_decodes(pieces, block_size)
         offsets = torch.arange(block_size, dtype=torch.int64)
         slots, dec_rows, dec, prefills, row = [], [], [], [], 0
-        for i, (table, done, new) in enumerate(pieces):
-            if new == 1:
-                dec_rows.append(row)
-                dec.append(i)
-            else:
-                ctx = _slots(torch.tensor(table, dtype=torch.int64), offsets)[:done + new]
-                prefills.append((row, new, ctx))
-                slots.append(ctx[done:])
+        for table, done, new, prompt in pieces:
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(done, done + new)]
+            n_prompt = max(0, min(done + new, prompt) - done)  # the chunk's prompt tokens come first
+            if n_prompt:
+                ctx = _slots(torch.tensor(table, dtype=torch.int64), offsets)[:done + n_prompt]
+                prefills.append((row, n_prompt, ctx))
+            for i in range(n_prompt, new):  # generated tokens: decode rows, each seeing positions 0 .. done + i
+                dec_rows.append(row + i)
+                dec.append((table, done + i))
             row += new
-        ctx, lens = _decode_slots([pieces[i] for i in dec], offsets)
-        new_slots = ctx[torch.arange(len(dec)), lens - 1] if dec else ctx.new_empty(0)
-        if not prefills:
-            all_slots = new_slots
-        else:  # the packed row's order: decode tokens and prefill chunks as scheduled
-            all_slots = torch.empty(row, dtype=torch.int64)
-            all_slots[torch.tensor(dec_rows, dtype=torch.int64)] = new_slots
-            for (start, new, _), s in zip(prefills, slots):
-                all_slots[start:start + new] = s
-        return cls(all_slots, torch.tensor(dec_rows, dtype=torch.int64), ctx, lens, prefills)
+        ctx, lens = _decode_slots(dec, offsets)
+        return cls(torch.tensor(slots, dtype=torch.int64), torch.tensor(dec_rows, dtype=torch.int64), ctx, lens,
+                   prefills)
 
     @classmethod
-    def _all_decodes(cls, pieces: list[tuple[list[int], int, int]], block_size: int) -> "StepLayout":
+    def _all_decodes(cls, pieces: list[tuple[list[int], int, int, int]], block_size: int) -> "StepLayout":
         """The layout of a step whose every sequence decodes one token (the common step), in numpy:
         the same tensors as the general path, in ~15 us instead of ~80 (a few tiny torch ops cost
         more than the default model's whole step spends outside its kernels)."""
         n = len(pieces)
-        lens = np.fromiter((done + 1 for _, done, _ in pieces), dtype=np.int64, count=n)
+        lens = np.fromiter((done + 1 for _, done, _, _ in pieces), dtype=np.int64, count=n)
         longest = int(lens.max())
         blocks = -(-longest // block_size)
         tables = np.zeros((n, blocks), dtype=np.int64)
-        for i, (table, _, _) in enumerate(pieces):
+        for i, (table, _, _, _) in enumerate(pieces):
             row = table[:blocks]
             tables[i, :len(row)] = row
         ctx = (tables[:, :, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(n, -1)[:, :longest]
@@ -80,20 +83,25 @@ class StepLayout:
         return cls(torch.from_numpy(new_slots), torch.arange(n, dtype=torch.int64), torch.from_numpy(ctx),
                    torch.from_numpy(lens), [])
 
+    def one_row_per_sequence(self, num_sequences: int) -> bool:
+        """Every row a decode and no sequence with two (what the native decode step runs)."""
+        return not self.prefills and self.decode_rows.numel() == num_sequences
+
 
 def _slots(table: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Block table int64 [..., B] -> the slot of every position its blocks hold, int64 [..., B * block_size]."""
     return (table.unsqueeze(-1) * offsets.numel() + offsets).flatten(-2)
 
 
-def _decode_slots(pieces: list[tuple[list[int], int, int]], offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoding sequences' context slots int64 [Bd, longest] (0-padded) and context lengths int64 [Bd]."""
-    if not pieces:
+def _decode_slots(rows: list[tuple[list[int], int]], offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows (block table, position) -> context slots int64 [Bd, longest] (0-padded) and context
+    lengths int64 [Bd] (position + 1: the row's own token included)."""
+    if not rows:
         return torch.empty(0, 0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
-    lens = torch.tensor([done + 1 for _, done, _ in pieces], dtype=torch.int64)
+    lens = torch.tensor([pos + 1 for _, pos in rows], dtype=torch.int64)
     longest = int(lens.max())
     blocks = -(-longest // offsets.numel())
-    tables = torch.tensor([t[:blocks] + [0] * (blocks - len(t[:blocks])) for t, _, _ in pieces], dtype=torch.int64)
+    tables = torch.tensor([t[:blocks] + [0] * (blocks - len(t[:blocks])) for t, _ in rows], dtype=torch.int64)
     ctx = _slots(tables, offsets)[:, :longest]
     return ctx.masked_fill(torch.arange(longest) >= lens.unsqueeze(1), 0), lens
 
