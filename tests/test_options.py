@@ -87,9 +87,11 @@ def test_serve_replicas_carry_every_option(monkeypatch, capsys):
     monkeypatch.setattr(ray, "serve_on_ray", lambda options, *a, **kw: seen.append(options) or 0)
     flags = [f for f in FLAGS if f not in ("--threads", "3")]  # one engine's threads: --threads-per-replica
     with pytest.warns(quill.options.DtypeNotOfferedWarning):
-        assert main(["serve", "--replicas", "2", "--threads-per-replica", "1", *flags]) == 0
+        assert main(["serve", "--replicas", "2", "--threads-per-replica", "1", *flags,
+                     "--tool-call-parser", "mistral", "--reasoning-parser", "none"]) == 0
     kwargs = seen[0].replica_llm_kwargs
     assert_same(RunOptions(**kwargs), dataclasses.replace(WANT, threads=1), "serve --replicas")
+    assert (seen[0].tool_call_parser, seen[0].reasoning_parser) == ("mistral", "none")  # the ingress's parsers
     assert main(["serve", "--replicas", "2", "--threads", "3"]) == 2
     assert "with replicas use --threads-per-replica" in capsys.readouterr().err
 
@@ -109,6 +111,12 @@ def test_build_app_takes_every_option_as_strings():
         ray.build_options({"isa": "sse"})
     with pytest.raises(ConfigError, match="each replica runs threads_per_replica threads"):
         ray.RayServeOptions(llm={"threads": 2})
+    parsers = ray.build_options({"tool_call_parser": "llama3_json", "reasoning_parser": "deepseek_r1"})
+    assert (parsers.tool_call_parser, parsers.reasoning_parser) == ("llama3_json", "deepseek_r1")
+    with pytest.raises(ConfigError, match="tool_call_parser: unknown parser 'harmony'; known: auto, hermes"):
+        ray.build_options({"tool_call_parser": "harmony"})
+    with pytest.raises(ConfigError, match="reasoning_parser: unknown parser 'r1'; known: auto, none, qwen3"):
+        ray.build_options({"reasoning_parser": "r1"})
 
 
 def test_a_replica_llm_runs_what_the_options_say(tmp_path):

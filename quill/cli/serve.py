@@ -227,7 +227,8 @@ def run_ray(args) -> int:
                               llm=llm, engine=engine,
                               model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting,
                               stream_interval=args.stream_interval,
-                              shutdown_timeout=args.shutdown_timeout)
+                              shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+                              reasoning_parser=args.reasoning_parser)
     return serve_on_ray(options, args.host, args.port, args.ray_address, args.log_level)
 
 

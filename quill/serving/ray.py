@@ -70,6 +70,8 @@ class RayServeOptions:
     imbalance: int = 4  # queue-length lead past which a chat leaves its home replica
     stream_interval: int = 1  # tokens a streamed request gathers in its replica before they are sent
     shutdown_timeout: float = 30.0  # seconds a stopping replica lets running requests finish
+    tool_call_parser: str = "auto"  # quill.serving.tool_parsers name; auto: the model family's (the ingress runs it)
+    reasoning_parser: str = "auto"  # quill.serving.reasoning name, or none; auto: from the chat template
 
     def __post_init__(self):
         for name in ("min_replicas", "max_replicas", "threads_per_replica", "ingress_replicas", "max_waiting",
@@ -82,6 +84,7 @@ class RayServeOptions:
         if self.target_ongoing_requests is not None:
             _check_int("target_ongoing_requests", self.target_ongoing_requests, 1)
         EngineConfig(**self.engine)  # its own checks, here rather than on every replica
+        _check_parsers(self.tool_call_parser, self.reasoning_parser)  # here, not in the ingress's start-up
         run = RunOptions.from_mapping(self.llm, "RayServeOptions.llm")  # likewise; every field, by name
         if run.threads is not None:
             raise ConfigError(f"llm threads={run.threads}: each replica runs threads_per_replica threads; set that")
@@ -122,6 +125,16 @@ class RayServeOptions:
     @property
     def cpus_needed(self) -> int:
         return (self.replicas or self.min_replicas) * self.threads_per_replica
+
+
+def _check_parsers(tool_call_parser: str, reasoning_parser: str) -> None:
+    from quill.serving.reasoning import PARSERS as REASONING
+    from quill.serving.tool_parsers import PARSERS as TOOLS
+    if tool_call_parser not in ("auto", *TOOLS):
+        raise ConfigError(f"tool_call_parser: unknown parser '{tool_call_parser}'; known: auto, {', '.join(TOOLS)}")
+    if reasoning_parser not in ("auto", "none", *REASONING):
+        raise ConfigError(f"reasoning_parser: unknown parser '{reasoning_parser}'; known: auto, none, "
+                          f"{', '.join(REASONING)}")
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -258,7 +271,9 @@ class QuillIngress:
         name = options.model_name or about["model_name"]
         self.metrics = ServerMetrics(None, name)
         self.engine = RemoteEngine(replicas, PromptLimits(**about["limits"]), ReplicaMetrics(self.metrics))
-        self.serving = OpenAIServing(self.engine, tokenizer, name, about["context_length"])
+        self.serving = OpenAIServing(self.engine, tokenizer, name, about["context_length"],
+                                     tool_call_parser=options.tool_call_parser,
+                                     reasoning_parser=options.reasoning_parser)
         self.api_key = options.api_key
         self.arithmetic = about["arithmetic"]
 
