@@ -69,9 +69,16 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render a conversation ([{"role": ..., "content": ...}, ...]) with the model's jinja2 template;
-        ``tools`` (OpenAI function tools) and tool calls in the history as ``quill.chat_tools`` passes them."""
+        ``tools`` (OpenAI function tools) and tool calls in the history as ``quill.chat_tools`` passes them;
+        ``template_kwargs``: more variables for the template, as transformers' ``apply_chat_template(**kwargs)``
+        takes them (``enable_thinking=False`` for Qwen3's)."""
+        clash = sorted(set(template_kwargs or ()) & {"messages", "tools", "add_generation_prompt"})
+        if clash:
+            raise GenerationError(f"chat_template_kwargs: {', '.join(clash)} cannot be set there (they are the "
+                                  "request's own fields)")
         if not self.spec.chat_template:
             raise GenerationError("this model's tokenizer has no chat template; pass a plain prompt instead")
         import jinja2
@@ -88,15 +95,17 @@ class Tokenizer:
                 raise GenerationError(f"the model's chat template does not parse: {e}") from None
         messages, tools = template_messages(messages, tools, self.spec.chat_template)
         try:
-            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         **self.spec.special_tokens)
+            return self._template.render(**{**self.spec.special_tokens, **(template_kwargs or {})}, messages=messages,
+                                         tools=tools, add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:
             raise GenerationError(f"the model's chat template failed on these messages: {e}") from None
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the chat template (which writes its own special tokens)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs),
+                           add_special_tokens=False)
 
     def detokenizer(self, context: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, context, skip_special_tokens)

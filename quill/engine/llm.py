@@ -336,17 +336,21 @@ class LLM:
                 raise RequestFailed(chunk.error)
             yield chunk
 
-    def chat_prompt(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
+    def chat_prompt(self, messages: Messages, add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template; ``chat_template_kwargs``: more
+        template variables (``{"enable_thinking": False}`` for Qwen3's), as transformers takes them."""
         if self.tokenizer is None:
             raise GenerationError("chat needs a tokenizer, but this LLM was loaded with skip_tokenizer_init=True")
-        return self.tokenizer.encode_chat(messages, add_generation_prompt)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt, template_kwargs=chat_template_kwargs)
 
     def chat(self, messages: Messages | Sequence[Messages],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Answer one conversation ([{"role", "content"}, ...]) or a list of them, via the chat template."""
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        return self.generate([{"prompt_token_ids": self.chat_prompt(c)} for c in convs], sampling_params)
+        return self.generate([{"prompt_token_ids": self.chat_prompt(c, chat_template_kwargs=chat_template_kwargs)}
+                              for c in convs], sampling_params)
 
     def stream_chat(self, messages: Messages, sampling_params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Stream the answer to one conversation."""

@@ -246,7 +246,7 @@ class OpenAIServing:
         params = [_sampling(lambda p=p: plan.constrain(p)) for p in params]
         try:  # jinja and the tokenizer on a worker thread: a long conversation does not stall the loop
             ids, opened = await asyncio.to_thread(self.render_chat, req.conversation(), req.add_generation_prompt,
-                                                  plan)
+                                                  plan, req.chat_template_kwargs)
         except GenerationError as e:
             raise bad_request(str(e), "messages") from None
         ids = await self._checked(ids, limit, "messages", params[0])
@@ -265,11 +265,12 @@ class OpenAIServing:
         return R.chat_body(rid, R.now(), self.model_name,
                            [self._chat_choice(i, c, k, plan, opened) for i, c in enumerate(choices)], usage)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                    plan: TC.ToolPlan) -> tuple[list[int], bool]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, plan: TC.ToolPlan,
+                    template_kwargs: dict | None = None) -> tuple[list[int], bool]:
         """A conversation's prompt ids (the plan's tools shown, its call opening written) and whether the
         prompt leaves the answer inside a thought."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, plan.tools) + plan.prefix
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, plan.tools,
+                                                  template_kwargs) + plan.prefix
         opened = self.reasoning is not None and self.reasoning.opened_by(text)
         return self.tokenizer.encode(text, add_special_tokens=False), opened
 

@@ -151,6 +151,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: StrictBool = True
     response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (vLLM's field): enable_thinking
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -161,6 +162,10 @@ class ChatCompletionRequest(_Sampling):
                 raise bad_request(f"messages[{i}].role '{m.role}' is not supported; supported: "
                                   f"{', '.join(ROLES)}", f"messages[{i}].role")
         check_tools(self.tools, self.tool_choice)
+        clash = sorted(set(self.chat_template_kwargs or ()) & {"messages", "tools", "add_generation_prompt"})
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}: they are this request's own "
+                              "fields", "chat_template_kwargs")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 
