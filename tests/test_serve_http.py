@@ -30,7 +30,9 @@ MB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--max-num-seqs", "4", "--header-timeout", "1", "--body-timeout", "10") as s:
+    # --header-timeout 3, not 1: once, on a loaded 2-core machine, a well-formed request's connection closed
+    # without an answer, most likely at this deadline (the log that would say was not kept)
+    with ServerProcess("--max-num-seqs", "4", "--header-timeout", "3", "--body-timeout", "10") as s:
         yield s
 
 
@@ -263,7 +265,7 @@ def test_docs_open_without_a_key(server):
 # ---- slow clients -------------------------------------------------------------------------------------
 
 def test_dribbled_headers_are_dropped(server, greedy):
-    """--header-timeout 1: a client that sends its headers a byte at a time, or nothing, is disconnected."""
+    """--header-timeout 3: a client that sends its headers a byte at a time, or nothing, is disconnected."""
     host, port = host_port(server)
     with socket.create_connection((host, port)) as idle, socket.create_connection((host, port)) as slow:
         start = time.monotonic()
@@ -277,7 +279,7 @@ def test_dribbled_headers_are_dropped(server, greedy):
                 break
             time.sleep(0.05)
         took = time.monotonic() - start
-        assert 0.9 < took < 5, took
+        assert 2.9 < took < 8, took
         assert read_all(idle, 5) == b""  # an idle connection that never sent a request: closed, no answer
     assert_serving(server, greedy)
 
