@@ -51,24 +51,19 @@ METHOD = """## Method
 
 COMMANDS = """## Commands
 
-The commands behind the tables (each machine's notebook section has the exact ones it ran; a
-`quill.bench.llamacpp` JSON written since `quill.bench.meta` records its own):
+The commands behind the tables (each machine's notebook section has the exact ones it ran):
 
 ```
 make llamacpp       # llama-cpp-python 0.3.36 into .venv-llamacpp: llama.cpp's quantizer and AVX2 peer
-# llama.cpp row, AVX-512 (LL: a llama.cpp build's bin/ with libllama.so, -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON)
-.venv/bin/python -m quill.bench.llamacpp --llama-python .venv-llamacpp/bin/python --gguf DEFAULT.gguf \\
-    --write-1b /work/gguf1b --runs 3 --llama-lib $LL --json docs/bench/MACHINE/NAME.json
-# AVX2 rows: quill's AVX2 kernels against the AVX2 wheel
-ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m quill.bench.llamacpp ... --isa avx2 --json ...
-# Q4_K_M rows: llama.cpp's own quantizer requantizes the 1.2B Q4_0 first
-.venv/bin/python -m quill.bench.llamacpp ... --gguf /work/gguf1b/llama-1b-q4_0.gguf --types q4_k_m --json ...
-# 8B-shaped rows (not measured yet): hidden 4096, MLP 14336, 32 layers, Q4_0, then Q4_K_M
-.venv/bin/python -m quill.bench.llamacpp ... --write-8b /work/gguf8b --json ...
-.venv/bin/python -m quill.bench.llamacpp ... --gguf /work/gguf8b/llama-8b-q4_0.gguf --types q4_k_m --json ...
-# serving rows (LS: llama-server from the same llama.cpp build); --act-quant none for float activations
-.venv/bin/quill bench serve --llama-server $LS [--model /work/gguf1b/llama-1b-q4_0.gguf] \\
-    --serve-arg=--act-quant --serve-arg=int8-group --clients 1,16 --rounds 2 --json docs/bench/MACHINE/serve-NAME.json
+B=".venv/bin/python -m quill.bench.llamacpp --llama-python .venv-llamacpp/bin/python --runs 3"
+# default model, 1.2B and 8B-shaped Q4_0 (random weights); AVX-512 rows add --llama-lib LL (a GGML_NATIVE,
+# BUILD_SHARED_LIBS llama.cpp build's bin/), AVX2 rows on an AVX-512 host add --isa avx2
+$B --write-1b /work/gguf --write-8b /work/gguf --json docs/bench/MACHINE/q40.json
+# Q4_K_M rows: llama.cpp's own quantizer requantizes the Q4_0 files first
+$B --gguf /work/gguf/llama-1b-q4_0.gguf --gguf /work/gguf/llama-8b-q4_0.gguf --types q4_k_m --json ...
+# serving rows (LS: llama-server from the same llama.cpp build); --serve-arg=--act-quant --serve-arg=none
+# for float activations, --json-schema docs/bench/schemas/long-list.json for the JSON-schema rows
+.venv/bin/quill bench serve --llama-server $LS --clients 1,16 --rounds 3 --json docs/bench/MACHINE/serve-NAME.json
 # then: name the JSON in docs/bench/page.json and regenerate this page
 .venv/bin/python -m quill.bench.page
 ```
@@ -79,24 +74,19 @@ and where each lives: [quill/bench/README.md](../quill/bench/README.md); their f
 
 LIMITS = """## Known limits
 
-* Two cores, shared hosts: absolute rates move between runs with the neighbours (see the DRAM probe
-  ranges), so compare ratios within a row, not rates across rows.
-  A 1.2B decode ratio follows the host's DRAM state: at its best probe quill reads closer to the
-  DRAM's rate than llama.cpp, at a low one both wait for the same memory.
-* No 8B-shaped model has been measured yet: its rows are empty until the lead's run (commands above).
-* Float activations cost three int8 products per weight where llama.cpp's arithmetic costs one: the
-  1.2B's prefill with them is mostly below llama.cpp's (the float column), and on AVX2 its decode is
-  compute-bound. int8-group is the comparison in kind.
-* The 1.2B and 8B-shaped files have random weights (written by `--write-1b` / `--write-8b` with
-  SmolLM2's tokenizer): speed does not depend on the values, but their text is noise.
-* quill's KV cache is float32 by default, llama.cpp's float16; at long contexts that is a difference
-  in bytes read (`--kv-cache-dtype float16` closes it; notebook, fifth session).
-* The Intel Xeon and Zen 4 runs predate int8-group activations (their per-token int8 runs, a third
-  arithmetic, are in the notebook); the Zen 4 runs also predate the native decode step, so they show
-  an older quill.
-* The JSON written before `quill.bench.meta` (all of it so far) records no date, commit, torch or
-  llama.cpp version, and the llama.cpp comparisons no CPU: those fields show "—" here. The notebook
-  sections linked under each table say when and on which build each session ran.
+* Two cores, shared hosts: rates move with the neighbours (the DRAM probe ranges); compare ratios within
+  a row. Decode ratios of the larger files follow the DRAM's state: at a low probe both wait on memory.
+* Q4_K_M on AVX2 (Zen 3): level with llama.cpp on decode, 0.87-0.91x on prefill at int8-group; Q4_0
+  stays ahead (1.08-1.21x). The 8B-shaped rows exist for Zen 3 only.
+* Float activations cost three int8 products per weight where llama.cpp's costs one: their prefill is
+  below llama.cpp's (the float column). int8-group is the comparison in kind.
+* The 1.2B and 8B-shaped files have random weights (speed does not depend on them; their text is noise).
+* The JSON-schema serving rows hold every request to one schema (64+ list items, so no request ends
+  before its token count); the free rows are a separate run minutes apart, not alternated with them.
+* The Intel Xeon and Zen 4 runs predate int8-group activations (their int8 runs are in the notebook),
+  the Zen 4 ones the native decode step too: they show an older quill.
+* JSON written before `quill.bench.meta` records no date, commit, torch or llama.cpp version (shown
+  "—"); the notebook sections linked under each table say when and on which build each session ran.
 """
 
 

@@ -52,6 +52,9 @@ def register(bsub) -> None:
                    help="also quill on Ray Serve in these layouts: R replicas x T threads each, e.g. 1x2,2x1")
     p.add_argument("--overhead-requests", type=int, default=40,
                    help="one-token requests per endpoint for the Ray ingress's added latency (default 40)")
+    p.add_argument("--json-schema", type=Path, default=None,
+                   help="a JSON schema file every request is held to (llama-server's `json_schema` field, which "
+                        "quill serve also takes): structured outputs under load")
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     p.set_defaults(func=run)
 
@@ -222,6 +225,8 @@ def run(args) -> int:
     meta = run_metadata(platform, threads, llama_server=args.llama_server)
     # which model and quill mode ran: the page labels its serving rows from these
     meta |= {"model": str(args.model or default_model_path()), "serve_args": list(args.serve_arg or [])}
+    if args.json_schema:
+        meta["json_schema"] = json.loads(args.json_schema.read_text())
     report = {"cpu": platform.summary(), "threads": threads, "meta": meta, "levels": {}}
     print(f"cpu: {platform.summary()}, {threads} threads per server")
     layouts = ray_layouts(args.ray)
@@ -269,14 +274,15 @@ def _level(args, eps: list[Endpoint], clients: int, threads: int) -> dict:
         # New prompts every round: a round must not hit prefix-cache entries an earlier
         # round left (quill keeps every block it can; llama-server one prompt per slot).
         work = Workload.random(count, seed=args.seed + 1000 * r + clients)
+        extra = {"json_schema": json.loads(args.json_schema.read_text())} if args.json_schema else None
         for ep in (eps if r % 2 == 0 else eps[::-1]):
-            runs[ep.name].append(asyncio.run(run_load(ep.url, ep.model, work, clients)))
+            runs[ep.name].append(asyncio.run(run_load(ep.url, ep.model, work, clients, extra=extra)))
     work = Workload.random(count, seed=args.seed + clients)  # round 0's: the in-process baseline
     level = {name: _median_summary(res) for name, res in runs.items()}
     level["workload"] = work.description + f"; round r draws seed {args.seed + clients} + 1000 r"
     if clients == 1:
         level["server_decode_tok_s"] = median(_server_decode(r) for r in runs[eps[0].name])
-        if not args.url:
+        if not args.url and not args.json_schema:  # the in-process baseline runs free requests
             level.update(_single_client(eps[0], args.model, work, threads, args.rounds))
     level["requests"] = count
     return level
