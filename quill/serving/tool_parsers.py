@@ -166,18 +166,10 @@ class HermesParser(ToolParser):
     name, start, close = "hermes", "<tool_call>", "\n</tool_call>"
 
     def calls(self, text: str, i: int, final: bool) -> list[ToolCall]:
-        out = []
-        while True:
-            call, j = scan_call(text, _skip_ws(text, i), final)
-            if call is None:
-                return out
-            out.append(call)
-            if not call.complete:
-                return out
+        def after_marker(j: int) -> int | None:  # each call opens with its own <tool_call>
             nxt = text.find(self.start, j)
-            if nxt < 0:
-                return out
-            i = nxt + len(self.start)
+            return None if nxt < 0 else nxt + len(self.start)
+        return _call_list(text, i, final, after_marker)
 
     def call_prefix(self, name: str | None = None) -> str:
         return f'{self.start}\n{{"name": {json.dumps(name)}, "arguments": ' if name else f"{self.start}\n"
@@ -200,26 +192,31 @@ class Llama3JsonParser(ToolParser):
         return Parsed("", calls)
 
     def calls(self, text: str, i: int, final: bool) -> list[ToolCall]:
-        return _call_list(text, i, final, ";,")
+        return _call_list(text, i, final, _separated(text, ";,"))
 
     def call_prefix(self, name: str | None = None) -> str:
         return f'{{"name": {json.dumps(name)}, "parameters": ' if name else ""
 
 
-def _call_list(text: str, i: int, final: bool, separators: str) -> list[ToolCall]:
-    """JSON calls from ``text[i:]`` separated by any of ``separators``, up to the first incomplete one."""
+def _call_list(text: str, i: int, final: bool, next_call) -> list[ToolCall]:
+    """JSON calls from ``text[i:]``, up to the first incomplete one; ``next_call(j)``: where the call after
+    one ending at ``j`` starts, or None when there is none."""
     out = []
     while True:
         call, j = scan_call(text, _skip_ws(text, i), final)
         if call is None:
             return out
         out.append(call)
-        if not call.complete:
+        if not call.complete or (i := next_call(j)) is None:
             return out
+
+
+def _separated(text: str, separators: str):
+    """``_call_list``'s ``next_call`` for calls separated by any of ``separators``."""
+    def next_call(j: int) -> int | None:
         j = _skip_ws(text, j)
-        if j >= len(text) or text[j] not in separators:
-            return out
-        i = j + 1
+        return j + 1 if j < len(text) and text[j] in separators else None
+    return next_call
 
 
 _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[ARGS\])?\s*(?=\{)")
@@ -252,7 +249,7 @@ class MistralParser(ToolParser):
                 i += len(self.start)
 
     def _array(self, text: str, i: int, final: bool) -> list[ToolCall]:
-        return _call_list(text, i, final, ",")
+        return _call_list(text, i, final, _separated(text, ","))
 
     def call_prefix(self, name: str | None = None) -> str:
         return f'{self.start}[{{"name": {json.dumps(name)}, "arguments": ' if name else f"{self.start}["
