@@ -75,7 +75,7 @@ class Tokenizer:
         ``tools`` (OpenAI function tools) and tool calls in the history as ``quill.chat_tools`` passes them;
         ``template_kwargs``: more variables for the template, as transformers' ``apply_chat_template(**kwargs)``
         takes them (``enable_thinking=False`` for Qwen3's)."""
-        clash = sorted(set(template_kwargs or ()) & {"messages", "tools", "add_generation_prompt"})
+        clash = sorted(set(template_kwargs or ()) & TEMPLATE_OWN_VARIABLES)
         if clash:
             raise GenerationError(f"chat_template_kwargs: {', '.join(clash)} cannot be set there (they are the "
                                   "request's own fields)")
@@ -109,6 +109,10 @@ class Tokenizer:
 
     def detokenizer(self, context: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, context, skip_special_tokens)
+
+
+# what apply_chat_template passes itself: chat_template_kwargs may not replace these
+TEMPLATE_OWN_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
 def _tojson(value, indent=None, ensure_ascii=False):

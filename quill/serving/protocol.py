@@ -17,6 +17,7 @@ from quill.engine.sampling import REPETITION_PENALTY, SEED_MAX, SEED_MIN, Sampli
 from quill.errors import QuillError
 from quill.serving.protocol_structured import StructuredFields, logit_bias
 from quill.serving.protocol_tools import Tool, ToolCallIn, ToolChoice, check_tools
+from quill.tokenizer import TEMPLATE_OWN_VARIABLES
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -162,7 +163,7 @@ class ChatCompletionRequest(_Sampling):
                 raise bad_request(f"messages[{i}].role '{m.role}' is not supported; supported: "
                                   f"{', '.join(ROLES)}", f"messages[{i}].role")
         check_tools(self.tools, self.tool_choice)
-        clash = sorted(set(self.chat_template_kwargs or ()) & {"messages", "tools", "add_generation_prompt"})
+        clash = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_OWN_VARIABLES)
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}: they are this request's own "
                               "fields", "chat_template_kwargs")
