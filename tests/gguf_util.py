@@ -11,7 +11,7 @@ from gguf import GGUFValueType as V
 from gguf import GGUFWriter
 from gguf.quants import quantize
 
-__all__ = ["T", "V", "llama_permute", "pack_string", "raw_gguf", "write_gguf"]
+__all__ = ["T", "V", "llama_permute", "pack_string", "raw_gguf", "without_tokenizer", "write_gguf"]
 
 
 def write_gguf(path: Path, arch: str, kv=(), tensors=(), alignment: int | None = None) -> Path:
@@ -41,6 +41,34 @@ def write_gguf(path: Path, arch: str, kv=(), tensors=(), alignment: int | None =
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def without_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` without its ``tokenizer.*`` metadata, tensors byte for byte: for an oracle that
+    reads token ids only (gguf-py spends most of a small model's load parsing a 49k-token vocabulary)."""
+    from quill.formats.gguf.file import GGUFFile
+
+    if dst.exists():
+        return dst
+    f = GGUFFile(src)
+    arch = f.get("general.architecture")
+    w = GGUFWriter(str(dst), arch)
+    kinds = {bool: V.BOOL, int: V.UINT32, float: V.FLOAT32, str: V.STRING}
+    for key, value in f.metadata.items():
+        if key.startswith("tokenizer.") or key in ("general.architecture", "GGUF.version"):
+            continue
+        if isinstance(value, list):
+            w.add_key_value(key, value, V.ARRAY, kinds[type(value[0])])
+        else:
+            w.add_key_value(key, value, kinds[type(value)])
+    for info in f.tensors.values():
+        raw = f.raw(info.name).numpy().reshape(*info.torch_shape[:-1], info.row_bytes)
+        w.add_tensor(info.name, raw, raw_dtype=T(info.ggml_type))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from gguf_util import F16_FIELDS
+from gguf_util import F16_FIELDS, without_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llamacpp_util import quantize
@@ -136,9 +136,10 @@ def smol(kq_dir) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def tiny(kq_dir) -> dict[str, Path]:
-    """A random-weight Llama (hidden 256, MLP 512, 2 layers) in every ftype, from an F16 copy."""
-    f16 = write_1b_gguf(kq_dir, default_model_path(), hidden=256, ffn=512, heads=4, kv_heads=2,
-                        layers=2, name="tiny-f16.gguf", qtype="F16")
+    """A random-weight Llama (hidden 256, MLP 512, 2 layers, 8192 tokens, no tokenizer: token ids only) in
+    every ftype, from an F16 copy."""
+    f16 = write_1b_gguf(kq_dir, None, hidden=256, ffn=512, heads=4, kv_heads=2, layers=2, name="tiny-f16.gguf",
+                        qtype="F16", vocab=8192)
     return {t: quantize(f16, kq_dir / f"tiny-{t}.gguf", t) for t in FTYPES}
 
 
@@ -187,14 +188,17 @@ def test_q4_k_m_keeps_llama_cpp_mix(tiny):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    """transformers' float32 model from a GGUF file (its own gguf-py dequantization), loaded once per file."""
+    """transformers' float32 model from a GGUF file (its own gguf-py dequantization), loaded once per file,
+    from a copy without the tokenizer (token ids only; parsing the vocabulary was most of its load)."""
     cache = {}
 
     def get(path: Path):
         if path not in cache:
             from transformers import AutoModelForCausalLM
 
-            cache[path] = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            ids_only = without_tokenizer(path, path.with_name(f"{path.stem}-ids.gguf"))
+            cache[path] = AutoModelForCausalLM.from_pretrained(ids_only.parent, gguf_file=ids_only.name,
+                                                               dtype=torch.float32)
         return cache[path]
     return get
 
@@ -208,7 +212,7 @@ def _hf_logprobs(model) -> torch.Tensor:
 def _quill_logprobs(path: Path, kernel: str | None) -> tuple[torch.Tensor, quill.LLM]:
     # transformers' arithmetic: float activations and KV cache (a GGUF file's default is llama.cpp's)
     llm = quill.LLM(str(path), kernel=kernel, threads=2, progress=False, activation_quant="none",
-                    kv_cache_dtype="float32")
+                    kv_cache_dtype="float32", skip_tokenizer_init=True)
     n, vocab = len(PROMPT) - 1, llm.model.args.vocab_size
     spec = ScoreSpec(first=1, gather_ids=torch.arange(vocab).expand(n, -1).contiguous())
     return llm.score([PROMPT], spec)[0].gathered, llm

@@ -35,7 +35,16 @@ def test_sources_hold_the_variants_asked_for_and_the_scalar_twins():
     assert "-mavx512vnni" in both["avx512_vnni.cpp"]
     scalar = build.sources([])
     assert scalar["backends.cpp"] == [] and "scalar.cpp" in scalar and "avx2.cpp" not in scalar
-    assert set(build.TORCH_SOURCES) <= set(scalar)
+    assert build.GLUE in scalar and not set(build.TORCH_SOURCES) & set(scalar)  # one TU includes them all
+
+
+def test_the_torch_sources_are_one_translation_unit(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "BUILD", tmp_path)
+    glue = build._glue()
+    lines = glue.read_text().splitlines()[1:]
+    assert lines == [f'#include "{build.CSRC / name}"' for name in build.TORCH_SOURCES]
+    stamp = glue.stat().st_mtime_ns
+    assert build._glue().stat().st_mtime_ns == stamp  # unchanged list: not rewritten, so nothing recompiles
 
 
 def test_unknown_variant_is_refused(capsys):

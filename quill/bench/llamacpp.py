@@ -106,19 +106,24 @@ def default_gguf() -> Path:
     return default_model()
 
 
-def write_1b_gguf(out: Path, tokenizer_from: Path, seed: int = 0, hidden: int = 2048, ffn: int = 8192,
+def write_1b_gguf(out: Path, tokenizer_from: Path | None, seed: int = 0, hidden: int = 2048, ffn: int = 8192,
                   heads: int = 32, kv_heads: int = 8, layers: int = 16, name: str = "llama-1b-q4_0.gguf",
-                  qtype: str = "Q4_0") -> Path:
+                  qtype: str = "Q4_0", vocab: int | None = None) -> Path:
     """A Llama-shaped GGUF (1.2B by default) with random weights (``qtype``: Q4_0, or F16 as a source for
-    llama.cpp's quantizer) and ``tokenizer_from``'s tokenizer."""
+    llama.cpp's quantizer) and ``tokenizer_from``'s tokenizer and vocabulary size; with no tokenizer source,
+    none (a file for token ids only: ``vocab`` rows), which gguf-py and transformers read in a fraction of
+    the time (parsing a 49k-token vocabulary is most of their load of a small file)."""
     import gguf
 
     path = out / name
     if path.exists():
         return path
     out.mkdir(parents=True, exist_ok=True)
-    src = gguf.GGUFReader(str(tokenizer_from))
-    vocab = int(src.fields["llama.vocab_size"].contents())
+    src = gguf.GGUFReader(str(tokenizer_from)) if tokenizer_from is not None else None
+    if src is not None:
+        vocab = int(src.fields["llama.vocab_size"].contents())
+    elif vocab is None:
+        raise ValueError("write_1b_gguf: a file without a tokenizer needs its vocab size")
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("quill-bench-llama-1b")
     w.add_block_count(layers)
@@ -132,7 +137,7 @@ def write_1b_gguf(out: Path, tokenizer_from: Path, seed: int = 0, hidden: int = 
     w.add_vocab_size(vocab)
     w.add_rope_dimension_count(hidden // heads)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if qtype == "Q4_0" else gguf.LlamaFileType.MOSTLY_F16)
-    for key, field in src.fields.items():  # the tokenizer, as the source file has it
+    for key, field in src.fields.items() if src is not None else ():  # the tokenizer, as the source has it
         if key.startswith("tokenizer."):
             vtype = field.types[0]
             sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None

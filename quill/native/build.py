@@ -7,8 +7,9 @@ ISA variant is its own translation units with their own ``-m`` flags and no
 picks the variant at load), plus the scalar twins.  ``backends.cpp`` gets one
 ``-DQUILL_BUILT_<ISA>`` per compiled variant and fills the ISA backend table
 (``csrc/isa.h``) with them.  Only the binding files (``TORCH_SOURCES``) see torch
-headers (the slow ones); the kernels are plain C++.  Objects are rebuilt when a
-source or header is newer or the command changed; an unchanged tree links nothing.
+headers (the slow ones), compiled together as one translation unit; the kernels are
+plain C++.  Objects are rebuilt when a source or header is newer or the command
+changed; an unchanged tree links nothing.
 
 On failure the log goes to ``quill/native/_build/build.log``, a one-line reason
 to ``_build/error.txt`` (which ``quill info`` shows), any stale extension is
@@ -58,14 +59,15 @@ VARIANT_SOURCES: dict[str, dict[str, list[str]]] = {
 }
 # every build: stream builders, huge pages, the backend table (its -D flags name the variants compiled)
 PLAIN_SOURCES = ("stream.cpp", "hugepage.cpp", "backends.cpp")
-# the slow ones: they see torch headers, precompiled once (PCH) for all of them
+# The slow ones: they see torch headers.  One translation unit includes them all (GLUE, written into _build):
+# they instantiate the same torch and pybind11 templates, which one TU does once (g++ 12 on Zen 3: 38 CPU
+# seconds against ~180 for nine TUs with a precompiled header); an edit to any of them recompiles all nine.
 TORCH_SOURCES = ("binding.cpp", "linear.cpp", "ops.cpp", "dense.cpp", "attention.cpp", "step.cpp", "moe.cpp",
                  "deltanet.cpp", "mxfp4.cpp")
-PCH = CSRC / "torch_pch.h"
-# Compiler CPU seconds per TU (g++ 12 on Zen 3; torch TUs with the PCH), to start the longest first.
-COST = {"avx2.cpp": 62, "avx512_vnni.cpp": 60, "step.cpp": 30, "linear.cpp": 29, "moe.cpp": 23, "ops.cpp": 21,
-        "dense.cpp": 21, "binding.cpp": 20, "attention.cpp": 20, "attention_scalar.cpp": 12,
-        "attention_avx2.cpp": 11, "attention_avx512.cpp": 11, "dense_scalar.cpp": 9}
+GLUE = "torch_glue.cpp"
+# Compiler CPU seconds per TU (g++ 12 on Zen 3), to start the longest first.
+COST = {"avx2.cpp": 62, "avx512_vnni.cpp": 60, GLUE: 40, "attention_scalar.cpp": 12, "attention_avx2.cpp": 11,
+        "attention_avx512.cpp": 11, "dense_scalar.cpp": 9}
 
 
 def sources(variants: list[str]) -> dict[str, list[str]]:
@@ -74,7 +76,17 @@ def sources(variants: list[str]) -> dict[str, list[str]]:
     for v in dict.fromkeys([*variants, "scalar"]):
         out.update(VARIANT_SOURCES[v])
     out["backends.cpp"] = [f"-DQUILL_BUILT_{v.upper()}" for v in VARIANT_SOURCES if v in variants and v != "scalar"]
-    return out | {name: [] for name in TORCH_SOURCES}
+    return out | {GLUE: []}
+
+
+def _glue() -> Path:
+    """The torch sources as one translation unit (rewritten only when the list changes: its mtime is an input)."""
+    path = BUILD / GLUE
+    text = "// written by quill/native/build.py: the torch-facing sources as one translation unit\n"
+    text += "".join(f'#include "{CSRC / name}"\n' for name in TORCH_SOURCES)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
 
 
 def extension_path() -> Path:
@@ -165,25 +177,17 @@ def native_variants() -> list[str]:
 class _Job:
     cmd: list[str]
     out: Path
-    after_pch: bool = False  # a torch TU: waits for the precompiled header
 
 
 def _source_name(cmd: list[str]) -> str:
     return Path(cmd[cmd.index("-c") + 1] if "-c" in cmd else cmd[-3]).name
 
 
-def _compile_all(jobs: list[_Job], pch: _Job | None, workers: int, verbose: bool, log: list[str]) -> None:
-    """Run the compiles on ``workers`` threads, the precompiled header first and ``jobs`` in the order given;
-    raises RuntimeError at the first failure (compiles not yet started are dropped)."""
+def _compile_all(jobs: list[_Job], workers: int, verbose: bool, log: list[str]) -> None:
+    """Run the compiles on ``workers`` threads in the order given; raises RuntimeError at the first failure
+    (compiles not yet started are dropped)."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        header = pool.submit(_run, pch.cmd, pch.out) if pch else None
-
-        def run(job: _Job) -> tuple[str, int, str, float]:
-            if job.after_pch and header is not None:
-                header.result()  # a failed header is reported below; the TU would then parse the text
-            return _run(job.cmd, job.out)
-
-        futures = ([header] if header else []) + [pool.submit(run, j) for j in jobs]
+        futures = [pool.submit(_run, j.cmd, j.out) for j in jobs]
         for fut in as_completed(futures):
             cmd, rc, out, secs = fut.result()
             log.append(f"$ {cmd}\n{out}")
@@ -194,18 +198,7 @@ def _compile_all(jobs: list[_Job], pch: _Job | None, workers: int, verbose: bool
                 raise RuntimeError(_first_error(out) + "\n" + "\n".join(log))
 
 
-def _pch_job(cxx: str, torch_cflags: list[str]) -> tuple[_Job, list[str]]:
-    """The precompiled torch header (stale or not) and the flags that make a torch TU use it."""
-    copy, gch = BUILD / PCH.name, BUILD / (PCH.name + ".gch")
-    text = PCH.read_text()
-    if not copy.exists() or copy.read_text() != text:  # gcc finds the .gch next to the header -include names
-        copy.write_text(text)
-    cmd = [cxx, *COMMON, *torch_cflags, "-x", "c++-header", str(PCH), "-o", str(gch)]
-    return _Job(cmd, gch), ["-include", str(copy), "-Winvalid-pch"]
-
-
-def build(jobs: int | None = None, verbose: bool = False, variants: list[str] | None = None,
-          pch: bool = True) -> Path:
+def build(jobs: int | None = None, verbose: bool = False, variants: list[str] | None = None) -> Path:
     """Compile ``variants`` (default: the ones this CPU runs; scalar always) and link the extension when
     anything changed; returns its path or raises RuntimeError with the first error."""
     BUILD.mkdir(exist_ok=True)
@@ -215,22 +208,17 @@ def build(jobs: int | None = None, verbose: bool = False, variants: list[str] | 
         raise RuntimeError(f"C++ compiler '{cxx}' not found (set CXX or install g++)")
     variants = native_variants() if variants is None else variants
     torch_cflags, ldflags = _torch_flags()
-    headers = sorted(CSRC.glob("*.h"))
-    header, use_pch = _pch_job(cxx, torch_cflags) if pch else (None, [])
-    if header and not _stale(header.cmd, header.out, [PCH]):
-        header = None
+    included = sorted(CSRC.glob("*.h")) + [CSRC / name for name in TORCH_SOURCES]  # what -MMD may list
     srcs = sources(variants)
     todo = []
     for name, flags in srcs.items():
-        src, obj = CSRC / name, BUILD / (Path(name).stem + ".o")
-        torch_tu = name in TORCH_SOURCES
-        cmd = _command(cxx, src, obj, flags + (torch_cflags + use_pch if torch_tu else []))
-        inputs = [src, *_includes(obj, headers)] + ([BUILD / (PCH.name + ".gch")] if torch_tu and pch else [])
-        if (header and torch_tu) or _stale(cmd, obj, inputs):
-            todo.append(_Job(cmd, obj, torch_tu))
+        src, obj = (_glue() if name == GLUE else CSRC / name), BUILD / (Path(name).stem + ".o")
+        cmd = _command(cxx, src, obj, flags + (torch_cflags if name == GLUE else []))
+        if _stale(cmd, obj, [src, *_includes(obj, included)]):
+            todo.append(_Job(cmd, obj))
     todo.sort(key=lambda j: -COST.get(_source_name(j.cmd), 5))  # the longest first: none runs alone at the end
     log: list[str] = []
-    _compile_all(todo, header, jobs or os.cpu_count() or 1, verbose, log)
+    _compile_all(todo, jobs or os.cpu_count() or 1, verbose, log)
     target = extension_path()
     objs = [BUILD / (Path(n).stem + ".o") for n in srcs]
     link = [cxx, "-shared", *map(str, objs), "-o", str(target), *ldflags]
@@ -250,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: all CPUs)")
     ap.add_argument("-v", "--verbose", action="store_true", help="each compile with its wall time, and CPU totals")
-    ap.add_argument("--no-pch", action="store_true", help="parse the torch headers in every TU (for timing the PCH)")
     ap.add_argument("--variants", default=None,
                     help="comma-separated ISA variants to compile, e.g. avx512,avx2 (default: the ones this CPU runs; "
                          f"known: {', '.join(VARIANT_SOURCES)}; the scalar twins always)")
@@ -260,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANT_SOURCES)}")
     t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
-        path = build(args.jobs, args.verbose, variants, pch=not args.no_pch)
+        path = build(args.jobs, args.verbose, variants)
     except (RuntimeError, OSError, ImportError) as e:
         first, _, rest = str(e).partition("\n")
         BUILD.mkdir(exist_ok=True)

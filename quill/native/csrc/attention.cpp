@@ -23,7 +23,7 @@ namespace quill {
 namespace {
 
 template <class... A>
-[[noreturn]] void fail(const A&... parts) {
+[[noreturn]] void attention_fail(const A&... parts) {
   op_fail("decode_attention", parts...);
 }
 
@@ -31,7 +31,7 @@ template <class... A>
 // k or v as [B, Hkv, S, D] float32 with a contiguous last dimension (else a contiguous copy)
 at::Tensor rows_view(const at::Tensor& t, const char* name, int64_t b, int64_t d) {
   if (t.scalar_type() != at::kFloat || t.dim() != 4 || t.size(0) != b || t.size(3) != d)
-    fail("'", name, "' should be float32 [", b, ", Hkv, S, ", d, "], found ", t.dtype(), " ", t.sizes());
+    attention_fail("'", name, "' should be float32 [", b, ", Hkv, S, ", d, "], found ", t.dtype(), " ", t.sizes());
   return t.stride(3) == 1 ? t : t.contiguous();
 }
 
@@ -80,12 +80,12 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
                             const std::optional<at::Tensor>& mask_in, double scale, const std::string& isa) {
   const AttnHead head = backend_for(isa, "decode_attention").attn_head;
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
-    fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
+    attention_fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
   const int64_t B = q_in.size(0), H = q_in.size(1), D = q_in.size(3);
   const at::Tensor k = rows_view(k_in, "k", B, D), v = rows_view(v_in, "v", B, D);
   const int64_t hkv = k.size(1), S = k.size(2);
-  if (v.size(1) != hkv || v.size(2) != S) fail("'v' ", v.sizes(), " does not match 'k' ", k.sizes());
-  if (hkv == 0 || H % hkv) fail(H, " query heads are not a multiple of ", hkv, " KV heads");
+  if (v.size(1) != hkv || v.size(2) != S) attention_fail("'v' ", v.sizes(), " does not match 'k' ", k.sizes());
+  if (hkv == 0 || H % hkv) attention_fail(H, " query heads are not a multiple of ", hkv, " KV heads");
   const at::Tensor q = q_in.contiguous();  // [B, H, 1, D]
   at::Tensor mask;
   AttnArgs a;
@@ -93,7 +93,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
     const at::Tensor& m = *mask_in;
     if (m.scalar_type() != at::kBool || m.dim() != 4 || (m.size(0) != 1 && m.size(0) != B) || m.size(1) != 1 ||
         m.size(2) != 1 || m.size(3) != S)
-      fail("'mask' should be bool [B or 1, 1, 1, ", S, "], found ", m.dtype(), " ", m.sizes());
+      attention_fail("'mask' should be bool [B or 1, 1, 1, ", S, "], found ", m.dtype(), " ", m.sizes());
     mask = m.reshape({m.size(0), S}).contiguous();  // [B or 1, S]
     a.mask = reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>());
     a.mask_b = m.size(0) == 1 ? 0 : S;
@@ -119,24 +119,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
                                   const std::string& isa, int64_t window) {
   const AttnHead head = backend_for(isa, "decode_attention").attn_head;
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
-    fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
+    attention_fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
   const int64_t B = q_in.size(0), H = q_in.size(1), D = q_in.size(3);
-  if (const std::string problem = pools_problem(k, v, D); !problem.empty()) fail(problem);
+  if (const std::string problem = pools_problem(k, v, D); !problem.empty()) attention_fail(problem);
   const int64_t N = k.size(0), hkv = k.size(1);
-  if (hkv == 0 || H % hkv) fail(H, " query heads are not a multiple of ", hkv, " KV heads");
+  if (hkv == 0 || H % hkv) attention_fail(H, " query heads are not a multiple of ", hkv, " KV heads");
   if (slots_in.scalar_type() != at::kLong || slots_in.dim() != 2 || slots_in.size(0) != B)
-    fail("'slots' should be int64 [", B, ", S], found ", slots_in.dtype(), " ", slots_in.sizes());
+    attention_fail("'slots' should be int64 [", B, ", S], found ", slots_in.dtype(), " ", slots_in.sizes());
   if (lens_in.scalar_type() != at::kLong || lens_in.dim() != 1 || lens_in.size(0) != B)
-    fail("'lens' should be int64 [", B, "], found ", lens_in.dtype(), " ", lens_in.sizes());
+    attention_fail("'lens' should be int64 [", B, "], found ", lens_in.dtype(), " ", lens_in.sizes());
   const at::Tensor slots = slots_in.contiguous(), lens = lens_in.contiguous(), q = q_in.contiguous();
   const int64_t S = slots.size(1);
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {  // a bad table would read outside the pool: refuse it here
-    if (ln[b] < 1 || ln[b] > S) fail("sequence ", b, " has length ", ln[b], "; expected 1..", S);
+    if (ln[b] < 1 || ln[b] > S) attention_fail("sequence ", b, " has length ", ln[b], "; expected 1..", S);
     for (int64_t s = 0; s < ln[b]; ++s)
       if (sl[b * S + s] < 0 || sl[b * S + s] >= N)
-        fail("sequence ", b, " position ", s, " names pool row ", sl[b * S + s], "; the pool has ", N);
+        attention_fail("sequence ", b, " position ", s, " names pool row ", sl[b * S + s], "; the pool has ", N);
   }
   at::Tensor out = at::empty({B, H, 1, D}, q.options());
   AttnArgs a;
@@ -198,11 +198,11 @@ void store_kv_rows(const at::Tensor& src, at::Tensor& pool, const std::string& i
   const KVStore store = backend_for(isa, "store_kv").kv_store;
   auto fail = [](const auto&... parts) { op_fail("store_kv", parts...); };
   if (src.scalar_type() != at::kFloat || src.dim() != 2 || !src.is_contiguous())
-    fail("'src' should be contiguous float32 [n, w], found ", src.dtype(), " ", src.sizes());
+    attention_fail("'src' should be contiguous float32 [n, w], found ", src.dtype(), " ", src.sizes());
   const auto st = pool.scalar_type();
   if ((st != at::kFloat && st != at::kBFloat16 && st != at::kHalf) || pool.sizes() != src.sizes() ||
       !pool.is_contiguous())
-    fail("'pool' should be contiguous float32, bfloat16 or float16 ", src.sizes(), ", found ", pool.dtype(), " ",
+    attention_fail("'pool' should be contiguous float32, bfloat16 or float16 ", src.sizes(), ", found ", pool.dtype(), " ",
          pool.sizes());
   const int64_t n = src.size(0), w = src.size(1);
   char* dst = static_cast<char*>(pool.data_ptr());

@@ -20,7 +20,7 @@ namespace quill {
 namespace {
 
 template <class... A>
-[[noreturn]] void fail(const A&... parts) {
+[[noreturn]] void dense_fail(const A&... parts) {
   std::ostringstream s;
   (s << ... << parts);
   throw OpFailure(s.str());
@@ -32,11 +32,11 @@ class NativeDense final : public LinearOp {
   NativeDense(at::Tensor words, int64_t n, int64_t k, std::string dtype, std::string isa, int64_t threads)
       : words_(std::move(words)), isa_(isa), gemm_(backend_for(isa, "native dense").dense) {
     if (dtype != "bfloat16" && dtype != "float16")
-      fail("native dense: weight dtype '", dtype, "' is not supported; supported: bfloat16, float16");
+      dense_fail("native dense: weight dtype '", dtype, "' is not supported; supported: bfloat16, float16");
     const int64_t nb = (n + LANES - 1) / LANES, kp = (k + 1) / 2;
     if (n <= 0 || k <= 0 || words_.scalar_type() != at::kShort || !words_.is_contiguous() ||
         words_.sizes() != at::IntArrayRef({nb, kp, LANES, 2}))
-      fail("native dense: words should be contiguous int16 [", nb, ", ", kp, ", 16, 2] for a [", n, ", ", k,
+      dense_fail("native dense: words should be contiguous int16 [", nb, ", ", kp, ", 16, 2] for a [", n, ", ", k,
            "] weight, found ", words_.dtype(), " ", words_.sizes());
     w_.words = reinterpret_cast<const uint16_t*>(words_.data_ptr<int16_t>());
     w_.kp = kp;
@@ -48,7 +48,7 @@ class NativeDense final : public LinearOp {
   }
 
   void set_threads(int64_t t) {
-    if (t < 1) fail("native dense: threads must be at least 1, found ", t);
+    if (t < 1) dense_fail("native dense: threads must be at least 1, found ", t);
     threads_ = int(t);
   }
   int64_t threads() const override { return threads_; }
@@ -98,7 +98,7 @@ class NativeDense final : public LinearOp {
         !(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf)) {
       std::ostringstream s;
       s << x_in.dtype() << " " << x_in.sizes();
-      fail("native dense: input should be a float32/bfloat16/float16 CPU tensor [..., ", k_, "], found ", s.str());
+      dense_fail("native dense: input should be a float32/bfloat16/float16 CPU tensor [..., ", k_, "], found ", s.str());
     }
     const int64_t m = x_in.numel() / k_, ld = 2 * w_.kp;
     // float32 activations [M, 2 * KP] (widened exactly; the odd K's last pair padded with 0)
@@ -111,7 +111,7 @@ class NativeDense final : public LinearOp {
     at::Tensor bias;
     if (bias_in) {
       bias = bias_in->to(at::kFloat).contiguous();
-      if (bias.dim() != 1 || bias.size(0) != w_.n) fail("native dense: bias should have ", w_.n, " values");
+      if (bias.dim() != 1 || bias.size(0) != w_.n) dense_fail("native dense: bias should have ", w_.n, " values");
     }
     const auto out_dt = dt == at::kHalf ? at::kFloat : dt;  // float16 results are rounded by torch
     at::Tensor y = at::empty({m, w_.n}, x.options().dtype(out_dt));

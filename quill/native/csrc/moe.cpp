@@ -34,7 +34,7 @@ namespace quill {
 namespace {
 
 template <class... A>
-[[noreturn]] void fail(const A&... parts) {
+[[noreturn]] void moe_fail(const A&... parts) {
   op_fail("expert group", parts...);
 }
 
@@ -80,20 +80,20 @@ struct ExpertGroup::Work {
 };
 
 ExpertGroup::ExpertGroup(int64_t hidden, int64_t intermediate) : h_(hidden), i_(intermediate) {
-  if (h_ < 1 || i_ < 1) fail("hidden ", h_, " and intermediate ", i_, " should be positive");
+  if (h_ < 1 || i_ < 1) moe_fail("hidden ", h_, " and intermediate ", i_, " should be positive");
 }
 
 void ExpertGroup::add_expert(LinearOp* gate_up, LinearOp* down) {
   const int64_t e = num_experts();
-  if (gate_up == nullptr || down == nullptr) fail("expert ", e, ": gate_up and down are required");
+  if (gate_up == nullptr || down == nullptr) moe_fail("expert ", e, ": gate_up and down are required");
   if (gate_up->in_features() != h_ || gate_up->out_features() != 2 * i_)
-    fail("expert ", e, ": gate_up is [", gate_up->out_features(), ", ", gate_up->in_features(), "], expected [",
+    moe_fail("expert ", e, ": gate_up is [", gate_up->out_features(), ", ", gate_up->in_features(), "], expected [",
          2 * i_, ", ", h_, "]");
   if (down->in_features() != i_ || down->out_features() != h_)
-    fail("expert ", e, ": down is [", down->out_features(), ", ", down->in_features(), "], expected [", h_, ", ", i_,
+    moe_fail("expert ", e, ": down is [", down->out_features(), ", ", down->in_features(), "], expected [", h_, ", ", i_,
          "]");
   const int64_t a = gate_up->team_scratch(1), b = down->team_scratch(1);
-  if (a < 0 || b < 0) fail("expert ", e, ": a linear cannot run one token in a team call");
+  if (a < 0 || b < 0) moe_fail("expert ", e, ": a linear cannot run one token in a team call");
   scratch1_ = std::max({scratch1_, a, b});
   threads_ = std::max({threads_, gate_up->threads(), down->threads()});
   gate_up_.push_back(gate_up);
@@ -267,17 +267,17 @@ void ExpertGroup::ops_forward(const float* x, int64_t t, const int64_t* ids, con
 
 at::Tensor ExpertGroup::forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, bool team) const {
   if (x.scalar_type() != at::kFloat || x.dim() != 2 || x.size(1) != h_ || x.size(0) < 1 || !x.is_contiguous())
-    fail("'x' should be contiguous float32 [T, ", h_, "], T >= 1, found ", x.dtype(), " ", x.sizes());
+    moe_fail("'x' should be contiguous float32 [T, ", h_, "], T >= 1, found ", x.dtype(), " ", x.sizes());
   const int64_t t = x.size(0);
   if (ids.scalar_type() != at::kLong || ids.dim() != 2 || ids.size(0) != t || ids.size(1) < 1 || !ids.is_contiguous())
-    fail("'ids' should be contiguous int64 [", t, ", k], k >= 1, found ", ids.dtype(), " ", ids.sizes());
+    moe_fail("'ids' should be contiguous int64 [", t, ", k], k >= 1, found ", ids.dtype(), " ", ids.sizes());
   const int64_t k = ids.size(1);
   if (weights.scalar_type() != at::kFloat || weights.sizes() != ids.sizes() || !weights.is_contiguous())
-    fail("'weights' should be contiguous float32 ", ids.sizes(), ", found ", weights.dtype(), " ", weights.sizes());
+    moe_fail("'weights' should be contiguous float32 ", ids.sizes(), ", found ", weights.dtype(), " ", weights.sizes());
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t s = 0; s < t * k; ++s)
     if (id[s] < 0 || id[s] >= num_experts())
-      fail("ids[", s / k, ", ", s % k, "] = ", id[s], "; the group has ", num_experts());
+      moe_fail("ids[", s / k, ", ", s % k, "] = ", id[s], "; the group has ", num_experts());
   at::Tensor y = at::empty({t, h_}, x.options());
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(threads_, at::get_num_threads())));
   at::Tensor work_mem = at::empty({work_bytes(t, k, threads)}, x.options().dtype(at::kByte));

@@ -22,7 +22,7 @@ namespace quill {
 namespace {
 
 template <class... A>
-[[noreturn]] void fail(const A&... parts) {
+[[noreturn]] void mxfp4_fail(const A&... parts) {
   std::ostringstream s;
   (s << ... << parts);
   throw OpFailure(s.str());
@@ -37,9 +37,9 @@ class NativeMxfp4 final : public LinearOp {
     const IsaBackend& be = backend_for(isa, "native mxfp4");
     kernels_ = be.mxfp4;
     quantize_ = be.linear->quantize;
-    if (act != "float" && act != "int8") fail("native mxfp4: activations '", act, "' are not supported; supported: float, int8");
+    if (act != "float" && act != "int8") mxfp4_fail("native mxfp4: activations '", act, "' are not supported; supported: float, int8");
     int8_ = act == "int8";
-    if (n <= 0 || k <= 0 || k % MX_GROUP) fail("native mxfp4: a [", n, ", ", k, "] weight; in_features must be a positive multiple of 32");
+    if (n <= 0 || k <= 0 || k % MX_GROUP) mxfp4_fail("native mxfp4: a [", n, ", ", k, "] weight; in_features must be a positive multiple of 32");
     const int64_t nb = (n + LANES - 1) / LANES, g = k / MX_GROUP;
     check(codes_, {nb, g, 16, LANES}, "codes");
     check(scales_, {nb, g, LANES}, "scales");
@@ -54,7 +54,7 @@ class NativeMxfp4 final : public LinearOp {
   }
 
   void set_threads(int64_t t) {
-    if (t < 1) fail("native mxfp4: threads must be at least 1, found ", t);
+    if (t < 1) mxfp4_fail("native mxfp4: threads must be at least 1, found ", t);
     threads_ = int(t);
   }
   int64_t threads() const override { return threads_; }
@@ -95,14 +95,14 @@ class NativeMxfp4 final : public LinearOp {
         !(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf)) {
       std::ostringstream s;
       s << x_in.dtype() << " " << x_in.sizes();
-      fail("native mxfp4: input should be a float32/bfloat16/float16 CPU tensor [..., ", k_, "], found ", s.str());
+      mxfp4_fail("native mxfp4: input should be a float32/bfloat16/float16 CPU tensor [..., ", k_, "], found ", s.str());
     }
     const int64_t m = x_in.numel() / k_;
     const at::Tensor x = x_in.reshape({m, k_}).to(at::kFloat).contiguous();
     at::Tensor bias;
     if (bias_in) {
       bias = bias_in->to(at::kFloat).contiguous();
-      if (bias.dim() != 1 || bias.size(0) != w_.n) fail("native mxfp4: bias should have ", w_.n, " values");
+      if (bias.dim() != 1 || bias.size(0) != w_.n) mxfp4_fail("native mxfp4: bias should have ", w_.n, " values");
     }
     at::Tensor y = at::empty({m, w_.n}, x.options());
     at::Tensor scratch = at::empty({std::max<int64_t>(1, team_scratch(m))}, x.options().dtype(at::kByte));
@@ -128,7 +128,7 @@ class NativeMxfp4 final : public LinearOp {
       std::ostringstream s;
       s << "native mxfp4: tensor '" << what << "' should be contiguous uint8 " << at::IntArrayRef(shape) << ", found "
         << t.dtype() << " " << t.sizes();
-      fail(s.str());
+      mxfp4_fail(s.str());
     }
   }
 

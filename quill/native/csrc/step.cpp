@@ -44,7 +44,7 @@ namespace quill {
 namespace {
 
 template <class... A>
-[[noreturn]] void fail(const A&... parts) {
+[[noreturn]] void step_fail(const A&... parts) {
   op_fail("decoder step", parts...);
 }
 
@@ -55,7 +55,7 @@ void* pool_row(const at::Tensor& pool, int64_t slot) {
 
 void expect_f32(const at::Tensor& t, std::vector<int64_t> shape, const char* what) {
   if (t.scalar_type() != at::kFloat || t.sizes() != at::IntArrayRef(shape) || !t.is_contiguous())
-    fail("'", what, "' should be contiguous float32 ", at::IntArrayRef(shape), ", found ", t.dtype(), " ", t.sizes());
+    step_fail("'", what, "' should be contiguous float32 ", at::IntArrayRef(shape), ", found ", t.dtype(), " ", t.sizes());
 }
 
 // One linear and its bias.
@@ -69,11 +69,11 @@ struct Proj {
 
 Proj make_proj(LinearOp* op, std::optional<at::Tensor> bias, const char* what, int64_t k, int64_t n) {
   if (op->in_features() != k || op->out_features() != n)
-    fail(what, ": the linear is [", op->out_features(), ", ", op->in_features(), "], expected [", n, ", ", k, "]");
+    step_fail(what, ": the linear is [", op->out_features(), ", ", op->in_features(), "], expected [", n, ", ", k, "]");
   Proj p{op, bias, {}};
   if (bias) {
     p.bias_f32 = bias->to(at::kFloat).contiguous();
-    if (p.bias_f32.dim() != 1 || p.bias_f32.size(0) != n) fail(what, ": bias ", bias->sizes(), ", expected [", n, "]");
+    if (p.bias_f32.dim() != 1 || p.bias_f32.size(0) != n) step_fail(what, ": bias ", bias->sizes(), ", expected [", n, "]");
   }
   return p;
 }
@@ -99,13 +99,13 @@ struct Layer {
 std::vector<Proj> projs(const std::vector<LinearOp*>& ops, const std::vector<std::optional<at::Tensor>>& biases,
                         int64_t k, const std::vector<int64_t>& widths, const char* what) {
   if ((ops.size() != 1 && ops.size() != widths.size()) || biases.size() != ops.size())
-    fail(what, ": expected 1 merged or ", widths.size(), " separate linears with as many biases, found ", ops.size(),
+    step_fail(what, ": expected 1 merged or ", widths.size(), " separate linears with as many biases, found ", ops.size(),
          " and ", biases.size());
   int64_t total = 0;
   for (int64_t w : widths) total += w;
   std::vector<Proj> out;
   for (size_t i = 0; i < ops.size(); ++i) {
-    if (ops[i] == nullptr) fail(what, ": linear ", i, " is None");
+    if (ops[i] == nullptr) step_fail(what, ": linear ", i, " is None");
     out.push_back(make_proj(ops[i], biases[i], what, k, ops.size() == 1 ? total : widths[i]));
   }
   return out;
@@ -119,7 +119,7 @@ std::vector<at::Tensor> outputs(const std::vector<Proj>& ps, const at::Tensor& x
     const at::Tensor y = ps[0](x);  // [T, sum(widths)]
     int64_t total = 0;
     for (int64_t w : widths) total += w;
-    if (y.dim() != 2 || y.size(1) != total) fail(what, ": the merged linear gave ", y.sizes(), ", expected [T, ", total, "]");
+    if (y.dim() != 2 || y.size(1) != total) step_fail(what, ": the merged linear gave ", y.sizes(), ", expected [T, ", total, "]");
     int64_t at = 0;
     for (int64_t w : widths) {
       out.push_back(y.narrow(1, at, w));
@@ -130,7 +130,7 @@ std::vector<at::Tensor> outputs(const std::vector<Proj>& ps, const at::Tensor& x
   for (size_t i = 0; i < ps.size(); ++i) {
     out.push_back(ps[i](x));
     if (out.back().dim() != 2 || out.back().size(1) != widths[i])
-      fail(what, ": linear ", i, " gave ", out.back().sizes(), ", expected [T, ", widths[i], "]");
+      step_fail(what, ": linear ", i, " gave ", out.back().sizes(), ", expected [T, ", widths[i], "]");
   }
   return out;
 }
@@ -141,7 +141,7 @@ class DecoderStep {
               std::string isa)
       : e_(hidden), h_(heads), hkv_(kv_heads), d_(head_dim), i_(intermediate), scale_(scale), isa_(std::move(isa)) {
     if (e_ < 1 || h_ < 1 || hkv_ < 1 || d_ < 2 || d_ % 2 || i_ < 1 || h_ % hkv_)
-      fail("hidden ", e_, ", heads ", h_, ", kv_heads ", hkv_, ", head_dim ", d_, ", intermediate ", i_,
+      step_fail("hidden ", e_, ", heads ", h_, ", kv_heads ", hkv_, ", head_dim ", d_, ", intermediate ", i_,
            ": expected positive sizes, an even head_dim and heads a multiple of kv_heads");
   }
 
@@ -151,27 +151,27 @@ class DecoderStep {
                  LinearOp* down, std::optional<at::Tensor> down_bias, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, double qk_eps, at::Tensor k_pool, at::Tensor v_pool,
                  LinearOp* router, const ExpertGroup* experts, int64_t top_k, bool renormalize, int64_t window) {
-    if (window < 0) fail("window ", window, ": expected 0 (global) or a positive number of positions");
+    if (window < 0) step_fail("window ", window, ": expected 0 (global) or a positive number of positions");
     expect_f32(ln1, {e_}, "input_layernorm");
     expect_f32(ln2, {e_}, "post_attention_layernorm");
-    if (q_norm.has_value() != k_norm.has_value()) fail("q_norm and k_norm come together");
+    if (q_norm.has_value() != k_norm.has_value()) step_fail("q_norm and k_norm come together");
     if (q_norm) expect_f32(*q_norm, {d_}, "q_norm");
     if (k_norm) expect_f32(*k_norm, {d_}, "k_norm");
     if (k_pool.dim() != 3 || k_pool.size(1) != hkv_)
-      fail("'k_pool' should be [N, ", hkv_, ", ", d_, "], found ", k_pool.sizes());
-    if (const std::string problem = pools_problem(k_pool, v_pool, d_); !problem.empty()) fail(problem);
+      step_fail("'k_pool' should be [N, ", hkv_, ", ", d_, "], found ", k_pool.sizes());
+    if (const std::string problem = pools_problem(k_pool, v_pool, d_); !problem.empty()) step_fail(problem);
     if (!layers_.empty() && pool_type(k_pool) != kv_type_)
-      fail("layer ", layers_.size(), "'s pools are ", k_pool.dtype(), "; the first layer's are ",
+      step_fail("layer ", layers_.size(), "'s pools are ", k_pool.dtype(), "; the first layer's are ",
            layers_[0].k_pool.dtype(), " (one KV cache type for every layer)");
-    if (o == nullptr) fail("o_proj is required");
-    if ((down == nullptr) != (experts != nullptr)) fail("a layer takes either down_proj or routed experts");
+    if (o == nullptr) step_fail("o_proj is required");
+    if ((down == nullptr) != (experts != nullptr)) step_fail("a layer takes either down_proj or routed experts");
     Layer l;
     l.ln1 = std::move(ln1), l.ln2 = std::move(ln2), l.eps1 = eps1, l.eps2 = eps2, l.window = window;
     l.qkv = projs(qkv, qkv_bias, e_, {h_ * d_, hkv_ * d_, hkv_ * d_}, "q/k/v");
     l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d_, e_);
     if (experts != nullptr) {
       if (!gate_up.empty() || router == nullptr || experts->hidden() != e_ || top_k < 1 || top_k > experts->num_experts())
-        fail("an MoE layer takes a router, experts of hidden size ", e_, " and top_k in [1, ", experts->num_experts(),
+        step_fail("an MoE layer takes a router, experts of hidden size ", e_, " and top_k in [1, ", experts->num_experts(),
              "], no gate/up; found ", gate_up.size(), " gate/up linears, experts of hidden size ", experts->hidden(),
              ", top_k ", top_k);
       l.router = make_proj(router, std::nullopt, "router", e_, experts->num_experts());
@@ -194,16 +194,16 @@ class DecoderStep {
   // tokens in one call, runs the ops one after another (each splitting its own work) -- the same bits.
   at::Tensor forward(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                      const at::Tensor& ctx_slots, const at::Tensor& lens, bool team) const {
-    if (h_in.dim() != 2) fail("'h' should be float32 [T, ", e_, "], found ", h_in.sizes());
+    if (h_in.dim() != 2) step_fail("'h' should be float32 [T, ", e_, "], found ", h_in.sizes());
     const int64_t t = h_in.size(0);
     expect_f32(h_in, {t, e_}, "h");
     expect_f32(cos, {1, t, d_}, "cos");
     expect_f32(sin, {1, t, d_}, "sin");
     if (slots.scalar_type() != at::kLong || slots.sizes() != at::IntArrayRef({t}) || !slots.is_contiguous())
-      fail("'slots' should be contiguous int64 [", t, "], found ", slots.dtype(), " ", slots.sizes());
+      step_fail("'slots' should be contiguous int64 [", t, "], found ", slots.dtype(), " ", slots.sizes());
     const int64_t* sl = slots.data_ptr<int64_t>();
     for (int64_t i = 0; i < t; ++i)  // against the smallest pool of the layers
-      if (sl[i] < 0 || sl[i] >= rows_) fail("token ", i, " writes pool row ", sl[i], "; the pool has ", rows_);
+      if (sl[i] < 0 || sl[i] >= rows_) step_fail("token ", i, " writes pool row ", sl[i], "; the pool has ", rows_);
     if (team && team_scratch(t) >= 0) return forward_team(h_in, cos, sin, sl, ctx_slots, lens);
     at::Tensor h = h_in;
     for (const Layer& l : layers_) {
@@ -314,17 +314,17 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
   const int64_t t = h_in.size(0), kvd = hkv_ * d_, wqkv = h_ * d_ + 2 * kvd;
   // the context tables, checked as paged_decode_attention checks them
   if (ctx_slots.scalar_type() != at::kLong || ctx_slots.dim() != 2 || ctx_slots.size(0) != t || !ctx_slots.is_contiguous())
-    fail("'ctx_slots' should be contiguous int64 [", t, ", S], found ", ctx_slots.dtype(), " ", ctx_slots.sizes());
+    step_fail("'ctx_slots' should be contiguous int64 [", t, ", S], found ", ctx_slots.dtype(), " ", ctx_slots.sizes());
   if (lens.scalar_type() != at::kLong || lens.sizes() != at::IntArrayRef({t}) || !lens.is_contiguous())
-    fail("'lens' should be contiguous int64 [", t, "], found ", lens.dtype(), " ", lens.sizes());
+    step_fail("'lens' should be contiguous int64 [", t, "], found ", lens.dtype(), " ", lens.sizes());
   const int64_t s = ctx_slots.size(1);
   const int64_t* cs = ctx_slots.data_ptr<int64_t>();
   const int64_t* ln = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < t; ++b) {
-    if (ln[b] < 1 || ln[b] > s) fail("sequence ", b, " has length ", ln[b], "; expected 1..", s);
+    if (ln[b] < 1 || ln[b] > s) step_fail("sequence ", b, " has length ", ln[b], "; expected 1..", s);
     for (int64_t i = 0; i < ln[b]; ++i)
       if (cs[b * s + i] < 0 || cs[b * s + i] >= rows_)
-        fail("sequence ", b, " position ", i, " names pool row ", cs[b * s + i], "; the pool has ", rows_);
+        step_fail("sequence ", b, " position ", i, " names pool row ", cs[b * s + i], "; the pool has ", rows_);
   }
   const AttnHead head = backend_->attn_head;
   int threads = 1;
