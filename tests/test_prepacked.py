@@ -45,6 +45,18 @@ def _answer(llm: quill.LLM) -> tuple:
     return out.token_ids, [{k: (v.logprob, v.rank) for k, v in d.items()} for d in out.logprobs]
 
 
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """A random-weight Q4_0 Llama (hidden 256, 2 layers, 4096 token ids, no tokenizer): the cache's rules do
+    not depend on the model, and it loads in a tenth of the default model's time.  Load with ``IDS``."""
+    from quill.bench.llamacpp import write_1b_gguf
+    return write_1b_gguf(tmp_path_factory.mktemp("small"), None, hidden=256, ffn=512, heads=4, kv_heads=2, layers=2,
+                         name="small-q4_0.gguf", vocab=4096)
+
+
+IDS = {"skip_tokenizer_init": True}
+
+
 def _files(cache_dir: Path) -> list[Path]:
     return sorted((cache_dir / "prepacked").glob(f"*{SUFFIX}"))
 
@@ -130,10 +142,10 @@ def test_the_cache_file_is_a_checked_safetensors_file_of_kernel_layouts(tmp_path
     assert set(facts["key"]) >= {"kernels", "activation", "dtype", "isa", "cpu_flags", "quill", "native"}
 
 
-def _gguf_copy(tmp_path: Path) -> Path:
+def _gguf_copy(src: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "model" / "m.gguf"
     dst.parent.mkdir()
-    shutil.copyfile(default_model_path(), dst)
+    shutil.copyfile(src, dst)
     return dst
 
 
@@ -145,43 +157,42 @@ def _flip_last_byte(path: Path) -> None:
         f.write(bytes([b[0] ^ 0x01]))
 
 
-def test_a_changed_checkpoint_misses_and_supersedes_its_old_entry(tmp_path):
-    model = _gguf_copy(tmp_path)
+def test_a_changed_checkpoint_misses_and_supersedes_its_old_entry(small, tmp_path):
+    model = _gguf_copy(small, tmp_path)
     cache = tmp_path / "cache"
-    _load(model, cache)
+    _load(model, cache, **IDS)
     (first,) = _files(cache)
     os.utime(model)  # touched, same content: the digest is recomputed and still matches
-    assert _load(model, cache).cache_hit
+    assert _load(model, cache, **IDS).cache_hit
     _flip_last_byte(model)  # the last weight block of the last tensor: a valid file, other content
-    changed = _load(model, cache)
+    changed = _load(model, cache, **IDS)
     assert not changed.cache_hit
     (second,) = _files(cache)  # the old entry is gone: it can never be read again
     assert second != first
-    assert _answer(changed) == _answer(_load(model, None))
-    assert _load(model, cache).cache_hit
+    assert _answer(changed) == _answer(_load(model, None, **IDS))
+    assert _load(model, cache, **IDS).cache_hit
 
 
-def test_a_bfloat16_request_reads_the_float32_entry(tmp_path):
+def test_a_bfloat16_request_reads_the_float32_entry(small, tmp_path):
     """dtype="bfloat16" is not offered (it runs float32), so it shares float32's cache entry."""
     from quill.options import DtypeNotOfferedWarning
-    model = default_model_path()
-    _load(model, tmp_path)
+    _load(small, tmp_path, **IDS)
     with pytest.warns(DtypeNotOfferedWarning):
-        assert _load(model, tmp_path, dtype="bfloat16").cache_hit
+        assert _load(small, tmp_path, dtype="bfloat16", **IDS).cache_hit
     assert len(_files(tmp_path)) == 1
 
 
 @pytest.mark.parametrize("change", ["kernel", "isa", "version"])
-def test_each_part_of_the_key_invalidates(change, tmp_path, monkeypatch):
-    model = default_model_path()
+def test_each_part_of_the_key_invalidates(change, small, tmp_path, monkeypatch):
+    model = small
     # the kernel case compares with the A16 kernels: float activations (the GGUF default is int8-group)
-    base = _load(model, tmp_path, **({"activation_quant": "none"} if change == "kernel" else {}))
-    kw: dict = {}
+    base = _load(model, tmp_path, **IDS, **({"activation_quant": "none"} if change == "kernel" else {}))
+    kw: dict = dict(IDS)
     if change == "kernel":
-        kw = {"activation_quant": "int8"}  # native_w4a8 / native_w8a8 instead of the A16 kernels
+        kw |= {"activation_quant": "int8"}  # native_w4a8 / native_w8a8 instead of the A16 kernels
     elif change == "isa":
         p = detect()
-        kw = {"platform": p.limited_to("avx2") if p.has("avx512f") else
+        kw |= {"platform": p.limited_to("avx2") if p.has("avx512f") else
               dataclasses.replace(p, flags=p.flags | {"a_flag_this_cpu_lacks"})}
     else:
         monkeypatch.setattr(quill, "__version__", quill.__version__ + "+changed")
@@ -198,9 +209,9 @@ def test_each_part_of_the_key_invalidates(change, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["data", "truncated", "header"])
-def test_a_damaged_file_is_detected_rebuilt_and_never_used(damage, tmp_path, caplog):
-    model = default_model_path()
-    want = _answer(_load(model, tmp_path))
+def test_a_damaged_file_is_detected_rebuilt_and_never_used(damage, small, tmp_path, caplog):
+    model = small
+    want = _answer(_load(model, tmp_path, **IDS))
     (path,) = _files(tmp_path)
     if damage == "data":
         _flip_last_byte(path)
@@ -212,20 +223,20 @@ def test_a_damaged_file_is_detected_rebuilt_and_never_used(damage, tmp_path, cap
             f.seek(9)
             f.write(b"}}}}")
     with caplog.at_level("WARNING", logger="quill.prepacked"):
-        llm = _load(model, tmp_path)
+        llm = _load(model, tmp_path, **IDS)
     assert not llm.cache_hit
     assert f"deleted {path}, unusable: " in caplog.text and "rebuilding" in caplog.text
     assert {"data": "the data's checksum differs", "truncated": "truncated",
             "header": "the header does not begin with its 'header_checksum'"}[damage] in caplog.text
     assert _answer(llm) == want
-    assert _load(model, tmp_path).cache_hit  # rebuilt whole
+    assert _load(model, tmp_path, **IDS).cache_hit  # rebuilt whole
 
 
-def test_a_kernel_that_does_not_save_its_state_loads_uncached(tmp_path):
+def test_a_kernel_that_does_not_save_its_state_loads_uncached(small, tmp_path):
     # float activations: the torch kernel has none per group (the GGUF default)
-    llm = _load(default_model_path(), tmp_path, kernel="torch", activation_quant="none")
+    llm = _load(small, tmp_path, kernel="torch", activation_quant="none", **IDS)
     assert not llm.cache_hit and _files(tmp_path) == []
-    assert _answer(llm) == _answer(_load(default_model_path(), None, kernel="torch", activation_quant="none"))
+    assert _answer(llm) == _answer(_load(small, None, kernel="torch", activation_quant="none", **IDS))
 
 
 def test_an_moe_backend_that_does_not_save_its_state_loads_uncached(tmp_path):
@@ -237,7 +248,7 @@ def test_an_moe_backend_that_does_not_save_its_state_loads_uncached(tmp_path):
 
 CHILD = """
 import json, sys, quill
-llm = quill.LLM(sys.argv[1], threads=1, progress=False, cache=True, cache_dir=sys.argv[2])
+llm = quill.LLM(sys.argv[1], threads=1, progress=False, cache=True, cache_dir=sys.argv[2], skip_tokenizer_init=True)
 out = llm.generate([1, 504, 3458, 282], quill.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
 print(json.dumps({"hit": llm.cache_hit, "ids": out.token_ids}))
 """
@@ -255,8 +266,8 @@ def _children(model: Path, cache: Path, n: int) -> list[dict]:
     return outs
 
 
-def test_two_processes_loading_at_once_leave_one_whole_file(tmp_path):
-    model = default_model_path()
+def test_two_processes_loading_at_once_leave_one_whole_file(small, tmp_path):
+    model = small
     first = _children(model, tmp_path, 2)
     assert first[0]["ids"] == first[1]["ids"]
     files = list((tmp_path / "prepacked").iterdir())
