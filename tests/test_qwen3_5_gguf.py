@@ -20,7 +20,7 @@ from quill.models.base import ForwardContext
 from tests.llamacpp_util import convert, quantize, save_smollm2_tokenizer
 from tests.model_util import save_hf_dir
 from tests.moe_models_util import fuse_experts
-from tests.test_qwen3_5 import COMMON, hf_qwen3_5
+from tests.qwen3_5_util import COMMON, hf_qwen3_5
 
 VOCAB = 49152  # the SmolLM2 tokenizer the converter recognises
 PROMPT_LEN = 150  # longer than two chunks of 64

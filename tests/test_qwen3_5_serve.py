@@ -12,8 +12,8 @@ import pytest
 
 import quill
 from tests.model_util import save_hf_dir
+from tests.qwen3_5_util import hf_qwen3_5
 from tests.server_util import ServerProcess
-from tests.test_qwen3_5 import hf_qwen3_5
 
 # Qwen3's generation prompt when thinking: the answer starts inside <think> (the template's own words,
 # trimmed to what the tiny byte tokenizer needs).
