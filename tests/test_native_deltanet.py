@@ -57,9 +57,10 @@ def _inputs(b, hk, hv, dk, dv, g):
     return torch.randn(b, c, generator=g), torch.randn(b, hv * dv, generator=g), a, torch.randn(b, hv, generator=g) * 2
 
 
-def reference_step(qkv, z, a, b, layer, conv_state, state, hk):
+def reference_step(qkv, z, a, b, layer, conv_state, state, hk, tiled=False):
     """transformers' decode (causal_conv1d_update, torch_recurrent_gated_delta_rule with the q/k
-    l2norm, Qwen3_5RMSNormGated) in float64 on the rows of one batch: states updated in place."""
+    l2norm, Qwen3_5RMSNormGated) in float64 on the rows of one batch: states updated in place.
+    tiled: value head h reads key head h % Hk (llama.cpp's order of the value heads)."""
     w, hv, dk, dv = layer["conv_w"].double(), state.shape[1], state.shape[2], state.shape[3]
     window = torch.cat([conv_state, qkv[:, :, None]], dim=-1)  # [B, C, K]
     conv_state.copy_(window[:, :, 1:])
@@ -68,8 +69,9 @@ def reference_step(qkv, z, a, b, layer, conv_state, state, hk):
         x = x + layer["conv_b"].double()
     x = F.silu(x)
     q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
-    q = q.view(-1, hk, dk).repeat_interleave(hv // hk, dim=1)  # value head h reads key head h // (Hv / Hk)
-    k = k.view(-1, hk, dk).repeat_interleave(hv // hk, dim=1)
+    # value head h reads key head h // (Hv / Hk), or h % Hk tiled
+    q, k = (t.view(-1, hk, dk).repeat(1, hv // hk, 1) if tiled else t.view(-1, hk, dk).repeat_interleave(hv // hk, 1)
+            for t in (q, k))
     v = v.reshape(-1, hv, dv)
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / math.sqrt(dk)
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
@@ -84,18 +86,19 @@ def reference_step(qkv, z, a, b, layer, conv_state, state, hk):
     return (layer["norm_w"].double() * o * F.silu(z.view(-1, hv, dv))).reshape(len(z), -1)
 
 
-def _run(layer, qkv, z, a, b, conv_state, state, rows, isa):
+def _run(layer, qkv, z, a, b, conv_state, state, rows, isa, tiled=False):
     return EXT.deltanet_decode(qkv, z, a, b, layer["conv_w"], layer["conv_b"], layer["A_log"], layer["dt_bias"],
-                               layer["norm_w"], layer["eps"], conv_state, state, rows, isa)
+                               layer["norm_w"], layer["eps"], conv_state, state, rows, isa, tiled)
 
 
 def _rel(got, want):
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["hf-heads", "gguf-heads"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "hk{}-hv{}-dk{}-dv{}-K{}-bias{}".format(*c))
-def test_matches_float64_reference_over_many_steps(case, isa):
+def test_matches_float64_reference_over_many_steps(case, isa, tiled):
     hk, hv, dk, dv, kk, bias = case
     layer = _layer(*case)
     conv_state, state = _pools(hk, hv, dk, dv, kk)
@@ -105,9 +108,9 @@ def test_matches_float64_reference_over_many_steps(case, isa):
     worst = 0.0
     for _ in range(STEPS):
         qkv, z, a, b = _inputs(len(ROWS), hk, hv, dk, dv, g)
-        out = _run(layer, qkv, z, a, b, conv_state, state, rows, isa)
+        out = _run(layer, qkv, z, a, b, conv_state, state, rows, isa, tiled)
         rc, rs = ref_conv[rows], ref_state[rows]
-        want = reference_step(qkv.double(), z.double(), a.double(), b.double(), layer, rc, rs, hk)
+        want = reference_step(qkv.double(), z.double(), a.double(), b.double(), layer, rc, rs, hk, tiled)
         ref_conv[rows], ref_state[rows] = rc, rs
         assert out.shape == (len(ROWS), hv * dv) and out.dtype == torch.float32
         worst = max(worst, _rel(out, want))
@@ -117,8 +120,9 @@ def test_matches_float64_reference_over_many_steps(case, isa):
     assert torch.equal(state[others], _pools(hk, hv, dk, dv, kk)[1][others])
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["hf-heads", "gguf-heads"])
 @pytest.mark.parametrize("case", CASES[:2], ids=["dv20", "dv37"])
-def test_isa_variants_are_the_scalar_twin_bit_for_bit(case):
+def test_isa_variants_are_the_scalar_twin_bit_for_bit(case, tiled):
     hk, hv, dk, dv, kk, bias = case
     layer = _layer(*case, seed=3)
     rows = torch.tensor(ROWS)
@@ -126,9 +130,9 @@ def test_isa_variants_are_the_scalar_twin_bit_for_bit(case):
     g = torch.Generator().manual_seed(5)
     for _ in range(16):
         inputs = _inputs(len(ROWS), hk, hv, dk, dv, g)
-        want = _run(layer, *inputs, *pools["scalar"], rows, "scalar")
+        want = _run(layer, *inputs, *pools["scalar"], rows, "scalar", tiled)
         for isa in ISAS[1:]:
-            assert torch.equal(_run(layer, *inputs, *pools[isa], rows, isa), want), isa
+            assert torch.equal(_run(layer, *inputs, *pools[isa], rows, isa, tiled), want), isa
     for isa in ISAS[1:]:
         assert all(torch.equal(p, s) for p, s in zip(pools[isa], pools["scalar"])), isa
 

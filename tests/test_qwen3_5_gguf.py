@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import quill
+from quill import native
 from quill.formats.gguf.checkpoint import GGUFCheckpoint
 from quill.models.base import ForwardContext
+from quill.platform import detect
 from tests.llamacpp_util import convert, quantize, save_smollm2_tokenizer
 from tests.model_util import save_hf_dir
 from tests.moe_models_util import fuse_experts
@@ -90,10 +92,14 @@ def test_gguf_matches_transformers_on_its_weights(converted, qtype):
 
 
 def test_gguf_decodes_through_the_engine_as_the_full_forward(converted):
-    """Prefill then decode steps (the recurrent state carried, value heads in the file's tiled order) give
-    the tokens the whole-sequence forward picks."""
+    """Prefill then decode steps (the recurrent state carried, value heads in the file's tiled order, decode
+    tokens through the native update) give the tokens the whole-sequence forward picks."""
     _, files = converted
     llm = quill.LLM(str(files["Q8_0"]), skip_tokenizer_init=True, kv_cache_dtype="float32", activation_quant="none")
+    recurrent = [layer.linear_attn for layer in llm.model.model.layers if layer.recurrent]
+    assert recurrent and all(r.d.tiled for r in recurrent)
+    if native.load().module is not None:
+        assert all(r.isa == native.isa_for(detect()) for r in recurrent)
     ids = torch.randint(4, VOCAB, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     params = quill.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     got = llm.generate([ids], params)[0].token_ids

@@ -233,13 +233,12 @@ class GatedDeltaNet(nn.Module, Slot):
         decodes = [i for i, (_, n) in enumerate(state.segments) if n == 1]
         if not decodes or self.isa is None:
             return None
-        if self.d.tiled and self.d.value_heads != self.d.key_heads:
-            return None  # the native update reads value head h's key head as h // r (HF's order), not h % Hk
         rows = torch.tensor([state.segments[i][0] for i in decodes])
         # copies, updated in place, then staged: the engine keeps them once the whole step succeeded
         conv, s = (t.contiguous() for t in state.read(decodes))
         out = native_deltanet.decode(qkv[rows], z[rows], a[rows], b[rows], self.conv1d.weight, self.params["A_log"],
-                                     self.params["dt_bias"], self.norm.weight, self.norm.eps, conv, s, self.isa)
+                                     self.params["dt_bias"], self.norm.weight, self.norm.eps, conv, s, self.isa,
+                                     tiled=self.d.tiled)
         if out is None:
             return None
         state.write(decodes, [conv, s])

@@ -76,12 +76,13 @@ void deltanet_check_rows(const at::Tensor& rows, int64_t b, int64_t n, const cha
 namespace {
 
 // qkv [B, C], z [B, Hv dv], a and b [B, Hv] float32 (rows may be strided); the layer's weights
-// (deltanet_layer); conv_state [N, C, K - 1] and state [N, Hv, dk, dv] updated in place at rows [B]
-// -> [B, Hv dv], the gated-normed output out_proj reads.
+// (deltanet_layer); conv_state [N, C, K - 1] and state [N, Hv, dk, dv] updated in place at rows [B];
+// tiled: value head h reads key head h % Hk (GGUF's order) -> [B, Hv dv], the gated-normed output
+// out_proj reads.
 at::Tensor deltanet_decode(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& a_in, const at::Tensor& b_in,
                            const at::Tensor& conv_w, const std::optional<at::Tensor>& conv_b, const at::Tensor& a_log,
                            const at::Tensor& dt_bias, const at::Tensor& norm_w, double eps, at::Tensor& conv_state,
-                           at::Tensor& state, const at::Tensor& rows, const std::string& isa) {
+                           at::Tensor& state, const at::Tensor& rows, const std::string& isa, bool tiled) {
   constexpr const char* what = "deltanet_decode";
   const IsaBackend& be = backend_for(isa, what);
   DeltaNetArgs a = deltanet_layer(conv_w, conv_b, a_log, dt_bias, norm_w, eps, conv_state, state, what);
@@ -101,6 +102,7 @@ at::Tensor deltanet_decode(const at::Tensor& qkv, const at::Tensor& z, const at:
   a.rows = rows.data_ptr<int64_t>();
   a.x = x.data_ptr<float>(), a.out = out.data_ptr<float>(), a.ld_out = a.hv * a.dv;
   a.b_count = b;
+  a.tiled = tiled;
   // Another thread pays off once the passes read more than ~256 KiB of state.
   const int64_t state_bytes = b * a.hv * a.dk * a.dv * 4;
   const int threads = at::in_parallel_region() || state_bytes < (256 << 10)
@@ -133,7 +135,7 @@ void register_deltanet(pybind11::module_& m) {
   m.def("deltanet_decode", &deltanet_decode, py::arg("qkv"), py::arg("z"), py::arg("a"), py::arg("b"),
         py::arg("conv_w"), py::arg("conv_b"), py::arg("A_log"), py::arg("dt_bias"), py::arg("norm_w"),
         py::arg("eps"), py::arg("conv_state"), py::arg("state"), py::arg("rows"), py::arg("isa"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("tiled") = false, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill

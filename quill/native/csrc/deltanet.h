@@ -4,7 +4,8 @@
 // (causal_conv1d_update, then torch_recurrent_gated_delta_rule, then Qwen3_5RMSNormGated).
 //
 // Sizes: Hk key heads and Hv value heads (Hv a multiple of Hk: value head h reads key head
-// h / (Hv / Hk), transformers' repeat_interleave), head dims dk and dv, C = 2 Hk dk + Hv dv conv
+// h / (Hv / Hk), transformers' repeat_interleave; or h % Hk when `tiled`, the order llama.cpp's
+// converter stores the value heads in), head dims dk and dv, C = 2 Hk dk + Hv dv conv
 // channels (q, then k, then v), conv kernel K.  Two passes, each split across threads:
 //
 //  conv (per sequence, channel range): x = silu(sum_t w[c][t] * window[t]) over the last K
@@ -47,6 +48,7 @@ struct DeltaNetArgs {
   float* out = nullptr;           // [B, Hv * dv] (rows ld_out apart)
   int64_t ld_out = 0;
   int64_t b_count = 0, hk = 0, hv = 0, dk = 0, dv = 0, c = 0, k = 0;
+  bool tiled = false;  // value head h reads key head h % hk (GGUF), else h / (hv / hk) (transformers)
 };
 
 // Channels [c0, c1) of sequence i: conv step, conv state shifted, silu into x.

@@ -170,7 +170,7 @@ inline void update_read_tail(float* s, const float* k, const float* delta, const
 // Value head h of sequence i: normalised q / k of its key head, decay and beta, the delta rule on
 // its state [dk, dv], the gated RMSNorm into out.  scratch: dnet_scratch(dk, dv) floats.
 inline void head(const DeltaNetArgs& a, int64_t i, int64_t h, float* scratch) {
-  const int64_t dk = a.dk, dv = a.dv, kh = h / (a.hv / a.hk);
+  const int64_t dk = a.dk, dv = a.dv, kh = a.tiled ? h % a.hk : h / (a.hv / a.hk);
   const float* xr = a.x + i * a.c;  // [C]: q [Hk, dk], k [Hk, dk], v [Hv, dv]
   const float* xq = xr + kh * dk;
   const float* xk = xr + a.hk * dk + kh * dk;
