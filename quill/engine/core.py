@@ -403,7 +403,8 @@ class EngineCore:
             rows[seq] = list(range(len(want), len(want) + len(picked)))
             want += picked
         layout = StepLayout.build(pieces, self.blocks.block_size)
-        if self.native_step is not None and layout.one_row_per_sequence(len(batch)):  # every token a decode
+        if self.native_step is not None and (layout.one_row_per_sequence(len(batch)) or (
+                self.states is None and layout.all_decodes())):  # every token a decode
             ctx = ForwardContext(torch.tensor([positions]), None, None, torch.tensor(want, dtype=torch.int64),
                                  layers=partial(self.native_step, layout))
         else:
