@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quill.engine.spec_config import SpeculativeConfig
 from quill.errors import ConfigError, ModelError
 from quill.platform import ISA_CHOICES
 
@@ -80,7 +81,7 @@ class Flag:
     name: str  # e.g. "--act-quant"
     help: str
     choices: tuple[str, ...] = ()
-    kind: str = "str"  # "str", "int" or "bool"; how a string value (build_app, lm-eval model_args) converts
+    kind: str = "str"  # "str", "int", "bool" or "json"; how a string value (build_app, lm-eval model_args) converts
     negated: bool = False  # a bool field whose flag turns it off ("--no-cache" sets cache=False)
 
 
@@ -116,6 +117,10 @@ class RunOptions:
                               "saved after a first load)", kind="bool", negated=True)
     cache_dir: str | None = _opt(None, "--cache-dir", "the prepacked cache's directory (default: "
                                  "$QUILL_CACHE_DIR, else ~/.cache/quill)")
+    speculative_config: dict | None = _opt(
+        None, "--speculative-config", "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 3}' (n-gram prompt "
+        "lookup; draft_model is not implemented yet)", kind="json")
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -127,6 +132,8 @@ class RunOptions:
             raise OptionError(f"dtype '{self.dtype}' is not supported; supported: {', '.join(DTYPES)} "
                              f"({', '.join(NOT_OFFERED)} is accepted and runs as float32)")
         ActQuant.parse(self.activation_quant)
+        spec = SpeculativeConfig.parse(self.speculative_config)  # JSON text or a dict; checked before loading
+        set_("speculative_config", None if spec is None else spec.as_dict())
         for f in dataclasses.fields(self):
             _check(f.name, getattr(self, f.name), f.metadata["flag"], f.default)
 
@@ -158,6 +165,8 @@ class RunOptions:
 def _check(name: str, value, flag: Flag, default) -> None:
     if value is None and default is None:
         return
+    if flag.kind == "json":  # parsed and checked by its own class (SpeculativeConfig)
+        return
     if flag.kind == "int":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise OptionError(f"{name}: expected a positive integer, found {value!r}")
@@ -175,7 +184,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 def _from_string(name: str, value, flag: Flag):
     """A string value converted to the field's kind; other values pass through (checked by the class)."""
-    if not isinstance(value, str) or flag.kind == "str":
+    if not isinstance(value, str) or flag.kind in ("str", "json"):
         return value
     text = value.strip().lower()
     if text in ("", "none", "auto"):

@@ -25,10 +25,12 @@ REAL = Path(__file__).resolve().parent / "data" / "real"
 # every field away from its default, as flags and as the options object they must give
 FLAGS = ["--dtype", "bfloat16", "--act-quant", "none", "--kv-cache-dtype", "float32", "--threads", "3",
          "--kernel", "native_w4a16", "--moe-backend", "reference", "--isa", "avx2", "--max-model-len", "99",
-         "--offline", "--no-cache", "--cache-dir", "/tmp/quill-options-test"]
+         "--offline", "--no-cache", "--cache-dir", "/tmp/quill-options-test",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+SPEC = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 WANT = RunOptions(dtype="float32", activation_quant="none", kv_cache_dtype="float32", threads=3, kernel="native_w4a16",
                   moe_backend="reference", isa="avx2", max_model_len=99, offline=True, cache=False,
-                  cache_dir="/tmp/quill-options-test")
+                  cache_dir="/tmp/quill-options-test", speculative_config=SPEC)
 # each model command with what it needs besides the options
 COMMANDS = {"generate": ["generate", "hi"], "chat": ["chat"], "inspect": ["inspect", "model.gguf"], "serve": ["serve"],
             "eval perplexity": ["eval", "perplexity", "--pydoc-topics"],
@@ -100,9 +102,10 @@ def test_build_app_takes_every_option_as_strings():
     ray = pytest.importorskip("quill.serving.ray")
     options = ray.build_options({"replicas": "2", "threads_per_replica": "1", "isa": "avx2", "cache": "false",
                                  "offline": "true", "activation_quant": "none", "kv_cache_dtype": "float32",
-                                 "max_model_len": "99", "cache_dir": "/tmp/c", "max_num_seqs": "4"})
+                                 "max_model_len": "99", "cache_dir": "/tmp/c", "max_num_seqs": "4",
+                                 "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'})
     want = RunOptions(isa="avx2", cache=False, offline=True, activation_quant="none", kv_cache_dtype="float32",
-                      max_model_len=99, cache_dir="/tmp/c", threads=1)
+                      max_model_len=99, cache_dir="/tmp/c", threads=1, speculative_config=SPEC)
     assert_same(RunOptions(**options.replica_llm_kwargs), want, "build_app")
     assert options.engine_config.max_num_seqs == 4
     with pytest.raises(ConfigError, match="unknown argument 'threads'.*threads_per_replica"):
@@ -123,11 +126,12 @@ def test_a_replica_llm_runs_what_the_options_say(tmp_path):
     """The replica's keywords as quill.LLM takes them: isa, cache, activations and KV cache arrive."""
     ray = pytest.importorskip("quill.serving.ray")
     options = ray.build_options({"replicas": "1", "isa": "avx2", "cache": "false", "activation_quant": "none",
-                                 "kv_cache_dtype": "float32"})
+                                 "kv_cache_dtype": "float32", "speculative_config": '{"method": "ngram"}'})
     llm = quill.LLM(options.model, engine_config=options.engine_config, progress=False, **options.replica_llm_kwargs)
     assert llm.options == RunOptions(**options.replica_llm_kwargs)
     assert llm.cache is None and llm.platform.isa_level == "avx2" and llm.activation is ActQuant.NONE
     assert llm.engine.kv_cache_dtype == "float32"
+    assert llm.engine.speculator is not None and llm.engine.config.speculative.num_speculative_tokens == 3
 
 
 def test_lm_eval_model_args_are_the_spec():

@@ -133,6 +133,28 @@ class BlockManager:
             self.ref[block] = 1
             seq.block_table.append(block)
 
+    def reserve_ahead(self, seq: Sequence, extra: int) -> int:
+        """Room for ``extra`` positions past ``seq``'s tokens (speculative drafts) from free blocks only, never
+        from another sequence; how many of them it got."""
+        want = self.blocks_for(seq.num_tokens + extra) - len(seq.block_table)
+        for _ in range(min(max(0, want), self.num_free)):
+            block = self._take_free()
+            self.ref[block] = 1
+            seq.block_table.append(block)
+        return max(0, min(extra, len(seq.block_table) * self.block_size - seq.num_tokens))
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past ``seq``'s computed tokens (rejected drafts' positions).  They hold nothing
+        reusable, so they go to the front of the free list, taken first."""
+        keep = max(self.blocks_for(seq.num_computed), seq.num_hashed)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)
+                self._cached_free += self.key[block] is not None
+
     def register_computed(self, seq: Sequence) -> None:
         """Key every full block whose KV is now computed, so later prompts can reuse it."""
         if not self.prefix_caching:

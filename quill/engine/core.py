@@ -25,11 +25,14 @@ from torch import nn
 
 from quill.engine.block_manager import BlockManager
 from quill.engine.kv_cache import PagedKVCache, StepLayout
+from quill.engine.limits import PromptLimits
 from quill.engine.memory import available_ram
 from quill.engine.sampling import Logprob, SamplingParams, process_logits, sample_token, token_logprobs
 from quill.engine.scheduler import Scheduler
 from quill.engine.scoring import PromptScores, ScoreAccumulator, ScoreSpec
 from quill.engine.sequence import Sequence, Status
+from quill.engine.spec_config import SpeculativeConfig
+from quill.engine.speculative import Speculator, verify, verify_token
 from quill.engine.state_cache import StatePool, state_bytes
 from quill.engine.structured import GrammarCompiler, constrain
 from quill.errors import GenerationError
@@ -61,6 +64,8 @@ class EngineConfig:
     # and half the bytes decode attention reads per token at long contexts; each k / v is rounded to
     # nearest even as it is stored, attention still computes in float32
     kv_cache_dtype: str = "auto"
+    # speculative decoding (quill.engine.speculative); None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -73,6 +78,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise GenerationError(f"EngineConfig.kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, "
                                   f"found {self.kv_cache_dtype!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise GenerationError(f"EngineConfig.speculative: expected a SpeculativeConfig, found "
+                                  f"{type(self.speculative).__name__}")
         if not 0.0 < self.kv_cache_fraction <= 0.9:
             raise GenerationError(f"EngineConfig.kv_cache_fraction: expected (0, 0.9], found {self.kv_cache_fraction}")
 
@@ -82,7 +90,7 @@ class StepOutput:
     """What one step says about one request."""
 
     request_id: str
-    new_token_ids: list[int]  # tokens sampled this step (0 or 1)
+    new_token_ids: list[int]  # tokens sampled this step (0, 1, or more with speculative decoding)
     logprobs: list[dict[int, Logprob]] | None  # one dict per new token when params.logprobs is set
     prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, with the first token, if asked
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error" at the end
@@ -91,44 +99,6 @@ class StepOutput:
     num_cached_tokens: int  # prompt tokens taken from the prefix cache (not recomputed)
     scores: PromptScores | None = None  # once, with the first token, for a scored request
     error: str | None = None  # finish_reason "error": what failed ("ExceptionType: message")
-
-
-@dataclass(frozen=True)
-class PromptLimits:
-    """The facts a prompt is checked against: vocabulary, context window and KV pool size."""
-
-    vocab: int
-    context_length: int
-    block_size: int
-    num_blocks: int
-
-    def check(self, prompt_token_ids: Seq[int], label: str = "prompt") -> list[int]:
-        """The prompt as a list, or a GenerationError naming what is wrong with it."""
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise GenerationError(f"{label} is empty")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab]
-        if bad:
-            raise GenerationError(f"{label}: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab})")
-        if len(ids) > self.context_length:
-            raise GenerationError(f"{label} has {len(ids)} tokens, longer than the context window of "
-                                  f"{self.context_length} tokens")
-        if -(-(len(ids) + 1) // self.block_size) > self.num_blocks:
-            raise GenerationError(f"{label} has {len(ids)} tokens, more than the KV cache holds "
-                                  f"({self.num_blocks * self.block_size} tokens)")
-        return ids
-
-    def check_params(self, params: SamplingParams) -> None:
-        """A GenerationError naming the field if ``params`` refer to token ids outside the vocabulary
-        (``SamplingParams`` checks everything that does not depend on the model itself)."""
-        bad = [t for t in params.stop_token_ids if t >= self.vocab]
-        if bad:
-            raise GenerationError(f"SamplingParams.stop_token_ids: token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {self.vocab})")
-        bad = [t for t in params.logit_bias or () if t >= self.vocab]
-        if bad:
-            raise GenerationError(f"SamplingParams.logit_bias: token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {self.vocab})")
 
 
 @dataclass
@@ -150,6 +120,9 @@ class EngineStats:
     state_slots_total: int = 0
     state_bytes: int = 0  # the recurrent-state pool, out of the same budget as the KV blocks
     grammar_compiles: int = 0  # structured-output grammars compiled (a spec seen before is not; cumulative)
+    spec_decode_num_drafts: int = 0  # speculative verifications that had drafts (cumulative)
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified
+    spec_decode_num_accepted_tokens: int = 0  # of them kept
 
 
 class EngineCore:
@@ -188,7 +161,9 @@ class EngineCore:
             log.info("prefix caching: off (the model keeps per-sequence recurrent state)")
         # what a prompt must satisfy here (checkable anywhere, e.g. by a Ray ingress that holds no model)
         self.limits = PromptLimits(self.vocab, context_length, self.config.block_size, num_blocks)
-        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.speculator = self._speculator()
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.speculator)
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = 0
@@ -198,6 +173,14 @@ class EngineCore:
         self._forward_faults = 0  # steps in a row whose forward failed for every request
         self.grammars = grammars
         self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}  # queued once compiled
+
+    def _speculator(self) -> Speculator | None:
+        spec = self.config.speculative
+        if spec is not None and self.states is not None:
+            # a recurrent state that has seen a rejected draft cannot be undone
+            log.info("speculative decoding: off (the model keeps per-sequence recurrent state)")
+            return None
+        return None if spec is None else Speculator(spec, self.context_length)
 
     def _pool_bytes(self, per_block: int) -> int:
         c = self.config
@@ -290,7 +273,11 @@ class EngineCore:
                            b.queried_tokens, b.hit_tokens, self.prompt_tokens_total, self.generation_tokens_total,
                            s.num_preemptions, self.num_aborted, self.num_failed, b.prefix_caching,
                            st.num_used if st else 0, st.num_slots if st else 0, st.nbytes() if st else 0,
-                           self.grammars.compiles if self.grammars else 0)
+                           self.grammars.compiles if self.grammars else 0, *self._spec_counts())
+
+    def _spec_counts(self) -> tuple[int, int, int]:
+        c = self.speculator.counters if self.speculator is not None else None
+        return (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) if c else (0, 0, 0)
 
     # ---- one step -----------------------------------------------------------------
     @torch.inference_mode()
@@ -312,7 +299,9 @@ class EngineCore:
         except Exception as e:  # find the request it belongs to, if any (a cold path)
             groups = self._forward_apart(batch, scored, e, outputs)
         for part, logits, rows in groups:
-            sampled = [(seq, rows[seq][-1]) for seq, n in part if seq.num_computed + n == seq.num_tokens]
+            # the rows tokens are taken from: the last, or with drafts all k + 1 (logit_bias applies to each)
+            sampled = [(seq, r) for seq, n in part if seq.num_computed + n >= seq.num_tokens
+                       for r in rows[seq][-1 - len(seq.drafts):]]
             constrain(logits, sampled, self.grammars)  # grammar bitmasks and logit_bias, before sampling
             for seq, n in part:
                 try:  # free in CPython 3.11 unless it raises
@@ -353,7 +342,9 @@ class EngineCore:
     def _advance(self, seq: Sequence, n: int, logits: torch.Tensor, rows: list[int],
                  pos: range | None) -> StepOutput | None:
         """``seq``'s ``n`` tokens were computed: its scores and prompt log-probs, and its next token once
-        its prompt is done."""
+        its prompt is done (with drafts: the tokens verification keeps, quill.engine.speculative)."""
+        if seq.drafts:
+            return verify(self.speculator, seq, logits, rows, self._sample, self.blocks)
         if pos is not None:
             skip = pos.start - seq.num_computed if seq.wants_prompt_logprobs else 0  # all rows picked
             seq.scorer.add(logits[rows[skip:skip + len(pos)]], pos)
@@ -402,17 +393,18 @@ class EngineCore:
         tokens, positions, pieces, want, rows = [], [], [], [], {}
         for seq, n in batch:
             start = len(tokens)
-            tokens += seq.tokens[seq.num_computed:seq.num_computed + n]
+            tokens += seq.tokens[seq.num_computed:seq.num_computed + n - len(seq.drafts)] + seq.drafts
             positions += range(seq.num_computed, seq.num_computed + n)
             pieces.append((seq.block_table, seq.num_computed, n, len(seq.prompt)))
-            picked = range(start, start + n) if seq.wants_prompt_logprobs else (
+            picked = range(start, start + n) if seq.wants_prompt_logprobs or seq.drafts else (
                 [start + n - 1] if seq.num_computed + n == seq.num_tokens else [])
             if seq in scored:  # scored rows come before the sampled one
                 picked = sorted({*picked, *(start + p - seq.num_computed for p in scored[seq])})
             rows[seq] = list(range(len(want), len(want) + len(picked)))
             want += picked
         layout = StepLayout.build(pieces, self.blocks.block_size)
-        if self.native_step is not None and layout.one_row_per_sequence(len(batch)):  # every token a decode
+        if self.native_step is not None and (layout.one_row_per_sequence(len(batch)) or (
+                self.states is None and layout.all_decodes())):  # every token a decode
             ctx = ForwardContext(torch.tensor([positions]), None, None, torch.tensor(want, dtype=torch.int64),
                                  layers=partial(self.native_step, layout))
         else:
@@ -446,12 +438,14 @@ class EngineCore:
         if seq.num_computed >= len(seq.prompt):
             seq.prompt_logprobs = acc
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+    def _sample(self, seq: Sequence, logits: torch.Tensor, draft: int | None = None) -> StepOutput:
+        """The next token from ``logits`` [V] (with a ``draft``: kept or replaced by speculative verification)."""
         p = seq.params
         processed = process_logits(logits, p, seq.prompt, seq.output, self.eos)
         if seq.grammar is not None and not torch.isfinite(processed).any():
             processed = logits  # min_tokens banned EOS where the grammar allows nothing else: the grammar wins
-        token = sample_token(processed, p, torch.empty(0, dtype=torch.int64), seq.generator)
+        token = (sample_token(processed, p, torch.empty(0, dtype=torch.int64), seq.generator) if draft is None
+                 else verify_token(processed, p, draft, seq.generator))
         if seq.grammar is not None:
             seq.grammar.accept(token)
         lp = [token_logprobs(torch.log_softmax(logits, -1), token, p.logprobs)] if p.logprobs is not None else None

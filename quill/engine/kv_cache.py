@@ -87,6 +87,12 @@ class StepLayout:
         """Every row a decode and no sequence with two (what the native decode step runs)."""
         return not self.prefills and self.decode_rows.numel() == num_sequences
 
+    def all_decodes(self) -> bool:
+        """Every row a decode, a sequence possibly with several (speculative drafts): the native decode step
+        runs these too, for a model without recurrent state -- it stores every row's keys and values before
+        any row attends, and each row reads its own context length."""
+        return not self.prefills and self.decode_rows.numel() == self.slots.numel()
+
 
 def _slots(table: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Block table int64 [..., B] -> the slot of every position its blocks hold, int64 [..., B * block_size]."""

@@ -27,6 +27,7 @@ from quill.engine.output import OutputProcessor, RequestFailed, RequestState, St
 from quill.engine.sampling import Logprob, SamplingParams
 from quill.engine.scoring import PromptScores, ScoreSpec
 from quill.engine.sequence import Timings
+from quill.engine.spec_config import SpeculativeConfig
 from quill.engine.startup import load_model
 from quill.engine.structured import GrammarCompiler
 from quill.errors import ConfigError, GenerationError, KernelSelectionError
@@ -124,6 +125,10 @@ class LLM:
         cache: use the prepacked cache (default: on unless ``$QUILL_CACHE=0``): the kernel layouts are
             saved after the first load (on a thread) and read back on later ones (``quill.prepacked``).
         cache_dir: where (default ``$QUILL_CACHE_DIR``, else ``~/.cache/quill``).
+        speculative_config: speculative decoding, vLLM's dict or its JSON text:
+            ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}``
+            (``quill.engine.spec_config``; n-gram prompt lookup; "draft_model" is not implemented yet).
+            Greedy output is the same tokens as without it; sampled output has the same distribution.
 
     These keywords (all but model, skip_tokenizer_init, seed, progress, platform and engine_config) are
     ``quill.options.RunOptions``' fields: ``LLM(model, **options.llm_kwargs())`` runs ``options``.
@@ -139,13 +144,18 @@ class LLM:
                  offline: bool = False, progress: bool | None = None, platform: Platform | None = None,
                  isa: str = "native",
                  engine_config: EngineConfig | None = None, kv_cache_dtype: str | None = None,
-                 cache: bool | None = None, cache_dir: str | os.PathLike | None = None):
+                 cache: bool | None = None, cache_dir: str | os.PathLike | None = None,
+                 speculative_config: Mapping[str, Any] | str | None = None):
         # every option checked here, before the model loads (OptionError names the keyword)
         self.options = RunOptions(dtype=dtype, activation_quant=activation_quant, kv_cache_dtype=kv_cache_dtype,
                                   threads=threads, kernel=kernel, moe_backend=moe_backend, isa=isa,
-                                  max_model_len=max_model_len, offline=offline, cache=cache, cache_dir=cache_dir)
+                                  max_model_len=max_model_len, offline=offline, cache=cache, cache_dir=cache_dir,
+                                  speculative_config=speculative_config)
         if kv_cache_dtype is not None:
             engine_config = dataclasses.replace(engine_config or EngineConfig(), kv_cache_dtype=kv_cache_dtype)
+        if self.options.speculative_config is not None:
+            engine_config = dataclasses.replace(engine_config or EngineConfig(),
+                                                speculative=SpeculativeConfig.parse(self.options.speculative_config))
         self.platform = _limited(platform or detect(), isa)
         self.threads = self.options.threads or self.platform.physical_cores
         # native kernels get the count explicitly (LoadContext); torch's own ops (attention over
@@ -195,7 +205,12 @@ class LLM:
             i.summary.startswith("W") and "A8" in i.summary.split()[0] for i in self.loaded.layers)
         acts = describe_activations(self.options.act_quant, self.activation, is_gguf(self.path), prescribed)
         kv = describe_kv_cache(engine_config.kv_cache_dtype if engine_config else None, self.engine.kv_cache_dtype)
-        return {"activations": acts, "KV cache": kv}
+        out = {"activations": acts, "KV cache": kv}
+        spec = self.engine.config.speculative
+        if spec is not None:  # said only when asked for: on, or why not
+            out["speculation"] = spec.describe() if self.engine.speculator is not None else (
+                "off: the model keeps per-sequence recurrent state, which a rejected draft would corrupt")
+        return out
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ its last chunk has finish reason "error" and ``error`` says what failed; the oth
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,13 +113,15 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:  # aborted by its caller between steps
                 continue
-            try:  # free in CPython 3.11 unless it raises
-                chunk = self._apply(state, out)
-            except Exception as e:  # its text or log-probs failed: this request alone ends
-                chunk = self._failed(state, out, e)
-            if state.finish_reason is not None:
-                self.states.pop(state.rid, None)
-            events.append((state, chunk))
+            for one in per_token(out):
+                try:  # free in CPython 3.11 unless it raises
+                    chunk = self._apply(state, one)
+                except Exception as e:  # its text or log-probs failed: this request alone ends
+                    chunk = self._failed(state, one, e)
+                events.append((state, chunk))
+                if state.finish_reason is not None:  # a stop string ends it here, whatever came after
+                    self.states.pop(state.rid, None)
+                    break
         return events
 
     def _failed(self, state: RequestState, out: StepOutput, error: Exception) -> StreamChunk:
@@ -162,6 +165,20 @@ class OutputProcessor:
             return lps
         return {t: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([t], skip_special_tokens=False))
                 for t, lp in lps.items()}
+
+
+def per_token(out: StepOutput) -> list[StepOutput]:
+    """One StepOutput per new token: a speculative step takes several, and the text layer sees them one at a
+    time, so stop strings, finish and log-probs come out as they would one step each."""
+    n = len(out.new_token_ids)
+    if n <= 1:
+        return [out]
+    return [dataclasses.replace(out, new_token_ids=[t], logprobs=None if out.logprobs is None else [out.logprobs[i]],
+                                finish_reason=out.finish_reason if i == n - 1 else None,
+                                stop_reason=out.stop_reason if i == n - 1 else None,
+                                prompt_logprobs=out.prompt_logprobs if i == 0 else None,
+                                scores=out.scores if i == 0 else None)
+            for i, t in enumerate(out.new_token_ids)]
 
 
 def check_prompt_ids(ids: Sequence) -> list[int]:

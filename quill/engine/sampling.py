@@ -181,9 +181,14 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
     logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution [V] a non-greedy ``sample_token`` draws from (temperature, then top-k / top-p / min-p);
+    speculative verification keeps or rejects a draft against exactly this."""
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
-    probs = torch.softmax(logits, -1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(logits, -1)
 
 
 # ---- log-probabilities -------------------------------------------------------

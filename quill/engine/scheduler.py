@@ -4,7 +4,8 @@ Every step (nano-vllm's scheduler, with chunked prefill):
 
 1. every running sequence that is decoding gets its one token, oldest first; when one
    cannot grow (no free block), the newest running sequence is preempted (its blocks
-   freed, back to the front of the queue, recomputed from its tokens later);
+   freed, back to the front of the queue, recomputed from its tokens later); then, with
+   speculative decoding, each gets its drafts as far as free blocks and the budget allow;
 2. running sequences in the middle of a prefill get their next chunk;
 3. waiting sequences are admitted while there are sequence slots, KV blocks and token
    budget, each with as much of its prompt as the budget allows.
@@ -25,8 +26,10 @@ from quill.engine.sequence import Sequence, Status
 class Scheduler:
     """Waiting queue and running set of an engine; ``schedule()`` plans one step."""
 
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.blocks = blocks
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, speculator=None):
+        """``speculator``: a ``quill.engine.speculative.Speculator`` whose drafts decoding sequences run with
+        their token (None: no speculation)."""
+        self.blocks, self.speculator = blocks, speculator
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -52,6 +55,8 @@ class Scheduler:
             self.blocks.append_slot(seq)
             batch.append((seq, 1))
             budget -= 1
+        if self.speculator is not None:
+            budget = self._speculate(batch, budget)
         for seq in self.running:  # prefills under way: their next chunk
             if budget and seq.in_prefill:
                 n = min(seq.num_tokens - seq.num_computed, budget)
@@ -69,6 +74,20 @@ class Scheduler:
             batch.append((seq, n))
             budget -= n
         return batch
+
+    def _speculate(self, batch: list[tuple[Sequence, int]], budget: int) -> int:
+        """Give decoding sequences their drafts, after every decode has its token: a draft's blocks come from
+        free ones only (a decode that needed one would otherwise preempt someone), within the budget."""
+        for i, (seq, _) in enumerate(batch):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted by a later decode of this step
+                continue
+            drafts = self.speculator.propose(seq, budget)
+            seq.drafts = drafts[:self.blocks.reserve_ahead(seq, len(drafts))] if drafts else []
+            batch[i] = (seq, 1 + len(seq.drafts))
+            budget -= len(seq.drafts)
+        return budget
 
     def _make_room(self, seq: Sequence) -> bool:
         """Preempt the newest running sequences until ``seq`` can grow; False if ``seq`` itself was preempted."""

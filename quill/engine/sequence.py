@@ -65,6 +65,10 @@ class Sequence:
     # structured outputs: the grammar's matcher (quill.engine.structured.GrammarState), once compiled; it has
     # seen exactly ``output``, which a preemption keeps, so it is never rolled back
     grammar: Any = None
+    # speculative decoding (quill.engine.speculative): tokens proposed to follow ``tokens``, run with the last
+    # one this step (positions num_tokens ..), and the sequence's adaptive state (SpecState)
+    drafts: list[int] = field(default_factory=list)
+    spec: Any = None
     timings: Timings = field(default_factory=Timings)
     started: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
@@ -98,5 +102,6 @@ class Sequence:
     def restart(self) -> None:
         """Back to waiting with nothing computed (preempted): what the prompt's rows gave so far is dropped."""
         self.status, self.num_computed = Status.WAITING, 0
+        self.drafts = []
         if self.prompt_logprobs is None:
             self.prompt_acc = None  # rebuilt from position 0 (a scorer instead skips what it already holds)

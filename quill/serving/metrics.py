@@ -43,6 +43,24 @@ ENGINE_COUNTERS = (
     ("quill_grammar_compiles", "grammar_compiles", "Structured-output grammars compiled (a spec seen before is not)"),
 )
 
+# speculative decoding, under vLLM's names (its v1 counters; the acceptance rate is its v0 gauge), so dashboards
+# made for vLLM read them; exported by quill serve (0 while speculation is off)
+SPEC_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts", "Verification steps that had draft tokens"),
+    ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified"),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+)
+
+
+def spec_gauges(s: EngineStats) -> tuple[tuple[str, float, str], ...]:
+    """Acceptance rate (accepted / drafted) and mean acceptance length (tokens a verification step emits:
+    1 + accepted / drafts, vLLM's definition in its logs)."""
+    rate = s.spec_decode_num_accepted_tokens / s.spec_decode_num_draft_tokens if s.spec_decode_num_draft_tokens else 0.0
+    mean = 1.0 + s.spec_decode_num_accepted_tokens / s.spec_decode_num_drafts if s.spec_decode_num_drafts else 0.0
+    return (("vllm:spec_decode_draft_acceptance_rate", rate, "Accepted draft tokens / draft tokens"),
+            ("quill_spec_decode_mean_acceptance_length", mean,
+             "Tokens emitted per verification step with drafts (1 + accepted / drafts)"))
+
 
 class _EngineCollector:
     """Gauges and counters read from ``stats()`` on every scrape."""
@@ -57,6 +75,14 @@ class _EngineCollector:
                 m = family(name, doc, labels=["model_name"])
                 m.add_metric([self.model], getattr(s, field))
                 yield m
+        for name, field, doc in SPEC_COUNTERS:
+            m = CounterMetricFamily(name, doc, labels=["model_name"])
+            m.add_metric([self.model], getattr(s, field))
+            yield m
+        for name, value, doc in spec_gauges(s):
+            m = GaugeMetricFamily(name, doc, labels=["model_name"])
+            m.add_metric([self.model], value)
+            yield m
 
 
 class ServerMetrics:
