@@ -196,14 +196,14 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, 
 // pool [n, w] float32 / bfloat16 / float16 (contiguous) = src [n, w] float32 as the decode step stores k / v rows
 void store_kv_rows(const at::Tensor& src, at::Tensor& pool, const std::string& isa) {
   const KVStore store = backend_for(isa, "store_kv").kv_store;
-  auto fail = [](const auto&... parts) { op_fail("store_kv", parts...); };
+  auto store_fail = [](const auto&... parts) { op_fail("store_kv", parts...); };
   if (src.scalar_type() != at::kFloat || src.dim() != 2 || !src.is_contiguous())
-    attention_fail("'src' should be contiguous float32 [n, w], found ", src.dtype(), " ", src.sizes());
+    store_fail("'src' should be contiguous float32 [n, w], found ", src.dtype(), " ", src.sizes());
   const auto st = pool.scalar_type();
   if ((st != at::kFloat && st != at::kBFloat16 && st != at::kHalf) || pool.sizes() != src.sizes() ||
       !pool.is_contiguous())
-    attention_fail("'pool' should be contiguous float32, bfloat16 or float16 ", src.sizes(), ", found ", pool.dtype(), " ",
-         pool.sizes());
+    store_fail("'pool' should be contiguous float32, bfloat16 or float16 ", src.sizes(), ", found ", pool.dtype(), " ",
+               pool.sizes());
   const int64_t n = src.size(0), w = src.size(1);
   char* dst = static_cast<char*>(pool.data_ptr());
   for (int64_t r = 0; r < n; ++r) store(dst + r * w * pool.element_size(), src.data_ptr<float>() + r * w, w, pool_type(pool));
