@@ -129,18 +129,30 @@ class BlockManager:
     def append_slot(self, seq: Sequence) -> None:
         """Make room for token ``seq.num_tokens`` (the one about to be computed)."""
         if self.blocks_for(seq.num_tokens) > len(seq.block_table):
-            block = self._take_free()
-            self.ref[block] = 1
-            seq.block_table.append(block)
+            self._grow(seq)
+
+    def _grow(self, seq: Sequence) -> None:
+        """One free block onto the end of ``seq``'s table."""
+        block = self._take_free()
+        self.ref[block] = 1
+        seq.block_table.append(block)
+
+    def _release(self, block: int, reuse_first: bool = False) -> None:
+        """One reference to ``block`` dropped; at none it is free (taken first if ``reuse_first``: it holds
+        nothing a prompt could reuse; else last, kept for the prefix cache as long as possible)."""
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self.free[block] = None
+            if reuse_first:
+                self.free.move_to_end(block, last=False)
+            self._cached_free += self.key[block] is not None
 
     def reserve_ahead(self, seq: Sequence, extra: int) -> int:
         """Room for ``extra`` positions past ``seq``'s tokens (speculative drafts) from free blocks only, never
         from another sequence; how many of them it got."""
         want = self.blocks_for(seq.num_tokens + extra) - len(seq.block_table)
         for _ in range(min(max(0, want), self.num_free)):
-            block = self._take_free()
-            self.ref[block] = 1
-            seq.block_table.append(block)
+            self._grow(seq)
         return max(0, min(extra, len(seq.block_table) * self.block_size - seq.num_tokens))
 
     def trim(self, seq: Sequence) -> None:
@@ -148,12 +160,7 @@ class BlockManager:
         reusable, so they go to the front of the free list, taken first."""
         keep = max(self.blocks_for(seq.num_computed), seq.num_hashed)
         while len(seq.block_table) > keep:
-            block = seq.block_table.pop()
-            self.ref[block] -= 1
-            if self.ref[block] == 0:
-                self.free[block] = None
-                self.free.move_to_end(block, last=False)
-                self._cached_free += self.key[block] is not None
+            self._release(seq.block_table.pop(), reuse_first=True)
 
     def register_computed(self, seq: Sequence) -> None:
         """Key every full block whose KV is now computed, so later prompts can reuse it."""
@@ -173,10 +180,7 @@ class BlockManager:
     def free_blocks(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (last first, so a prompt's tail is evicted before its head)."""
         for block in reversed(seq.block_table):
-            self.ref[block] -= 1
-            if self.ref[block] == 0:
-                self.free[block] = None
-                self._cached_free += self.key[block] is not None
+            self._release(block)
         seq.block_table = []
         seq.num_hashed = 0
         if seq.state_slot is not None:
