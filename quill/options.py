@@ -105,7 +105,8 @@ class RunOptions:
         None, "--kv-cache-dtype", "element type of the KV cache (default auto = float16, llama.cpp's default: "
         "half the memory and what decode attention reads); float32 for the exact cache",
         choices=KV_CACHE_DTYPES)
-    threads: int | None = _opt(None, "--threads", "CPU threads (default: physical cores)", kind="int")
+    threads: int | None = _opt(None, "--threads", "CPU threads (default: the physical cores this process may use)",
+                               kind="int")
     kernel: str | None = _opt(None, "--kernel", "force one linear kernel by name (see `quill info`)")
     moe_backend: str | None = _opt(None, "--moe-backend", "force one MoE backend by name (grouped, reference)")
     isa: str = _opt("native", "--isa", "avx2: run the kernel variants of an AVX2-only CPU (Zen 2/3) on this "

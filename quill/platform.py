@@ -74,6 +74,12 @@ class Platform:
         return replace(self, flags=self.flags - _ISA_CEILINGS[isa])
 
     @property
+    def default_threads(self) -> int:
+        """Threads a run uses unless told: one per physical core, no more than this process may run on (a
+        container's cpuset or taskset, where more threads would only take turns on the same CPUs)."""
+        return max(1, min(self.physical_cores, self.usable_cpus or self.physical_cores))
+
+    @property
     def is_zen(self) -> bool:
         return self.vendor == "AMD" and self.microarch.startswith("zen")
 

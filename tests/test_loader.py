@@ -101,13 +101,13 @@ def test_hub_ids_offline(tmp_path, monkeypatch):
         resolve_model(str(tmp_path / "not-here"))
 
 
-def test_threads_default_to_physical_cores(saved):
+def test_threads_default_to_the_physical_cores_this_process_may_use(saved):
     before = torch.get_num_threads()
     try:
         quill.LLM(str(saved), skip_tokenizer_init=True, threads=1)
         assert torch.get_num_threads() == 1
         llm = quill.LLM(str(saved), skip_tokenizer_init=True)
-        assert llm.threads == detect().physical_cores == torch.get_num_threads()
+        assert llm.threads == detect().default_threads == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
 

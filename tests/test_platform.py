@@ -1,6 +1,7 @@
 """Platform detection from recorded /proc/cpuinfo texts and a fake sysfs tree."""
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,12 @@ def test_detect_this_machine():
     assert 1 <= p.physical_cores <= p.logical_cpus
     assert p.usable_cpus is None or 1 <= p.usable_cpus
     assert p.isa_level in ("amx", "avx512_vnni", "avx512", "avx_vnni", "avx2", "scalar")
+
+
+def test_default_threads_are_the_physical_cores_this_process_may_use():
+    """A container's cpuset or taskset caps the default: more threads than usable CPUs only take turns."""
+    p = Platform(physical_cores=8, logical_cpus=16)
+    assert p.default_threads == 8  # affinity unknown: every physical core
+    assert replace(p, usable_cpus=16).default_threads == 8  # SMT siblings are not extra threads
+    assert replace(p, usable_cpus=3).default_threads == 3
+    assert replace(p, physical_cores=0).default_threads == 1

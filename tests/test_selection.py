@@ -203,6 +203,6 @@ def test_the_runs_thread_count_reaches_native_kernels_explicitly():
         assert lin.kernel_name.startswith("native") and lin.config.threads == threads
         assert lin.state.handle.threads == threads
     default = build_quant_linear(_weight(), KernelSelector(here))
-    assert default.state.handle.threads == max(1, here.physical_cores)
+    assert default.state.handle.threads == here.default_threads
     with pytest.raises(KernelSelectionError, match="threads must be a positive integer, found 0"):
         KernelSelector(here, threads=0)

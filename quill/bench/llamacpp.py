@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     platform = detect()
     if args.isa == "avx2":
         platform = platform.limited_to("avx2")
-    threads = args.threads or platform.physical_cores
+    threads = args.threads or platform.default_threads
     files = list(args.gguf or [default_gguf()])
     if args.write_1b:
         files.append(write_1b_gguf(args.write_1b, default_gguf()))

@@ -218,7 +218,7 @@ class ModelBench:
 def run(path: Path, platform: Platform, modes: list[str], dtype: str = "float32", threads: int | None = None,
         prompt: int = 512, gen: int = 128, batch: int = 8, runs: int = 5,
         log: Callable[[str], None] = print) -> ModelBench:
-    threads = threads or platform.physical_cores
+    threads = threads or platform.default_threads
     l3 = platform.cache("L3") or (32 << 20)
     before = memory.measure(l3, threads)
     log(f"DRAM read before: {before.best_all:.1f} GB/s")

@@ -105,7 +105,7 @@ def run_kernels(args) -> int:
     if args.plot:
         report.require_matplotlib()  # fail before the run, not after it
     platform = detect().limited_to(args.isa)
-    threads = args.threads or platform.physical_cores
+    threads = args.threads or platform.default_threads
     torch.set_num_threads(threads)
     shapes = [(4096, 4096)] if args.quick else (_shapes(args.shapes) if args.shapes else list(kb.SHAPES))
     tokens = (1, 128) if args.quick else tuple(_ints(args.m, "m") if args.m else kb.TOKENS)

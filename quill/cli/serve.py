@@ -215,7 +215,7 @@ def run_ray(args) -> int:
     lo = args.min_replicas if args.min_replicas is not None else 1
     hi = args.max_replicas if args.max_replicas is not None else lo
     # every replica that may run gets its share of this machine's cores unless told otherwise
-    threads = args.threads_per_replica or max(1, detect().physical_cores // (replicas or hi))
+    threads = args.threads_per_replica or max(1, detect().default_threads // (replicas or hi))
     llm = run_options(args).llm_kwargs()  # every model option, as the one-engine server passes them
     engine = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "kv_cache_memory": parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,

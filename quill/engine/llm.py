@@ -105,7 +105,7 @@ class LLM:
             activations, GGUF too; "int8": int8 activations (W4A8 / W8A8), one scale per token;
             "int8-group": one scale per token and weight group.  A checkpoint that prescribes its own
             activation quantization (W8A8) always gets it.  ``llm.activation`` is what it resolved to.
-        threads: torch threads (default: the physical cores).
+        threads: torch threads (default: the physical cores this process may run on, see taskset or a cpuset).
         kernel: force one linear kernel by name (default: the best that can run each layer).
         moe_backend: force one MoE backend by name (default: the best that can run each MoE layer).
         skip_tokenizer_init: load no tokenizer; prompts must then be token ids and outputs have no text.
@@ -157,7 +157,7 @@ class LLM:
             engine_config = dataclasses.replace(engine_config or EngineConfig(),
                                                 speculative=SpeculativeConfig.parse(self.options.speculative_config))
         self.platform = _limited(platform or detect(), isa)
-        self.threads = self.options.threads or self.platform.physical_cores
+        self.threads = self.options.threads or self.platform.default_threads
         # native kernels get the count explicitly (LoadContext); torch's own ops (attention over
         # prompts, norms on the torch path) only read the process-wide pool size
         torch.set_num_threads(self.threads)

@@ -52,12 +52,12 @@ class LinearLayerConfig:
     @classmethod
     def from_weight(cls, w: QuantizedWeight, platform: Platform, threads: int | None = None) -> "LinearLayerConfig":
         """Describe ``w`` (with its ``activation`` already resolved by the caller); ``threads`` defaults
-        to the platform's physical cores."""
+        to the platform's default threads (physical cores this process may use)."""
         return cls(
             in_features=w.in_features, out_features=w.out_features, bits=w.bits, group_size=w.group_size,
             symmetric=w.symmetric, has_offsets=w.offsets is not None, act_order=w.has_act_order,
             act=act_kind(w.activation), act_symmetric=w.activation is None or w.activation.symmetric,
-            platform=platform, threads=threads or max(1, platform.physical_cores), two_level=w.two_level,
+            platform=platform, threads=threads or platform.default_threads, two_level=w.two_level,
             uniform_bits=None if w.codebook is None else w.uniform_bits(),
             codebook=None if w.codebook is None else tuple(w.codebook.tolist()), e8m0_scales=w.scales.dtype == E8M0,
         )

@@ -114,7 +114,7 @@ class PrioritySelector:
 
     def __post_init__(self):
         if self.threads is None:
-            self.threads = max(1, self.platform.physical_cores)
+            self.threads = self.platform.default_threads
         elif isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise KernelSelectionError(f"threads must be a positive integer, found {self.threads!r}")
         self.policy.validate(self.registry)
