@@ -1,7 +1,45 @@
 """Test-wide settings."""
 
+import functools
 import os
 
 # Loads in tests neither read nor write the prepacked cache (~/.cache/quill) unless a test asks for it
 # (tests/test_prepacked.py): a kernel a test patches must not meet a layout an earlier run cached.
 os.environ["QUILL_CACHE"] = "0"
+
+
+def _cache_gguf_name_maps() -> None:
+    """transformers' GGUF loader (an oracle here) builds gguf-py's TensorNameMap for every tensor it renames
+    (~400 times per load, ~15 s on a 2-core machine): the map is a pure function of (architecture, layer
+    count), so the tests keep one per key."""
+    try:
+        import gguf
+    except ImportError:
+        return
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker runs on its own CPU: two workers on two cores, each process sized to
+    one (quill's threads, torch's pool, the native team), instead of two teams of two spinning against
+    each other on the same cores."""
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is not None and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) > 1:
+            os.sched_setaffinity(0, {cpus[int(worker.removeprefix("gw")) % len(cpus)]})
+        os.environ["OMP_NUM_THREADS"] = "1"
+    _cache_gguf_name_maps()  # after the pin: gguf imports numpy, whose BLAS sizes its threads on import
+
+
+# The modules that take longest (seconds on a 2-core Zen 3, one process), run first: pytest-xdist hands
+# each worker one module at a time as it frees up (`--dist loadfile --no-loadscopereorder`), so starting
+# with the long ones lets the two workers finish together instead of one waiting on a late Ray module.
+LONGEST_FIRST = ("test_ray_serve", "test_gguf_kquants", "test_gguf_default_model", "test_prepacked",
+                 "test_serve_http", "test_serve", "test_bench", "test_native_step", "test_cli", "test_qwen3_5_gguf",
+                 "test_speculative", "test_serve_fuzz", "test_gguf_tokenizer", "test_serve_faults", "test_lm_eval")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's order stays

@@ -44,8 +44,9 @@ def write_gguf(path: Path, arch: str, kv=(), tensors=(), alignment: int | None =
 
 
 def without_tokenizer(src: Path, dst: Path) -> Path:
-    """A copy of ``src`` without its ``tokenizer.*`` metadata, tensors byte for byte: for an oracle that
-    reads token ids only (gguf-py spends most of a small model's load parsing a 49k-token vocabulary)."""
+    """A copy of ``src`` without its vocabulary (the ``tokenizer.*`` arrays: tokens, scores, types, merges;
+    the special token ids stay), tensors byte for byte: for an oracle that reads token ids only (gguf-py
+    spends most of a small model's load parsing a 49k-token vocabulary, twice per transformers load)."""
     from quill.formats.gguf.file import GGUFFile
 
     if dst.exists():
@@ -55,7 +56,8 @@ def without_tokenizer(src: Path, dst: Path) -> Path:
     w = GGUFWriter(str(dst), arch)
     kinds = {bool: V.BOOL, int: V.UINT32, float: V.FLOAT32, str: V.STRING}
     for key, value in f.metadata.items():
-        if key.startswith("tokenizer.") or key in ("general.architecture", "GGUF.version"):
+        if (key.startswith("tokenizer.") and isinstance(value, list)) or key in ("general.architecture",
+                                                                                   "GGUF.version"):
             continue
         if isinstance(value, list):
             w.add_key_value(key, value, V.ARRAY, kinds[type(value[0])])

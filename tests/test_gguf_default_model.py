@@ -13,6 +13,7 @@ from quill.formats.checkpoint import open_checkpoint
 from quill.formats.gguf.checkpoint import GGUFCheckpoint
 from quill.formats.gguf.file import GGUFFile
 from quill.formats.gguf.quants import block_weight
+from tests.gguf_util import without_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +27,13 @@ def ckpt(path):
 
 
 @pytest.fixture(scope="module")
-def hf_state(path):
-    """transformers' own GGUF load (gguf-py dequantization + its q/k reverse permutation), float32."""
+def hf_state(path, tmp_path_factory):
+    """transformers' own GGUF load (gguf-py dequantization + its q/k reverse permutation), float32, of the
+    file without its vocabulary (tensors and every other field byte for byte; the config needs no tokens)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    ids_only = without_tokenizer(path, tmp_path_factory.mktemp("ids") / path.name)
+    model = AutoModelForCausalLM.from_pretrained(ids_only.parent, gguf_file=ids_only.name)
     return model.config, {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -117,15 +120,20 @@ def test_prompt_prefilled_in_chunks(path, kernel):
     last need no logits, so the (quantized, tied) LM head gets no rows: the reference and torch
     kernels once failed there on the default model with any prompt over 256 tokens."""
     import quill
-    from quill.engine.core import EngineConfig
+    from quill.engine.core import EngineConfig, EngineCore
 
     prompt = [(7 * i) % 3000 + 100 for i in range(40)]
     sp = quill.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     # float activations: the torch kernel has no per-group int8 ones (the GGUF default)
-    tokens = [quill.LLM(path, kernel=kernel, skip_tokenizer_init=True, engine_config=EngineConfig(**cfg),
-                        activation_quant="none")
-             .generate([prompt], sp)[0].token_ids for cfg in ({"max_num_batched_tokens": 16}, {})]
-    assert tokens[0] == tokens[1]
+    llm = quill.LLM(path, kernel=kernel, skip_tokenizer_init=True, activation_quant="none",
+                    engine_config=EngineConfig(max_num_batched_tokens=16))
+    tokens = [llm.generate([prompt], sp)[0].token_ids]
+    core = EngineCore(llm.model, llm.eos_token_ids, llm.context_length, EngineConfig(), isa=llm.engine.cache.isa)
+    core.add_request("whole", prompt, sp)  # the same weights, the prompt in one step
+    whole = []
+    while core.has_unfinished_requests():
+        whole += [t for o in core.step() for t in o.new_token_ids]
+    assert len(whole) == 4 and tokens[0] == whole
 
 
 def test_int8_activations_per_group_are_as_close_as_llama_cpps(path):
