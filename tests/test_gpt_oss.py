@@ -1,0 +1,184 @@
+"""gpt-oss (quill/models/gpt_oss.py): tiny random transformers models against transformers' eager float32
+forward: log-probabilities at every position of a prompt several windows long (whole and chunked prefill),
+32 greedy tokens, batched = alone, preempted = uninterrupted; the attention sinks matter (zeroed, the
+log-probabilities move far beyond the tolerance, so an attention path ignoring them fails); an HF MXFP4
+checkpoint (stacked ``*_blocks`` / ``*_scales`` experts) against transformers on its dequantized weights; the
+native decode step says why it does not run these layers; the harmony chat template renders.  GGUF files:
+tests/test_gpt_oss_gguf.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import quill
+from quill.engine.core import EngineConfig, EngineCore
+from quill.engine.scoring import ScoreSpec
+from tests.model_util import save_hf_dir
+
+WINDOW = 16
+ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+# odd sizes; layers 0 and 2 slide (window 16), 1 and 3 see everything; 4 experts, top-2
+CONFIG = dict(vocab_size=320, hidden_size=72, intermediate_size=40, num_hidden_layers=4, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=WINDOW,
+              num_local_experts=4, num_experts_per_tok=2, rope_parameters=ROPE)
+PROMPT = [int(t) for t in torch.randint(4, 320, (100,), generator=torch.Generator().manual_seed(11))]
+
+
+def randomized(model):
+    """``model`` with larger bfloat16-valued weights (far from uniform logits), biases and sinks away from 0 (the
+    sinks large enough that ignoring them moves every log-probability well past the tolerance)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn_like(p) + 1.0)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.2)
+            p.copy_(p.bfloat16().float())
+    return model.eval()
+
+
+def hf_gpt_oss(seed: int = 0, **overrides):
+    import transformers
+    cfg = transformers.GptOssConfig(**{**CONFIG, **overrides})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomized(transformers.GptOssForCausalLM(cfg))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    hf = hf_gpt_oss(seed=1)
+    d = save_hf_dir(hf, tmp_path_factory.mktemp("gpt_oss"), tokenizer=False)
+    return hf, quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def core(llm, **cfg) -> EngineCore:
+    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                      EngineConfig(**{"kv_cache_dtype": "float32", "block_size": 8, **cfg}), isa=llm.engine.cache.isa)
+
+
+def scored(llm, prompt: list[int], chunk: int = 256) -> torch.Tensor:
+    """quill's log-probability of every prompt token after the first, through the engine's paged cache."""
+    c = core(llm, max_num_batched_tokens=chunk)
+    c.add_request("s", prompt, quill.SamplingParams(max_tokens=1), score=ScoreSpec())
+    got = None
+    while c.has_unfinished_requests():
+        for o in c.step():
+            got = o.scores.token_logprobs if o.scores is not None else got
+    return got
+
+
+def greedy(c: EngineCore, prompts: dict[str, list[int]], n: int = 32) -> dict[str, list[int]]:
+    params = quill.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for rid, p in prompts.items():
+        c.add_request(rid, p, params)
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while c.has_unfinished_requests():
+        for o in c.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+def test_the_model_describes_gpt_oss(pair):
+    _, llm = pair
+    specs = llm.model.decoder_layer_specs()
+    assert [s.attention.window for s in specs] == [WINDOW, None, WINDOW, None]
+    assert all(s.attention.sinks is not None and s.attention.qkv_bias and s.attention.o_bias for s in specs)
+    assert specs[0].ffn.activation == "swiglu_clamped(1.702,7.0)" and specs[0].ffn.router_bias
+    assert llm.model.rotary.scale == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)  # YaRN's
+    assert llm.context_length == 256
+
+
+@pytest.mark.parametrize("chunk", [256, 24])
+def test_logprobs_match_transformers_at_every_position(pair, chunk):
+    hf, llm = pair
+    got, ref = scored(llm, PROMPT, chunk), hf_logprobs(hf, PROMPT)
+    assert got.shape == ref.shape and (got - ref).abs().max() < 1e-3
+
+
+def test_the_sinks_matter(pair):
+    """Zeroing every layer's sinks (what an attention path that ignored them would compute, less the exp(0)
+    it would still add) moves the log-probabilities far past the tolerance the other tests hold."""
+    hf, llm = pair
+    layers = [layer.self_attn.sinks for layer in llm.model.model.layers]
+    saved = [s.weight for s in layers]
+    try:
+        for s in layers:
+            s.weight = torch.full_like(s.weight, -1e30)  # exp(-1e30) = 0: no sink at all
+        without = scored(llm, PROMPT[:60])
+    finally:
+        for s, w in zip(layers, saved):
+            s.weight = w
+    assert (without - hf_logprobs(hf, PROMPT[:60])).abs().max() > 0.05
+
+
+def test_greedy_batched_and_preempted_match_transformers(pair):
+    hf, llm = pair
+    prompts = {str(i): PROMPT[i * 9:] for i in range(3)}
+    want = {}
+    with torch.no_grad():
+        for rid, p in prompts.items():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
+            want[rid] = out[0, len(p):].tolist()
+    assert greedy(core(llm), {"0": prompts["0"]}) == {"0": want["0"]}
+    assert greedy(core(llm), prompts) == want
+    args = llm.model.args
+    per_block = 2 * args.num_hidden_layers * 8 * args.num_key_value_heads * args.head_dim * 4
+    tight = core(llm, kv_cache_memory=32 * per_block, enable_prefix_caching=False)
+    assert greedy(tight, prompts) == want and tight.stats().num_preemptions > 0
+
+
+def test_the_native_step_says_why_it_does_not_run_gpt_oss(pair):
+    _, llm = pair
+    assert llm.engine.native_step is None
+    assert llm.engine.native_step_reason in (
+        "layer 0: attention sinks (the step's attention has no sink logits); model.layers.0.mlp: expert activation "
+        "'swiglu_clamped(1.702,7.0)', a clamped swiglu (the step runs silu); model.layers.0.mlp: router bias (the "
+        "step's router has none)", "native kernels unavailable", "decode attention runs in torch")
+
+
+def test_mxfp4_checkpoint_matches_transformers_on_its_weights(tmp_path):
+    """An HF MXFP4 checkpoint as gpt-oss ships (experts as stacked ``*_blocks`` / ``*_scales`` with float
+    biases, everything else float): transformers cannot write one on CPU, so the pairs are drawn here
+    (every FP4 code, exponents near 1) and transformers runs on their dequantization
+    (``convert_moe_packed_tensors``, the tool's own)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = hf_gpt_oss(seed=3, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4)
+    d = save_hf_dir(hf, tmp_path / "mx", tokenizer=False)
+    state = load_file(str(d / "model.safetensors"))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            ex = layer.mlp.experts
+            for proj in ("gate_up_proj", "down_proj"):
+                E, inp, out = getattr(ex, proj).shape
+                blocks = torch.randint(0, 256, (E, out, inp // 32, 16), dtype=torch.uint8, generator=g)
+                scales = torch.randint(118, 124, (E, out, inp // 32), dtype=torch.uint8, generator=g)
+                getattr(ex, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                p = f"model.layers.{i}.mlp.experts.{proj}"
+                del state[p]
+                state[f"{p}_blocks"], state[f"{p}_scales"] = blocks, scales
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
+    infos = [i for i in llm.loaded.layers if i.kind == "expert"]
+    assert infos and all(i.bits == 4 and i.group_size == 32 for i in infos)
+    prompt = PROMPT[:70]
+    assert (scored(llm, prompt, 24) - hf_logprobs(hf, prompt)).abs().max() < 1e-3
