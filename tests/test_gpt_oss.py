@@ -182,3 +182,36 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_weights(tmp_path):
     assert infos and all(i.bits == 4 and i.group_size == 32 for i in infos)
     prompt = PROMPT[:70]
     assert (scored(llm, prompt, 24) - hf_logprobs(hf, prompt)).abs().max() < 1e-3
+
+
+def test_harmony_chat_template_renders(tmp_path):
+    """gpt-oss's harmony template (tests/data/chat_templates, llama.cpp's copy of the one the model ships): the
+    system prompt becomes the developer instructions, an assistant turn its final channel, the generation prompt
+    an open assistant turn; as transformers renders it (text; channels and tools are not parsed yet)."""
+    import re
+    from pathlib import Path
+
+    import transformers
+
+    from quill.tokenizer import Tokenizer, hf_tokenizer_spec
+    from tests.model_util import byte_tokenizer
+    tok = byte_tokenizer()
+    tok.add_special_tokens(["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = (Path(__file__).parent / "data" / "chat_templates" / "openai-gpt-oss-120b.jinja").read_text()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
+    got = Tokenizer(hf_tokenizer_spec(tmp_path, {})).apply_chat_template(chat, add_generation_prompt=True)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+    assert got == ref
+    assert re.fullmatch(
+        r"<\|start\|>system<\|message\|>You are ChatGPT, a large language model trained by OpenAI\.\n"
+        r"Knowledge cutoff: 2024-06\nCurrent date: \d{4}-\d\d-\d\d\n\nReasoning: medium\n\n# Valid channels: "
+        r"analysis, commentary, final\. Channel must be included for every message\.<\|end\|>"
+        r"<\|start\|>developer<\|message\|># Instructions\n\nBe brief\.\n\n<\|end\|>"
+        r"<\|start\|>user<\|message\|>hello<\|end\|><\|start\|>assistant<\|channel\|>final<\|message\|>hi<\|end\|>"
+        r"<\|start\|>user<\|message\|>again<\|end\|><\|start\|>assistant", got)
