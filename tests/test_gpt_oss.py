@@ -215,3 +215,15 @@ def test_harmony_chat_template_renders(tmp_path):
         r"<\|start\|>developer<\|message\|># Instructions\n\nBe brief\.\n\n<\|end\|>"
         r"<\|start\|>user<\|message\|>hello<\|end\|><\|start\|>assistant<\|channel\|>final<\|message\|>hi<\|end\|>"
         r"<\|start\|>user<\|message\|>again<\|end\|><\|start\|>assistant", got)
+
+
+def test_prepacked_cache_hit_scores_as_the_checkpoint(pair, tmp_path):
+    """The stacked-expert slots save nothing of their own (the experts they filled are the MoE block's), so a
+    prepacked cache hit rebuilds the same model."""
+    _, llm = pair
+    kw = dict(skip_tokenizer_init=True, kv_cache_dtype="float32", cache=True, cache_dir=tmp_path)
+    miss = quill.LLM(str(llm.loaded.path), **kw)
+    miss.cache.wait()  # the file of a miss is written on a thread
+    hit = quill.LLM(str(llm.loaded.path), **kw)
+    assert hit.cache_hit and not miss.cache_hit
+    assert torch.equal(scored(hit, PROMPT[:40]), scored(llm, PROMPT[:40]))

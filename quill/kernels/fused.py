@@ -124,18 +124,25 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
 
 
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Attention sinks as the native kernels take them: float32 [H], contiguous (None: no sinks)."""
+    return None if sinks is None else sinks.float().contiguous()
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, isa: str | None = None) -> torch.Tensor:
+                     scale: float, isa: str | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence against its cache (decode), grouped KV heads.
 
     q [B, H, 1, D], k and v [B, Hkv, S, D], mask bool [B or 1, 1, 1, S] or None -> [B, H, 1, D].
     ``isa``: the native variant chosen at load (``quill.native.isa_for``), None for torch.
     Native (float32): each K and V row read once per KV head, where ATen's flash kernel took
-    2-4x longer on single query tokens.
+    2-4x longer on single query tokens.  ``sinks`` [H]: attention sinks (:func:`sink_attention_torch`).
     """
     ext = _ext() if isa is not None else None
     if ext is not None and _native_ok(q, k, v) and q.dtype == torch.float32:
-        return ext.decode_attention(q, k, v, mask, scale, isa)
+        return ext.decode_attention(q, k, v, mask, scale, isa, _sinks(sinks))
+    if sinks is not None:
+        return sink_attention_torch(q, k, v, mask, scale, sinks)
     return decode_attention_torch(q, k, v, mask, scale)
 
 
@@ -154,14 +161,14 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     are widened exactly as read, q enters as float32 and the result is rounded to q's dtype).
     ``window``: a local layer's sliding window, each sequence attends its last ``window`` positions
     (the new token's included, as transformers counts); None: all.  ``sinks`` [H]: one learned logit per
-    head in the softmax denominator (:func:`sink_attention_torch`); the native kernel does not take them
-    yet, so attention with sinks runs in torch.
+    head in the softmax denominator (:func:`sink_attention_torch`; the native kernel folds it into its max
+    and sum).
     """
-    ext = _ext() if isa is not None and sinks is None else None
+    ext = _ext() if isa is not None else None
     if (ext is not None and q.dtype in (torch.float32, torch.bfloat16) and k_pool.dtype in KV_POOL_DTYPES
             and not q.requires_grad):
-        return ext.paged_decode_attention(q.float(), k_pool, v_pool, slots, lens, scale, isa,
-                                          window or 0).to(q.dtype)
+        return ext.paged_decode_attention(q.float(), k_pool, v_pool, slots, lens, scale, isa, window or 0,
+                                          _sinks(sinks)).to(q.dtype)
     kd = k_pool[slots].permute(0, 2, 1, 3)  # [B, Hkv, Smax, D]
     vd = v_pool[slots].permute(0, 2, 1, 3)
     mask = None
@@ -189,12 +196,14 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     and runs ATen's flash attention.  16-bit pools (a float16 / bfloat16 KV cache) are widened exactly
     as read, attention computing in float32 as with float32 pools holding the same values.
     ``window``: a local layer's sliding window, token i attends only the last ``window`` of those
-    positions; None: all.  ``sinks`` [H]: as :func:`paged_decode_attention` (torch only, for now).
+    positions; None: all.  ``sinks`` [H]: as :func:`paged_decode_attention` (the native kernel starts each
+    row's running max at its head's sink and its sum at exp(0)).
     """
-    ext = _ext() if isa is not None and sinks is None else None
+    ext = _ext() if isa is not None else None
     if (ext is not None and q.dtype == torch.float32 and k_pool.dtype in KV_POOL_DTYPES
             and v_pool.dtype == k_pool.dtype and not q.requires_grad):
-        return ext.paged_prefill_attention(q.contiguous(), k_pool, v_pool, ctx, scale, isa, window or 0)
+        return ext.paged_prefill_attention(q.contiguous(), k_pool, v_pool, ctx, scale, isa, window or 0,
+                                           _sinks(sinks))
     n, s = q.shape[0], ctx.numel()
     kc = k_pool[ctx].permute(1, 0, 2)[None].to(q.dtype)  # [1, Hkv, S, D]
     vc = v_pool[ctx].permute(1, 0, 2)[None].to(q.dtype)

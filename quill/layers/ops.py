@@ -23,13 +23,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     [B, 1, T, S] (True = may attend) or None -> [B, H, T, D].  One query token per sequence
     (decode) goes through :func:`quill.kernels.fused.decode_attention` (native with the ``isa``
     a cache was given at load, else torch); prompts through ATen's flash kernel.  ``sinks`` [H]: one
-    learned logit per head in the softmax denominator (gpt-oss), computed in torch
-    (:func:`quill.kernels.fused.sink_attention_torch`).
+    learned logit per head in the softmax denominator (gpt-oss): decode as above, prompts in torch
+    (:func:`quill.kernels.fused.sink_attention_torch`; ATen's kernel has no sinks).
     """
+    if q.shape[2] == 1:
+        return fused.decode_attention(q, k, v, mask, scale, isa, sinks)
     if sinks is not None:
         return fused.sink_attention_torch(q, k, v, mask, scale, sinks)
-    if q.shape[2] == 1:
-        return fused.decode_attention(q, k, v, mask, scale, isa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 

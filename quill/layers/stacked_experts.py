@@ -83,6 +83,13 @@ class StackedProj(nn.Module, Slot):
         self._split(name, rows, ctx)
         return True
 
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Nothing: the experts it filled live in (and are saved by) their MoE block."""
+        return {}, {}
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        self.done = True
+
     def _split(self, name: str, rows: Callable[[int, torch.Tensor], object], ctx: LoadContext) -> None:
         if self.deliver is None:
             raise CheckpointError(f"{ctx.where}: '{name}' has no MoE block to fill")
@@ -117,6 +124,12 @@ class StackedExperts(nn.Module, Slot):
             return False
         child.take_dense(f"{name}.{attr}", tensor, ctx)
         return True
+
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        return {}, {}  # a router of tensors only; its children and the block hold the rest
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        pass
 
     def finish(self, name: str, ctx: LoadContext) -> bool:
         built = self.gate_up_proj.finish(f"{name}.gate_up_proj", ctx)
