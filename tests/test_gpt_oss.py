@@ -3,8 +3,9 @@ forward: log-probabilities at every position of a prompt several windows long (w
 32 greedy tokens, batched = alone, preempted = uninterrupted; the attention sinks matter (zeroed, the
 log-probabilities move far beyond the tolerance, so an attention path ignoring them fails); an HF MXFP4
 checkpoint (stacked ``*_blocks`` / ``*_scales`` experts) against transformers on its dequantized weights; the
-native decode step says why it does not run these layers; the harmony chat template renders.  GGUF files:
-tests/test_gpt_oss_gguf.py."""
+native decode step says why it does not run these layers; a prepacked cache hit scores as the checkpoint; the
+harmony chat template renders.  GGUF files: tests/test_gpt_oss_gguf.py; the sinks in the native kernels:
+tests/test_attention_sinks.py."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def test_the_sinks_matter(pair):
 
 def test_greedy_batched_and_preempted_match_transformers(pair):
     hf, llm = pair
-    prompts = {str(i): PROMPT[i * 9:] for i in range(3)}
+    prompts = {str(i): PROMPT[i * 9:] for i in range(2)}  # 33 blocks of 8 at the end: 32 preempt one
     want = {}
     with torch.no_grad():
         for rid, p in prompts.items():
