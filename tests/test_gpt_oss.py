@@ -228,3 +228,28 @@ def test_prepacked_cache_hit_scores_as_the_checkpoint(pair, tmp_path):
     hit = quill.LLM(str(llm.loaded.path), **kw)
     assert hit.cache_hit and not miss.cache_hit
     assert torch.equal(scored(hit, PROMPT[:40]), scored(llm, PROMPT[:40]))
+
+
+def test_bad_configs_and_checkpoints_are_refused(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from quill.errors import CheckpointError, ModelError
+    from quill.models.gpt_oss import ModelArgs
+    base = {"model_type": "gpt_oss", **CONFIG}
+    with pytest.raises(ModelError, match="config field 'layer_types': expected 4 entries"):
+        ModelArgs.from_dict({**base, "layer_types": ["sliding_attention"] * 3})
+    with pytest.raises(ModelError, match="config field 'swiglu_limit': expected a positive number"):
+        ModelArgs.from_dict({**base, "swiglu_limit": -1.0})
+    with pytest.raises(ModelError, match="num_experts_per_tok 5 exceeds the 4 experts"):
+        ModelArgs.from_dict({**base, "num_experts_per_tok": 5})
+    _, llm = pair
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "config.json").write_text((llm.loaded.path / "config.json").read_text())
+    state = load_file(str(llm.loaded.path / "model.safetensors"))
+    p = "model.layers.1.mlp.experts.gate_up_proj"
+    state[p] = state[p][:, :, :-2].contiguous()  # one expert row short
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.mlp.experts.gate_up_proj' has shape "
+                                              r"\[4, 72, 78\], the model expects \[4, 72, 80\]"):
+        quill.LLM(str(d), skip_tokenizer_init=True)

@@ -32,6 +32,11 @@ from quill.moe import DenseWeight
 Deliver = Callable[[int, str, object, LoadContext], None]  # (expert, projection, weight, ctx)
 
 
+def checkpoint_name(name: str, suffix: str = "") -> str:
+    """``<block>.stacked.<proj>`` as the checkpoint spells it, ``<block>.experts.<proj><suffix>``: what errors name."""
+    return name.replace(".stacked.", ".experts.") + suffix
+
+
 class StackedProj(nn.Module, Slot):
     """One stacked projection: ``experts`` x ``out`` rows of ``in_features``, then split per expert."""
 
@@ -54,7 +59,7 @@ class StackedProj(nn.Module, Slot):
     def load_tensor(self, name: str, attr: str, tensor: torch.Tensor, ctx: LoadContext) -> bool:
         if attr != "bias":
             return False
-        self.bias = checked(ctx, f"{name}.bias", tensor, (self.experts, self.out_features))
+        self.bias = checked(ctx, checkpoint_name(name, "_bias"), tensor, (self.experts, self.out_features))
         return True
 
     def take_dense(self, name: str, tensor: torch.Tensor, ctx: LoadContext) -> None:
@@ -63,7 +68,7 @@ class StackedProj(nn.Module, Slot):
     def load_quantized(self, name: str, weight: QuantizedWeight, ctx: LoadContext) -> bool:
         rows = self.experts * self.out_features
         if (weight.out_features, weight.in_features) != (rows, self.in_features):
-            raise CheckpointError(f"{ctx.where}: quantized layer '{name}' is [{weight.out_features}, "
+            raise CheckpointError(f"{ctx.where}: quantized layer '{checkpoint_name(name)}' is [{weight.out_features}, "
                                   f"{weight.in_features}], the model expects {self.experts} experts' "
                                   f"[{self.out_features}, {self.in_features}] stacked: [{rows}, {self.in_features}]")
         if weight.bias is None and self.bias is not None:  # a bias stored beside, not inside, the weight
@@ -92,9 +97,10 @@ class StackedProj(nn.Module, Slot):
 
     def _split(self, name: str, rows: Callable[[int, torch.Tensor], object], ctx: LoadContext) -> None:
         if self.deliver is None:
-            raise CheckpointError(f"{ctx.where}: '{name}' has no MoE block to fill")
+            raise CheckpointError(f"{ctx.where}: '{checkpoint_name(name)}' has no MoE block to fill")
         if self.done:
-            raise CheckpointError(f"{ctx.where}: stacked experts '{name}' are provided twice by the checkpoint")
+            raise CheckpointError(f"{ctx.where}: stacked experts '{checkpoint_name(name)}' are provided twice by the "
+                                  "checkpoint")
         n = len(self.parts)
         for e in range(self.experts):
             for i, part in enumerate(self.parts):
@@ -122,7 +128,7 @@ class StackedExperts(nn.Module, Slot):
         child = {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}.get(attr)
         if child is None:
             return False
-        child.take_dense(f"{name}.{attr}", tensor, ctx)
+        child.take_dense(checkpoint_name(f"{name}.{attr}"), tensor, ctx)
         return True
 
     def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
