@@ -34,13 +34,13 @@ class _LayerView:
         return c.keys[self.index][:, :, :end], c.values[self.index][:, :, :end]  # [B, Hkv, S, D]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, window: int | None = None) -> torch.Tensor:
+               scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k, v = self.update(k, v)  # [B, Hkv, S, D]
         if window is not None:  # slots and positions differ by each row's padding only: the band is the same
             S, T = k.shape[2], q.shape[2]
             band = window_mask(torch.arange(S - T, S), S, window)[None, None]  # [1, 1, T, S]
             mask = band if mask is None else mask & band
-        return attention(q, k, v, mask, scale, self.cache.isa)
+        return attention(q, k, v, mask, scale, self.cache.isa, sinks)
 
 
 class KVCache:

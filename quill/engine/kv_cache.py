@@ -164,16 +164,17 @@ class PagedLayerCache:
         self.keys, self.values, self.layout, self.isa = keys, values, layout, isa
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, window: int | None = None) -> torch.Tensor:
+               scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [1, H, T, D], k and v [1, Hkv, T, D] (the packed new tokens) -> [1, H, T, D]; ``window``: a
-        local layer's sliding window (the pool keeps every position; attention reads the last ``window``)."""
+        local layer's sliding window (the pool keeps every position; attention reads the last ``window``);
+        ``sinks`` [H]: attention sinks, one learned logit per head in the softmax denominator (gpt-oss)."""
         lay = self.layout
         self.keys.index_copy_(0, lay.slots, to_pool(k[0].transpose(0, 1), self.keys.dtype))  # [T, Hkv, D]
         self.values.index_copy_(0, lay.slots, to_pool(v[0].transpose(0, 1), self.values.dtype))
         if not lay.prefills:  # every token a decode (most steps): no gather, no scatter
             qd = q[0].transpose(0, 1)[:, :, None]  # [T, H, 1, D]
             od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens, scale,
-                                        self.isa, window)
+                                        self.isa, window, sinks)
             return od[:, :, 0].transpose(0, 1)[None]  # [1, H, T, D]
         # token-major [T, H, D]: the model's transpose back to [T, H * D] is then free
         out = torch.empty(q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
@@ -181,9 +182,9 @@ class PagedLayerCache:
         if lay.decode_rows.numel():
             qd = qt[lay.decode_rows][:, :, None]  # [Bd, H, 1, D]
             od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens,
-                                        scale, self.isa, window)  # [Bd, H, 1, D]
+                                        scale, self.isa, window, sinks)  # [Bd, H, 1, D]
             out[lay.decode_rows] = od[:, :, 0]
         for start, n, ctx in lay.prefills:
             out[start:start + n] = paged_prefill_attention(qt[start:start + n], self.keys, self.values, ctx, scale,
-                                                           self.isa, window)
+                                                           self.isa, window, sinks)
         return out.transpose(0, 1)[None]  # [1, H, T, D]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from quill import native
+from quill.errors import KernelError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -76,6 +77,30 @@ def decode_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     return torch.bmm(torch.softmax(scores, dim=-1), v.flatten(0, 1)).view(B, H, 1, D)
 
 
+def sink_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax denominator also holds one learned logit per query head (gpt-oss's
+    attention sinks): ``softmax([q.k * scale, sink])`` with the sink's column dropped, so a head may put
+    weight on nothing.  transformers' eager gpt-oss attention computes the same.
+
+    q [B, H, T, D], k and v [B, Hkv, S, D], mask bool broadcastable to [B, 1, T, S] (True = may attend) or
+    None, sinks [H] -> [B, H, T, D] in q's dtype (scores and softmax in float32).
+    """
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if sinks.shape != (H,):
+        raise KernelError(f"attention sinks: expected one per query head [{H}], found {list(sinks.shape)}")
+    G = H // Hkv
+    qg = q.float().reshape(B, Hkv, G * T, D)  # the G query heads sharing a KV head, their T rows stacked
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(scale).view(B, H, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, H, 1, 1).expand(B, H, T, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :S]  # a row all masked still sums < 1
+    out = torch.matmul(probs.reshape(B, Hkv, G * T, S), v.float())  # [B, Hkv, G*T, D]
+    return out.view(B, H, T, D).to(q.dtype)
+
+
 # ---- what layers call ---------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,18 +124,25 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
 
 
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Attention sinks as the native kernels take them: float32 [H], contiguous (None: no sinks)."""
+    return None if sinks is None else sinks.float().contiguous()
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, isa: str | None = None) -> torch.Tensor:
+                     scale: float, isa: str | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence against its cache (decode), grouped KV heads.
 
     q [B, H, 1, D], k and v [B, Hkv, S, D], mask bool [B or 1, 1, 1, S] or None -> [B, H, 1, D].
     ``isa``: the native variant chosen at load (``quill.native.isa_for``), None for torch.
     Native (float32): each K and V row read once per KV head, where ATen's flash kernel took
-    2-4x longer on single query tokens.
+    2-4x longer on single query tokens.  ``sinks`` [H]: attention sinks (:func:`sink_attention_torch`).
     """
     ext = _ext() if isa is not None else None
     if ext is not None and _native_ok(q, k, v) and q.dtype == torch.float32:
-        return ext.decode_attention(q, k, v, mask, scale, isa)
+        return ext.decode_attention(q, k, v, mask, scale, isa, _sinks(sinks))
+    if sinks is not None:
+        return sink_attention_torch(q, k, v, mask, scale, sinks)
     return decode_attention_torch(q, k, v, mask, scale)
 
 
@@ -119,7 +151,7 @@ KV_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the nati
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                            lens: torch.Tensor, scale: float, isa: str | None = None,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention read through a paged pool's slot tables, without gathering the context.
 
     q [B, H, 1, D]; k_pool and v_pool [N, Hkv, D]; slots int64 [B, Smax] (the pool rows of each
@@ -128,13 +160,15 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     :func:`decode_attention` gives on the gathered, masked rows (float32; bfloat16 and float16 pools
     are widened exactly as read, q enters as float32 and the result is rounded to q's dtype).
     ``window``: a local layer's sliding window, each sequence attends its last ``window`` positions
-    (the new token's included, as transformers counts); None: all.
+    (the new token's included, as transformers counts); None: all.  ``sinks`` [H]: one learned logit per
+    head in the softmax denominator (:func:`sink_attention_torch`; the native kernel folds it into its max
+    and sum).
     """
     ext = _ext() if isa is not None else None
     if (ext is not None and q.dtype in (torch.float32, torch.bfloat16) and k_pool.dtype in KV_POOL_DTYPES
             and not q.requires_grad):
-        return ext.paged_decode_attention(q.float(), k_pool, v_pool, slots, lens, scale, isa,
-                                          window or 0).to(q.dtype)
+        return ext.paged_decode_attention(q.float(), k_pool, v_pool, slots, lens, scale, isa, window or 0,
+                                          _sinks(sinks)).to(q.dtype)
     kd = k_pool[slots].permute(0, 2, 1, 3)  # [B, Hkv, Smax, D]
     vd = v_pool[slots].permute(0, 2, 1, 3)
     mask = None
@@ -143,11 +177,16 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         mask = ((pos < lens[:, None]) & (pos >= lens[:, None] - window))[:, None, None, :]
     elif bool((lens != slots.shape[1]).any()):
         mask = (pos < lens[:, None])[:, None, None, :]  # [B, 1, 1, Smax]
+    if sinks is not None:
+        if mask is None:
+            mask = torch.ones(1, 1, 1, slots.shape[1], dtype=torch.bool)
+        return sink_attention_torch(q, kd, vd, mask, scale, sinks)
     return decode_attention_torch(q, kd.to(q.dtype), vd.to(q.dtype), mask, scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: torch.Tensor,
-                            scale: float, isa: str | None = None, window: int | None = None) -> torch.Tensor:
+                            scale: float, isa: str | None = None, window: int | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a chunk of one sequence's new tokens through its paged pool's slot table.
 
     q [n, H, D] (token-major); k_pool and v_pool [N, Hkv, D]; ctx int64 [S], S >= n (the pool rows of
@@ -157,17 +196,21 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     and runs ATen's flash attention.  16-bit pools (a float16 / bfloat16 KV cache) are widened exactly
     as read, attention computing in float32 as with float32 pools holding the same values.
     ``window``: a local layer's sliding window, token i attends only the last ``window`` of those
-    positions; None: all.
+    positions; None: all.  ``sinks`` [H]: as :func:`paged_decode_attention` (the native kernel starts each
+    row's running max at its head's sink and its sum at exp(0)).
     """
     ext = _ext() if isa is not None else None
     if (ext is not None and q.dtype == torch.float32 and k_pool.dtype in KV_POOL_DTYPES
             and v_pool.dtype == k_pool.dtype and not q.requires_grad):
-        return ext.paged_prefill_attention(q.contiguous(), k_pool, v_pool, ctx, scale, isa, window or 0)
+        return ext.paged_prefill_attention(q.contiguous(), k_pool, v_pool, ctx, scale, isa, window or 0,
+                                           _sinks(sinks))
     n, s = q.shape[0], ctx.numel()
     kc = k_pool[ctx].permute(1, 0, 2)[None].to(q.dtype)  # [1, Hkv, S, D]
     vc = v_pool[ctx].permute(1, 0, 2)[None].to(q.dtype)
     causal = window_mask(torch.arange(s - n, s), s, window)  # [n, S]
     qc = q.transpose(0, 1)[None]  # [1, H, n, D]
+    if sinks is not None:
+        return sink_attention_torch(qc, kc, vc, causal[None, None], scale, sinks)[0].transpose(0, 1)
     out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=causal[None, None], scale=scale,
                                          enable_gqa=qc.shape[1] != kc.shape[1])
     return out[0].transpose(0, 1)  # [n, H, D]

@@ -52,6 +52,8 @@ class AttentionSpec:
     # a local layer's sliding window: each token attends its last `window` positions, its own included
     # (transformers' `kv > q - window`); None: a global layer, the whole context
     window: int | None = None
+    # gpt-oss: one learned logit per query head in the softmax denominator (a quill.layers Vector), or None
+    sinks: object | None = None
 
     @property
     def qkv_bias(self) -> bool:
@@ -85,6 +87,11 @@ class MoESpec:
     native_group: object | None  # the routed experts as one native ExpertGroup, or None
     shared_expert: MLPSpec | None = None
     shared_gate: Linear | None = None
+    activation: str = "silu"  # the experts' gated activation (quill.moe.config.gated_activation)
+
+    @property
+    def router_bias(self) -> bool:
+        return self.router.has_bias
 
 
 @dataclass(frozen=True)

@@ -114,12 +114,12 @@ def _facts(w: Proj, ctx: LoadContext) -> dict:
 class ExpertMLP(nn.Module):
     """One expert's three projection slots, under the checkpoint's names (gate, up, down order)."""
 
-    def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str]):
+    def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str], bias: bool = False):
         super().__init__()
         self.names = names
         shapes = ((hidden, intermediate), (hidden, intermediate), (intermediate, hidden))
         for n, (i, o) in zip(names, shapes):
-            setattr(self, n, ExpertSlot(i, o))
+            setattr(self, n, ExpertSlot(i, o, bias))
 
     def slots(self) -> tuple[ExpertSlot, ExpertSlot, ExpertSlot]:
         return tuple(getattr(self, n) for n in self.names)
@@ -130,17 +130,21 @@ class SparseMoeBlock(nn.Module, PostLoad, Saved):
 
     ``round_weights``: cast the routing weights to the model dtype before
     combining, as transformers' Qwen-MoE routers do (a no-op in float32).
+    ``router_bias`` / ``expert_bias``: the router and every expert projection add a bias (gpt-oss);
+    ``hidden_act`` names the experts' gated activation (``quill.moe.config.gated_activation``).
     """
 
     def __init__(self, name: str, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  renormalize: bool, hidden_act: str = "silu", round_weights: bool = False,
-                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 router_bias: bool = False, expert_bias: bool = False):
         super().__init__()
         self.name = name
         self.top_k, self.renormalize, self.hidden_act = top_k, renormalize, hidden_act
         self.round_weights = round_weights
-        self.gate = linear(hidden, num_experts, False)
-        self.experts = nn.ModuleList([ExpertMLP(hidden, intermediate, expert_names) for _ in range(num_experts)])
+        self.gate = linear(hidden, num_experts, router_bias)
+        self.experts = nn.ModuleList([ExpertMLP(hidden, intermediate, expert_names, expert_bias)
+                                      for _ in range(num_experts)])
         self._missing = 3 * num_experts
         for ex in self.experts:
             for s in ex.slots():
@@ -151,6 +155,18 @@ class SparseMoeBlock(nn.Module, PostLoad, Saved):
         self._missing -= 1
         if self._missing == 0:
             self._build(ctx)
+
+    def deliver(self, expert: int, part: str, weight: Proj, ctx: LoadContext) -> None:
+        """Fill expert ``expert``'s projection ``part`` with ``weight`` cut from a stacked tensor
+        (quill.layers.stacked_experts), checked as a per-expert tensor would be."""
+        slot = getattr(self.experts[expert], part)
+        name = f"{self.name}.experts.{expert}.{part}"
+        if (weight.out_features, weight.in_features) != (slot.out_features, slot.in_features):
+            raise CheckpointError(f"{ctx.where}: expert projection '{name}' is [{weight.out_features}, "
+                                  f"{weight.in_features}], the model expects [{slot.out_features}, {slot.in_features}]")
+        checked_bias(ctx, name, slot.has_bias, slot.out_features, weight.bias)
+        slot.fill(name, weight.with_(name=name) if isinstance(weight, QuantizedWeight)
+                  else dataclasses.replace(weight, name=name), ctx)
 
     def _build(self, ctx: LoadContext) -> None:
         """All experts are in: choose a backend and prepare them once, then drop the canonical weights."""
@@ -187,7 +203,8 @@ class SparseMoeBlock(nn.Module, PostLoad, Saved):
     def spec(self) -> MoESpec:
         """This block described (quill.layers.decoder), with its experts' native group once built."""
         group = getattr(self.fused.state, "group", None) if self.fused is not None else None
-        return MoESpec(self.name, self.gate, SOFTMAX_TOP_K, self.top_k, self.renormalize, group)
+        return MoESpec(self.name, self.gate, SOFTMAX_TOP_K, self.top_k, self.renormalize, group,
+                       activation=self.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
         B, T, H = x.shape

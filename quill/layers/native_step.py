@@ -161,6 +161,12 @@ def _unsupported(spec: DecoderLayerSpec) -> str | None:
         why.append(f"{ffn.name}: router '{ffn.router_kind}' (the step runs '{SOFTMAX_TOP_K}')")
     if isinstance(ffn, MoESpec) and ffn.shared_expert is not None:
         why.append(f"{ffn.name}: a shared expert (the step runs routed experts only)")
+    if a.sinks is not None:
+        why.append("attention sinks (the step's attention has no sink logits)")
+    if isinstance(ffn, MoESpec) and ffn.activation != "silu":
+        why.append(f"{ffn.name}: expert activation '{ffn.activation}', a clamped swiglu (the step runs silu)")
+    if isinstance(ffn, MoESpec) and ffn.router_bias:
+        why.append(f"{ffn.name}: router bias (the step's router has none)")
     return "; ".join(why) if why else None
 
 

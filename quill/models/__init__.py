@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_5": "qwen3_5",  # the multimodal checkpoint's text model (its vision tower skipped)
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_5_moe": "qwen3_5_moe",
+    "gpt_oss": "gpt_oss",  # routed experts with attention sinks, sliding layers between full ones
 }
 
 

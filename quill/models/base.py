@@ -42,9 +42,10 @@ class LayerCache(Protocol):
     """One layer's view of a KV cache (``quill.engine.kv_cache``; the model tests' ``tests/padded_cache.py``)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, window: int | None = None) -> torch.Tensor:
+               scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store the new tokens' k, v [B, Hkv, T, D]; attend q [B, H, T, D] over the cache -> [B, H, T, D]
-        (``window``: a local layer's sliding window, each token attends its last ``window`` positions)."""
+        (``window``: a local layer's sliding window, each token attends its last ``window`` positions;
+        ``sinks`` [H]: one learned logit per head in the softmax denominator, asked only by models with them)."""
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -13,8 +14,43 @@ from quill.kernels.config import ActKind, act_kind
 from quill.moe.experts import DenseWeight, ExpertWeights, Proj
 from quill.platform import Platform
 
-# Gated activations an expert MLP may use: down(act(gate(x)) * up(x)).
-HIDDEN_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu}
+GatedAct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+# Gated activations an expert MLP may use: down(act(gate(x), up(x))); "silu" is act(g, u) = silu(g) * u.
+HIDDEN_ACTS: dict[str, GatedAct] = {"silu": _silu_mul}
+# gpt-oss's clamped SwiGLU, its two constants in the name (so a saved layer config says them):
+# "swiglu_clamped(alpha,limit)"
+_CLAMPED = re.compile(r"swiglu_clamped\(([-+0-9.e]+),([-+0-9.e]+)\)")
+
+
+def swiglu_clamped_name(alpha: float, limit: float) -> str:
+    return f"swiglu_clamped({float(alpha)!r},{float(limit)!r})"
+
+
+def _swiglu_clamped(alpha: float, limit: float) -> GatedAct:
+    """gpt-oss (transformers' GptOssExperts._apply_gate, llama.cpp's swiglu_oai): gate clamped above at
+    ``limit``, up to [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return act
+
+
+def gated_activation(name: str, layer: str = "moe") -> GatedAct:
+    """The gated activation named ``name``, or a ModelError listing the supported ones."""
+    if name in HIDDEN_ACTS:
+        return HIDDEN_ACTS[name]
+    m = _CLAMPED.fullmatch(name)
+    if m:
+        return _swiglu_clamped(float(m.group(1)), float(m.group(2)))
+    raise ModelError(f"{layer}: expert activation '{name}' is not supported; supported: "
+                     f"{format_choices([*HIDDEN_ACTS, 'swiglu_clamped(alpha,limit)'])}")
 
 
 @dataclass(frozen=True)
@@ -54,9 +90,7 @@ class MoELayerConfig:
     def from_experts(cls, experts: Sequence[ExpertWeights], top_k: int, platform: Platform,
                      hidden_act: str = "silu", layer: str = "moe") -> "MoELayerConfig":
         """Describe ``experts`` (activations already resolved); shapes are taken from expert 0."""
-        if hidden_act not in HIDDEN_ACTS:
-            raise ModelError(f"{layer}: expert activation '{hidden_act}' is not supported; supported: "
-                             f"{format_choices(HIDDEN_ACTS)}")
+        gated_activation(hidden_act, layer)  # a ModelError for an unknown one
         if not experts or not 1 <= top_k <= len(experts):
             raise ModelError(f"{layer}: top_k {top_k} with {len(experts)} experts; expected 1 <= top_k <= experts")
         descs = {_describe(p) for ex in experts for p in (ex.gate, ex.up, ex.down)}

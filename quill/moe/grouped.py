@@ -31,7 +31,7 @@ import torch
 from quill import native
 from quill.kernels.linear import native_op
 from quill.moe.base import LinearFactory, MoEBackend
-from quill.moe.config import HIDDEN_ACTS, MoELayerConfig
+from quill.moe.config import GatedAct, MoELayerConfig, gated_activation
 from quill.moe.experts import ExpertWeights, stack_gate_up
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -48,19 +48,19 @@ class GroupedExpert:
     down: Fn
     intermediate: int
 
-    def __call__(self, x: torch.Tensor, act: Fn) -> torch.Tensor:  # [n, H] -> [n, H]
+    def __call__(self, x: torch.Tensor, act: GatedAct) -> torch.Tensor:  # [n, H] -> [n, H]
         if self.gate_up is not None:
             gu = self.gate_up(x)  # [n, 2I]
             g, u = gu[:, : self.intermediate], gu[:, self.intermediate:]
         else:
             g, u = self.gate(x), self.up(x)  # [n, I] each
-        return self.down(act(g) * u)
+        return self.down(act(g, u))
 
 
 @dataclass
 class GroupedState:
     experts: list[GroupedExpert]
-    act: Fn
+    act: GatedAct  # act(gate, up)
     top_k: int
     group: object | None = None  # the native ExpertGroup over every expert (float32 calls), or None
 
@@ -96,7 +96,7 @@ class GroupedBackend(MoEBackend):
     def prepare(cls, experts: Sequence[ExpertWeights], cfg: MoELayerConfig,
                 make_linear: LinearFactory) -> GroupedState:
         built = [cls._prepare_expert(ex, make_linear) for ex in experts]
-        return GroupedState(built, HIDDEN_ACTS[cfg.hidden_act], cfg.top_k, native_group(built, cfg.hidden_act))
+        return GroupedState(built, gated_activation(cfg.hidden_act), cfg.top_k, native_group(built, cfg.hidden_act))
 
     @staticmethod
     def _prepare_expert(ex: ExpertWeights, make_linear: LinearFactory) -> GroupedExpert:
@@ -136,7 +136,8 @@ class GroupedBackend(MoEBackend):
             built = {part: restore_linear(ex[part], by_part.get(f"{e}.{part}", {})) if part in ex else None
                      for part in _PARTS}
             experts.append(GroupedExpert(**built, intermediate=ex["intermediate"]))
-        return GroupedState(experts, HIDDEN_ACTS[cfg.hidden_act], facts["top_k"], native_group(experts, cfg.hidden_act))
+        return GroupedState(experts, gated_activation(cfg.hidden_act), facts["top_k"],
+                            native_group(experts, cfg.hidden_act))
 
     @classmethod
     def apply(cls, state: GroupedState, x: torch.Tensor, topk_ids: torch.Tensor,

@@ -7,7 +7,7 @@ reads.  Every other backend is tested against it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ import torch
 from quill.kernels.config import LinearLayerConfig
 from quill.kernels.reference import ReferenceKernel, ReferenceState
 from quill.moe.base import LinearFactory, MoEBackend
-from quill.moe.config import HIDDEN_ACTS, MoELayerConfig
+from quill.moe.config import GatedAct, MoELayerConfig, gated_activation
 from quill.moe.experts import DenseWeight, ExpertWeights, Proj
 
 
@@ -31,7 +31,7 @@ class _RefLinear:
 @dataclass
 class ReferenceMoEState:
     experts: list[tuple[_RefLinear, _RefLinear, _RefLinear]]  # (gate, up, down) per expert
-    act: Callable[[torch.Tensor], torch.Tensor]
+    act: GatedAct  # act(gate, up)
 
 
 def _ref_linear(p: Proj, cfg: MoELayerConfig) -> _RefLinear:
@@ -53,7 +53,7 @@ class ReferenceBackend(MoEBackend):
     def prepare(cls, experts: Sequence[ExpertWeights], cfg: MoELayerConfig,
                 make_linear: LinearFactory | None = None) -> ReferenceMoEState:
         return ReferenceMoEState([tuple(_ref_linear(p, cfg) for p in (ex.gate, ex.up, ex.down))
-                                  for ex in experts], HIDDEN_ACTS[cfg.hidden_act])
+                                  for ex in experts], gated_activation(cfg.hidden_act))
 
     @classmethod
     def apply(cls, state: ReferenceMoEState, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -65,6 +65,6 @@ class ReferenceBackend(MoEBackend):
             if tok.numel() == 0:
                 continue
             h = xf[tok]  # [n, H]
-            out = down(state.act(gate(h)) * up(h))  # [n, H]
+            out = down(state.act(gate(h), up(h)))  # [n, H]
             y.index_add_(0, tok, out * topk_weights[tok, slot].float()[:, None])
         return y.to(x.dtype)

@@ -53,6 +53,9 @@ _GEMMA3_NAMES = (
     ("post_ffw_norm", "post_feedforward_layernorm"),
 )
 
+# gpt-oss (llama.cpp's OPENAI_MOE, general.architecture "gpt-oss"): the sinks and the norm the MoE block reads
+_GPT_OSS_NAMES = (("attn_sinks", "self_attn.sinks"), ("post_attention_norm", "post_attention_layernorm"))
+
 ARCHS: dict[str, ArchSpec] = {
     # Mixtral is written as general.architecture "llama" with expert tensors.
     "llama": ArchSpec("llama", "LlamaForCausalLM", True, "mixtral", "MixtralForCausalLM", "block_sparse_moe"),
@@ -64,6 +67,8 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen35moe": ArchSpec("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", False, "qwen3_5_moe_text",
                           "Qwen3_5MoeForCausalLM", block_names=_QWEN35_NAMES, hybrid=True),
     "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", False, block_names=_GEMMA3_NAMES, offset_norms=True),
+    "gpt-oss": ArchSpec("gpt_oss", "GptOssForCausalLM", False, "gpt_oss", "GptOssForCausalLM",
+                        block_names=_GPT_OSS_NAMES),
 }
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -210,6 +215,10 @@ def _rope_scaling(meta: dict, a: str, path) -> dict | None:
     scaling = {"rope_type": kind, "factor": _float(meta, f"{a}.rope.scaling.factor", path, factor or 1.0)}
     if f"{a}.rope.scaling.original_context_length" in meta:
         scaling["original_max_position_embeddings"] = _int(meta, f"{a}.rope.scaling.original_context_length", path)
+    for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                       ("yarn_attn_factor", "attention_factor")):
+        if f"{a}.rope.scaling.{key}" in meta:
+            scaling[field] = _float(meta, f"{a}.rope.scaling.{key}", path)
     return scaling
 
 
@@ -262,6 +271,8 @@ def build_config(meta: dict, arch: str, tensors: dict, n_tokens: int | None, pat
         cfg.update(_hybrid_config(meta, a, cfg, rope_dim, path))
     if spec.model_type == "gemma3_text":
         cfg.update(_gemma3_config(meta, a, cfg, path))
+    if spec.model_type == "gpt_oss":
+        cfg.update(_gpt_oss_config(meta, a, cfg, path))
     for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("padding_token_id", "pad_token_id")):
         if f"tokenizer.ggml.{key}" in meta:
@@ -345,4 +356,19 @@ def _gemma3_config(meta: dict, a: str, cfg: dict, path) -> dict:
         out["layer_types"] = ["full_attention"] * n
     if f"{a}.final_logit_softcapping" in meta:
         out["final_logit_softcapping"] = _float(meta, f"{a}.final_logit_softcapping", path)
+    return out
+
+
+def _gpt_oss_config(meta: dict, a: str, cfg: dict, path) -> dict:
+    """What llama.cpp assumes for gpt-oss besides the common keys (src/llama-model.cpp, LLM_ARCH_OPENAI_MOE):
+    the window on every other layer starting with the first (transformers' default ``layer_types``), the
+    clamped SwiGLU's constants (1.702, 7: gpt-oss's, not in the file) and YaRN's ramp untruncated, as
+    gpt-oss's config says (``truncate: false``; ggml rounds the ramp's ends out to whole channel pairs)."""
+    out = {"sliding_window": _int(meta, f"{a}.attention.sliding_window", path), "layer_types": None,
+           "num_local_experts": cfg["num_experts"], "intermediate_size": cfg["moe_intermediate_size"]}
+    scaling = cfg.get("rope_scaling")
+    if scaling is None:  # no scaling in the file: none, not the YaRN transformers assumes for a bare config
+        out["rope_scaling"] = {"rope_type": "default"}
+    elif scaling.get("rope_type") == "yarn":
+        out["rope_scaling"] = {**scaling, "truncate": False}
     return out

@@ -37,7 +37,7 @@ at::Tensor rows_view(const at::Tensor& t, const char* name, int64_t b, int64_t d
 
 // Splits the (sequence, KV head) pairs of a.b x a.hkv across torch's pool.
 void launch(const AttnArgs& a, AttnHead head) {
-  const int64_t hkv = a.hkv, pairs = a.b * hkv, scratch = (a.h / hkv) * (a.s + a.d);
+  const int64_t hkv = a.hkv, pairs = a.b * hkv, scratch = (a.h / hkv) * (a.s + a.d + (a.sinks ? 1 : 0));
   auto run = [&](int64_t p0, int64_t p1) {  // (sequence, KV head) pairs [p0, p1)
     std::vector<float> buf(scratch);
     for (int64_t p = p0; p < p1; ++p) head(a, p / hkv, p % hkv, buf.data());
@@ -47,6 +47,16 @@ void launch(const AttnArgs& a, AttnHead head) {
     run(0, pairs);
   else
     at::parallel_for(0, pairs, 1, run);
+}
+
+// sinks: float32 [H] (one logit per query head), or None / an empty tensor (no sinks) -> its data or null
+const float* sinks_of(const std::optional<at::Tensor>& sinks, int64_t h, const char* op, at::Tensor& keep) {
+  if (!sinks || !sinks->defined() || sinks->numel() == 0) return nullptr;
+  if (sinks->scalar_type() != at::kFloat || sinks->dim() != 1 || sinks->size(0) != h)
+    op_fail(op, "'sinks' should be float32 [", h, "] (one per query head), found ", sinks->dtype(), " ",
+            sinks->sizes());
+  keep = sinks->contiguous();
+  return keep.data_ptr<float>();
 }
 
 }  // namespace
@@ -77,7 +87,8 @@ std::string pools_problem(const at::Tensor& k, const at::Tensor& v, int64_t d) {
 
 // q [B, H, 1, D], k and v [B, Hkv, S, D] float32, mask bool [B or 1, 1, 1, S] or None -> [B, H, 1, D]
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                            const std::optional<at::Tensor>& mask_in, double scale, const std::string& isa) {
+                            const std::optional<at::Tensor>& mask_in, double scale, const std::string& isa,
+                            const std::optional<at::Tensor>& sinks) {
   const AttnHead head = backend_for(isa, "decode_attention").attn_head;
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
     attention_fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
@@ -107,6 +118,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   a.vb = v.stride(0), a.vh = v.stride(1), a.vs = v.stride(2);
   a.b = B, a.h = H, a.hkv = hkv, a.s = S, a.d = D;
   a.scale = float(scale);
+  at::Tensor sinks_kept;
+  a.sinks = sinks_of(sinks, H, "decode_attention", sinks_kept);
   launch(a, head);
   return out;
 }
@@ -116,7 +129,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
 // positions only (0: all) -> [B, H, 1, D]
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& slots_in, const at::Tensor& lens_in, double scale,
-                                  const std::string& isa, int64_t window) {
+                                  const std::string& isa, int64_t window, const std::optional<at::Tensor>& sinks) {
   const AttnHead head = backend_for(isa, "decode_attention").attn_head;
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 4 || q_in.size(2) != 1)
     attention_fail("'q' should be float32 [B, H, 1, D], found ", q_in.dtype(), " ", q_in.sizes());
@@ -147,6 +160,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
   a.slots = sl, a.lens = ln, a.slot_b = S, a.window = window;
   a.b = B, a.h = H, a.hkv = hkv, a.s = S, a.d = D;
   a.scale = float(scale);
+  at::Tensor sinks_kept;
+  a.sinks = sinks_of(sinks, H, "decode_attention", sinks_kept);
   launch(a, head);
   return out;
 }
@@ -155,7 +170,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k, c
 // of the context, the chunk's tokens its last n) -> [n, H, D]: token i attends positions 0 .. S - n + i
 // (window > 0: only the last `window` of them)
 at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& ctx_in, double scale, const std::string& isa, int64_t window) {
+                                   const at::Tensor& ctx_in, double scale, const std::string& isa, int64_t window,
+                                   const std::optional<at::Tensor>& sinks) {
   const PrefillBlock block = backend_for(isa, "prefill_attention").prefill;
   auto bad = [](const auto&... parts) { op_fail("prefill_attention", parts...); };
   if (q_in.scalar_type() != at::kFloat || q_in.dim() != 3 || q_in.size(0) < 1)
@@ -177,6 +193,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q_in, const at::Tensor& k, 
   set_pools(a, k, v);
   a.out = out.data_ptr<float>();
   a.n = n, a.start = S - n, a.h = H, a.hkv = hkv, a.d = D, a.scale = float(scale), a.window = window;
+  at::Tensor sinks_kept;
+  a.sinks = sinks_of(sinks, H, "prefill_attention", sinks_kept);
   // (KV head, query block) items, the last blocks (the most keys) first, taken one at a time
   const int64_t tb = prefill_tokens_per_block(H / hkv), nb = (n + tb - 1) / tb, items = hkv * nb;
   const int64_t scratch = prefill_scratch(H / hkv, D, tb);
@@ -212,13 +230,14 @@ void store_kv_rows(const at::Tensor& src, at::Tensor& pool, const std::string& i
 void register_attention(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
-        py::arg("scale"), py::arg("isa"), py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("isa"), py::arg("sinks") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
         py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("isa"), py::arg("window") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("sinks") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("store_kv", &store_kv_rows, py::arg("src"), py::arg("pool"), py::arg("isa"));
   m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
-        py::arg("ctx"), py::arg("scale"), py::arg("isa"), py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("ctx"), py::arg("scale"), py::arg("isa"), py::arg("window") = 0, py::arg("sinks") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill

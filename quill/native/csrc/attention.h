@@ -36,6 +36,10 @@ struct AttnArgs {
   // Paged: a sliding window, sequence b attends its last `window` positions only (those past
   // lens[b] - window; the current token is one of them, as transformers counts); 0: all of them.
   int64_t window = 0;
+  // Attention sinks (gpt-oss): one learned logit per query head [H] that joins each softmax's
+  // denominator (max and sum) and weighs no value; null: none (every other model, and the decode step).
+  // With sinks a call's scratch holds G * (S + D + 1) floats.
+  const float* sinks = nullptr;
   float* out = nullptr;          // [B, H, D] contiguous
   int64_t kb = 0, kh = 0, ks = 0, vb = 0, vh = 0, vs = 0;
   int64_t mask_b = 0;            // mask row stride: S, or 0 when one row serves every sequence

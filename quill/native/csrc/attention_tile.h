@@ -324,10 +324,17 @@ void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, flo
     const bool on = !mask || mask[s];
     for (int64_t g = 0; g < NG; ++g) scores[g * S + s] = on ? dot(q + g * D, krow, D) * a.scale : kMasked;
   }
+  // With sinks: each head's sink logit joins the max, and exp(sink - max) the sum (kept past the scores)
+  float* __restrict sink_p = a.sinks ? scratch + NG * (S + D) : nullptr;  // [NG]
   for (int64_t g = 0; g < NG; ++g) {  // p = exp(score - max): 0 at masked positions (kMasked - max < -87)
     float* __restrict sc = scores + g * S;
-    const float mx = max(sc, S);
+    float mx = max(sc, S);
     const bool none = mx == kMasked;  // every position masked
+    if (sink_p) {
+      const float sink = a.sinks[kvh * G + g0 + g];
+      mx = none || sink > mx ? sink : mx;
+      sink_p[g] = exp_neg(sink - mx);
+    }
     for (int64_t i = 0; i < S; ++i) sc[i] = none ? 0.0f : exp_neg(sc[i] - mx);
   }
   float* out = a.out + (b * a.h + kvh * G + g0) * D;  // [NG, D]
@@ -343,7 +350,7 @@ void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, flo
         const int nq = NG - g >= 2 ? 2 : 1;
         float inv[2] = {};
         for (int j = 0; last && j < nq; ++j) {  // a fully masked row (quill's cache never builds one): zeros
-          const float total = sum(scores + (g + j) * S, S);
+          const float total = sum(scores + (g + j) * S, S) + (sink_p ? sink_p[g + j] : 0.0f);
           inv[j] = total > 0.0f ? 1.0f / total : 0.0f;
         }
         if (nq == 2)
@@ -366,7 +373,7 @@ void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, flo
     }
   }
   for (int64_t g = 0; g < NG; ++g) {  // a fully masked row (quill's cache never builds one): zeros
-    const float total = sum(scores + g * S, S);
+    const float total = sum(scores + g * S, S) + (sink_p ? sink_p[g] : 0.0f);
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
     const float* __restrict o = acc + g * D;
     for (int64_t i = 0; i < D; ++i) out[g * D + i] = o[i] * inv;

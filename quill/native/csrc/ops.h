@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -36,7 +37,7 @@ void silu_mul_f32(const float* g, const float* u, float* y, int64_t i0, int64_t 
 // attention.cpp: q [B, H, 1, D] float32 through a paged pool's slot tables [B, S] -> [B, H, 1, D]
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& slots, const at::Tensor& lens, double scale, const std::string& isa,
-                                  int64_t window = 0);
+                                  int64_t window = 0, const std::optional<at::Tensor>& sinks = std::nullopt);
 
 void register_ops(pybind11::module_& m);
 void register_dense(pybind11::module_& m);      // dense.cpp: NativeDense

@@ -33,6 +33,8 @@ struct PrefillArgs {
   float scale = 1.0f;
   // A sliding window: position p attends keys (p - window, p] only (attention.h AttnArgs); 0: [0, p].
   int64_t window = 0;
+  // Attention sinks (attention.h AttnArgs): [H] logits in every row's softmax denominator; null: none.
+  const float* sinks = nullptr;
 };
 
 constexpr int64_t kPrefillKeys = 64;  // keys per block, in every variant (it fixes the softmax's rounding)

@@ -132,7 +132,10 @@ void prefill_typed(const PrefillArgs& a, const T* kpool, const T* vpool, int64_t
     const float* q = a.q + ((i0 + rr / G) * a.h + kvh * G + rr % G) * D;
     for (int64_t i = 0; i < D; ++i) qT[i * rp + r] = r < R ? q[i] * a.scale : 0.0f;
     for (int64_t i = 0; i < dp; ++i) acc[r * dp + i] = 0.0f;
-    m[r] = kMasked, l[r] = 0.0f, pos[r] = a.start + i0 + rr / G;
+    // a sink is a key every row sees first, with no value: the running max starts at it, the sum at exp(0)
+    if (a.sinks) m[r] = a.sinks[kvh * G + rr % G], l[r] = 1.0f;
+    else m[r] = kMasked, l[r] = 0.0f;
+    pos[r] = a.start + i0 + rr / G;
   }
   const int64_t last = a.start + i1 - 1;  // the block's last position: keys [0, last]
   // with a window, keys before the first row's window are never read
