@@ -11,8 +11,9 @@ the same order on the same shapes, so its output is the Python path's bits
 
 :func:`build_native_step` reads the model's ``DecoderLayerSpec`` list, never a model class.
 It builds a step when the compute dtype is float32, decode attention is native, and every
-layer is pre-norm with RMSNorms, rotary grouped-KV attention (q/k norms or not, biases or
-not) and either a gated SiLU MLP or softmax-top-k routed experts without a shared expert
+layer is pre-norm or sandwich-norm (Gemma 3) with RMSNorms, rotary grouped-KV attention
+(q/k norms or not, biases or not, each layer turned by the rotary table its spec names) and
+either a gated SiLU / gelu-tanh MLP or softmax-top-k routed experts without a shared expert
 that run as one native ExpertGroup (csrc/moe.cpp, the Python path's own call), every
 linear on a native kernel; otherwise it says why (naming the layer) and the Python
 layers run.  The step serves steps whose tokens are all decodes (one new token per
@@ -23,7 +24,7 @@ the model's kernels and the cache's pools: both live as long as the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -32,6 +33,7 @@ from quill import native
 from quill.kernels.linear import native_op
 from quill.layers.decoder import (
     PRE_NORM,
+    SANDWICH_NORM,
     SOFTMAX_TOP_K,
     AttentionSpec,
     DecoderLayerSpec,
@@ -43,8 +45,11 @@ from quill.layers.decoder import (
 
 log = logging.getLogger("quill.layers")
 
-# hidden_act names whose fused op the step runs (csrc/step.cpp: silu_mul)
-_NATIVE_ACTIVATIONS = ("silu",)
+# hidden_act names whose fused op the step runs (csrc/step.cpp: silu_mul, gelu_tanh_mul)
+_NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# rotary tables a model hands its layers (DecoderLayerSpec.rope); a model passing one (cos, sin) pair passes "global"
+GLOBAL_ROPE = "global"
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class KVPools(Protocol):
@@ -67,16 +72,23 @@ class NativeDecodeStep:
     """``step(layout, h, rope) -> h``: every decoder layer of an all-decode step
     (what ``quill.models.base.ForwardContext.layers`` runs)."""
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle, tables: Sequence[str] = (GLOBAL_ROPE,)) -> None:
         self.handle = handle  # quill.native DecoderStep
+        self.tables = tuple(tables)  # the rotary tables' names, in the order the layers index them
         # one parallel region for the whole step (step.cpp); False: each op splits its own work (same bits)
         self.team = True
 
-    def __call__(self, layout: StepSlots, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """h [1, T, E] (T decode tokens, one per sequence), rope cos/sin [1, T, D] -> [1, T, E]."""
-        cos, sin = rope
-        out = self.handle.forward(h[0].contiguous(), cos.contiguous(), sin.contiguous(), layout.slots,
-                                  layout.decode_slots, layout.decode_lens, self.team)
+    def __call__(self, layout: StepSlots, h: torch.Tensor, rope: Rope | Mapping[str, Rope]) -> torch.Tensor:
+        """h [1, T, E] (T decode tokens, one per sequence), rope cos/sin [1, T, D] (or the model's tables by
+        name, e.g. Gemma 3's {"global": ..., "local": ...}) -> [1, T, E]."""
+        ropes = {GLOBAL_ROPE: rope} if isinstance(rope, tuple) else rope
+        missing = [n for n in self.tables if n not in ropes]
+        if missing:
+            raise ValueError(f"native decode step: no rotary table {missing} (given {sorted(ropes)})")
+        cos = [ropes[n][0].contiguous() for n in self.tables]
+        sin = [ropes[n][1].contiguous() for n in self.tables]
+        out = self.handle.forward(h[0].contiguous(), cos, sin, layout.slots, layout.decode_slots,
+                                  layout.decode_lens, self.team)
         return out[None]
 
 
@@ -112,10 +124,11 @@ def _build(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dtype, pools: 
     sizes, why = _sizes(specs)
     if sizes is None:
         return None, why
+    tables = list(dict.fromkeys(s.rope for s in specs))  # in order of first use
     step = ext.DecoderStep(*sizes, pools.isa)
-    for i, p in enumerate(parts):
-        step.add_layer(**p, k_pool=pools.keys[i], v_pool=pools.values[i])
-    return NativeDecodeStep(step), None
+    for i, (p, spec) in enumerate(zip(parts, specs)):
+        step.add_layer(**p, k_pool=pools.keys[i], v_pool=pools.values[i], rope=tables.index(spec.rope))
+    return NativeDecodeStep(step, tables), None
 
 
 def _sizes(specs: Sequence[DecoderLayerSpec]) -> tuple[tuple | None, str | None]:
@@ -145,10 +158,10 @@ def _unsupported(spec: DecoderLayerSpec) -> str | None:
         return (f"{spec.attention.name}: recurrent layer ({spec.attention.kind}): runs in Python until the "
                 "native kernel lands")
     a, ffn, why = spec.attention, spec.ffn, []
-    if spec.residual != PRE_NORM:
-        why.append(f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}')")
-    if spec.rope != "global":
-        why.append(f"rotary table '{spec.rope}' (the step turns every layer by one table)")
+    if spec.residual not in (PRE_NORM, SANDWICH_NORM):
+        why.append(f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}' and '{SANDWICH_NORM}')")
+    if spec.residual == SANDWICH_NORM and (spec.attention_out_norm is None or spec.ffn_out_norm is None):
+        why.append(f"residual structure '{SANDWICH_NORM}' without both output norms")
     if a.output_gate:
         why.append("gated attention output (the step runs ungated attention)")
     if a.rotary_dim not in (None, a.head_dim):
@@ -170,7 +183,9 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
     if why is not None:
         return None, why
     attn = spec.attention
-    norms = [spec.input_norm.weight, spec.post_attention_norm.weight]
+    sandwich = spec.residual == SANDWICH_NORM
+    out_norms = [spec.attention_out_norm, spec.ffn_out_norm] if sandwich else [None, None]
+    norms = [spec.input_norm.weight, spec.post_attention_norm.weight] + [n.weight for n in out_norms if n is not None]
     qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.q_norm is not None else [None, None]
     if any(w is not None and w.dtype != torch.float32 for w in norms + qk_norms):
         return None, "a norm weight is not float32"
@@ -189,7 +204,15 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
         "qkv": qkv[0], "qkv_bias": qkv[1], "o": o[0][0], "o_bias": o[1][0], **ffn,
         "q_norm": qk_norms[0], "k_norm": qk_norms[1], "qk_eps": _qk_eps(attn),
         "window": attn.window or 0,  # a local layer's sliding window (0: global)
+        # sandwich norms (Gemma 3): each block's output normed before its residual
+        "attn_out_norm": _weight(out_norms[0]), "attn_out_eps": out_norms[0].eps if sandwich else 0.0,
+        "ffn_out_norm": _weight(out_norms[1]), "ffn_out_eps": out_norms[1].eps if sandwich else 0.0,
+        "activation": spec.ffn.activation if isinstance(spec.ffn, MLPSpec) else "silu",
     }, None
+
+
+def _weight(norm) -> torch.Tensor | None:
+    return None if norm is None else norm.weight.contiguous()
 
 
 def _qk_eps(attn: AttentionSpec) -> float:

@@ -61,8 +61,9 @@ class ForwardContext:
     caches: Sequence[LayerCache] | None = None
     logits_indices: torch.Tensor | None = None  # int64 [N]: the only flattened positions that need logits
     # runs every decoder layer at once in place of the model's loop: layers(h, rope) -> h (the engine's
-    # native decode step, DecoderLM.native_decode_step); None: the model's own layers run
-    layers: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
+    # native decode step, DecoderLM.native_decode_step); rope one (cos, sin), or the model's rotary tables by
+    # the names its DecoderLayerSpec.rope use (Gemma 3: "global", "local"); None: the model's own layers run
+    layers: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
 
     @classmethod
     def causal(cls, batch: int, length: int) -> "ForwardContext":

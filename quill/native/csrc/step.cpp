@@ -3,6 +3,8 @@
 // -> store k, v in the paged pools -> paged decode attention -> o projection -> residual ->
 // RMSNorm -> gate/up -> SiLU-and-multiply -> down -> residual; or, in an MoE layer (Qwen3-MoE,
 // Mixtral), RMSNorm -> router -> softmax top-k -> the routed experts (moe.cpp) -> residual.
+// Gemma 3: each block's output RMSNormed before its residual (sandwich norms), gelu-tanh for SiLU,
+// and the local layers' q and k turned by their own rotary table (forward takes one or more).
 //
 // Why: a decode step of a small model spent more time in Python module calls and torch op
 // dispatch around the kernels than in the kernels (default model: ~4 ms of a 12 ms token).
@@ -12,13 +14,14 @@
 // is one of these native functions, and checks the equality in its tests.
 //
 // Every token is a decode token (one new token per sequence): h [T, E], position cos/sin
-// [1, T, D], the pool slot each token's k/v is written to [T], and each sequence's context
+// [1, T, D] per rotary table, the pool slot each token's k/v is written to [T], and each sequence's context
 // slots [T, S] and length [T] as the paged attention reads them.  float32 compute; the KV pools
 // float32, bfloat16 or float16 (rounded to nearest even as each k / v row is stored).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <sched.h>
@@ -38,102 +41,11 @@
 #include "linear_op.h"
 #include "moe.h"
 #include "ops.h"
+#include "step_layers.h"
 #include "team.h"
 
 namespace quill {
 namespace {
-
-template <class... A>
-[[noreturn]] void step_fail(const A&... parts) {
-  op_fail("decoder step", parts...);
-}
-
-// Row `slot` of a [N, Hkv, D] pool of any element type.
-void* pool_row(const at::Tensor& pool, int64_t slot) {
-  return static_cast<char*>(pool.data_ptr()) + slot * pool.stride(0) * pool.element_size();
-}
-
-void expect_f32(const at::Tensor& t, std::vector<int64_t> shape, const char* what) {
-  if (t.scalar_type() != at::kFloat || t.sizes() != at::IntArrayRef(shape) || !t.is_contiguous())
-    step_fail("'", what, "' should be contiguous float32 ", at::IntArrayRef(shape), ", found ", t.dtype(), " ", t.sizes());
-}
-
-// One linear and its bias.
-struct Proj {
-  LinearOp* op = nullptr;
-  std::optional<at::Tensor> bias;
-  at::Tensor bias_f32;  // float32 [N] (the team call's), undefined without a bias
-  at::Tensor operator()(const at::Tensor& x) const { return op->run(x, bias); }  // [T, K] -> [T, N]
-  const float* bias_ptr() const { return bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr; }
-};
-
-Proj make_proj(LinearOp* op, std::optional<at::Tensor> bias, const char* what, int64_t k, int64_t n) {
-  if (op->in_features() != k || op->out_features() != n)
-    step_fail(what, ": the linear is [", op->out_features(), ", ", op->in_features(), "], expected [", n, ", ", k, "]");
-  Proj p{op, bias, {}};
-  if (bias) {
-    p.bias_f32 = bias->to(at::kFloat).contiguous();
-    if (p.bias_f32.dim() != 1 || p.bias_f32.size(0) != n) step_fail(what, ": bias ", bias->sizes(), ", expected [", n, "]");
-  }
-  return p;
-}
-
-struct Layer {
-  at::Tensor ln1, ln2;  // [E]
-  double eps1 = 0, eps2 = 0;
-  std::vector<Proj> qkv;      // one merged [T, (H + 2 Hkv) D], or q, k, v
-  Proj o;                     // [T, H D] -> [T, E]
-  std::vector<Proj> gate_up;  // one merged [T, 2 I], or gate, up
-  Proj down;                  // [T, I] -> [T, E]
-  Proj router;                       // MoE layers: [T, E] -> [T, experts] router logits, no bias
-  const ExpertGroup* experts = nullptr;  // MoE layers: the routed experts (no gate_up / down then)
-  int64_t top_k = 0;
-  bool renormalize = false;
-  std::optional<at::Tensor> q_norm, k_norm;  // [D] (Qwen3)
-  double qk_eps = 0;
-  int64_t window = 0;  // a local layer's sliding window (attention.h AttnArgs), 0: global
-  at::Tensor k_pool, v_pool;  // [N, Hkv, D]
-};
-
-// One merged linear over every width, or one linear per width.
-std::vector<Proj> projs(const std::vector<LinearOp*>& ops, const std::vector<std::optional<at::Tensor>>& biases,
-                        int64_t k, const std::vector<int64_t>& widths, const char* what) {
-  if ((ops.size() != 1 && ops.size() != widths.size()) || biases.size() != ops.size())
-    step_fail(what, ": expected 1 merged or ", widths.size(), " separate linears with as many biases, found ", ops.size(),
-         " and ", biases.size());
-  int64_t total = 0;
-  for (int64_t w : widths) total += w;
-  std::vector<Proj> out;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    if (ops[i] == nullptr) step_fail(what, ": linear ", i, " is None");
-    out.push_back(make_proj(ops[i], biases[i], what, k, ops.size() == 1 ? total : widths[i]));
-  }
-  return out;
-}
-
-// Column blocks [offset, offset + width) of one merged output, or the separate outputs.
-std::vector<at::Tensor> outputs(const std::vector<Proj>& ps, const at::Tensor& x, const std::vector<int64_t>& widths,
-                                const char* what) {
-  std::vector<at::Tensor> out;
-  if (ps.size() == 1) {
-    const at::Tensor y = ps[0](x);  // [T, sum(widths)]
-    int64_t total = 0;
-    for (int64_t w : widths) total += w;
-    if (y.dim() != 2 || y.size(1) != total) step_fail(what, ": the merged linear gave ", y.sizes(), ", expected [T, ", total, "]");
-    int64_t at = 0;
-    for (int64_t w : widths) {
-      out.push_back(y.narrow(1, at, w));
-      at += w;
-    }
-    return out;
-  }
-  for (size_t i = 0; i < ps.size(); ++i) {
-    out.push_back(ps[i](x));
-    if (out.back().dim() != 2 || out.back().size(1) != widths[i])
-      step_fail(what, ": linear ", i, " gave ", out.back().sizes(), ", expected [T, ", widths[i], "]");
-  }
-  return out;
-}
 
 class DecoderStep {
  public:
@@ -150,8 +62,16 @@ class DecoderStep {
                  const std::vector<LinearOp*>& gate_up, const std::vector<std::optional<at::Tensor>>& gate_up_bias,
                  LinearOp* down, std::optional<at::Tensor> down_bias, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, double qk_eps, at::Tensor k_pool, at::Tensor v_pool,
-                 LinearOp* router, const ExpertGroup* experts, int64_t top_k, bool renormalize, int64_t window) {
+                 LinearOp* router, const ExpertGroup* experts, int64_t top_k, bool renormalize, int64_t window,
+                 std::optional<at::Tensor> attn_out_norm, double attn_out_eps, std::optional<at::Tensor> ffn_out_norm,
+                 double ffn_out_eps, const std::string& act, int64_t rope, bool output_gate, int64_t rotary_dim,
+                 const std::vector<LinearOp*>& shared_gate_up,
+                 const std::vector<std::optional<at::Tensor>>& shared_gate_up_bias, LinearOp* shared_down,
+                 std::optional<at::Tensor> shared_down_bias, LinearOp* shared_gate, int64_t shared_intermediate) {
     if (window < 0) step_fail("window ", window, ": expected 0 (global) or a positive number of positions");
+    if (rope < 0) step_fail("rope table ", rope, ": expected an index >= 0 into forward's tables");
+    if (rotary_dim < 0 || rotary_dim > d_ || rotary_dim % 2)
+      step_fail("rotary_dim ", rotary_dim, ": expected 0 (all ", d_, " channels) or an even count up to it");
     expect_f32(ln1, {e_}, "input_layernorm");
     expect_f32(ln2, {e_}, "post_attention_layernorm");
     if (q_norm.has_value() != k_norm.has_value()) step_fail("q_norm and k_norm come together");
@@ -167,7 +87,12 @@ class DecoderStep {
     if ((down == nullptr) != (experts != nullptr)) step_fail("a layer takes either down_proj or routed experts");
     Layer l;
     l.ln1 = std::move(ln1), l.ln2 = std::move(ln2), l.eps1 = eps1, l.eps2 = eps2, l.window = window;
-    l.qkv = projs(qkv, qkv_bias, e_, {h_ * d_, hkv_ * d_, hkv_ * d_}, "q/k/v");
+    l.attn_out_norm = opt_norm(std::move(attn_out_norm), e_, "attention output norm"), l.eps_ao = attn_out_eps;
+    l.ffn_out_norm = opt_norm(std::move(ffn_out_norm), e_, "feed-forward output norm"), l.eps_fo = ffn_out_eps;
+    l.act = activation(act), l.rope = rope;
+    tables_ = std::max(tables_, rope + 1);
+    l.gated = output_gate, l.rd = rotary_dim ? rotary_dim : d_;
+    l.qkv = projs(qkv, qkv_bias, e_, {q_width(l), hkv_ * d_, hkv_ * d_}, "q/k/v");
     l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d_, e_);
     if (experts != nullptr) {
       if (!gate_up.empty() || router == nullptr || experts->hidden() != e_ || top_k < 1 || top_k > experts->num_experts())
@@ -176,6 +101,15 @@ class DecoderStep {
              ", top_k ", top_k);
       l.router = make_proj(router, std::nullopt, "router", e_, experts->num_experts());
       l.experts = experts, l.top_k = top_k, l.renormalize = renormalize;
+      if (shared_down != nullptr) {  // a shared expert: every token, scaled by sigmoid(shared_gate(x))
+        if (shared_gate == nullptr || shared_intermediate < 1)
+          step_fail("a shared expert takes its gate linear and a positive intermediate size, found ",
+                    shared_intermediate);
+        l.si = shared_intermediate;
+        l.shared_gate_up = projs(shared_gate_up, shared_gate_up_bias, e_, {l.si, l.si}, "shared gate/up");
+        l.shared_down = make_proj(shared_down, std::move(shared_down_bias), "shared down_proj", l.si, e_);
+        l.shared_gate = make_proj(shared_gate, std::nullopt, "shared expert gate", e_, 1);
+      }
     } else {
       l.gate_up = projs(gate_up, gate_up_bias, e_, {i_, i_}, "gate/up");
       l.down = make_proj(down, std::move(down_bias), "down_proj", i_, e_);
@@ -189,16 +123,21 @@ class DecoderStep {
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
-  // h [T, E]; cos, sin [1, T, D]; slots int64 [T]; ctx_slots int64 [T, S]; lens int64 [T] -> [T, E].
+  // h [T, E]; cos, sin: the rotary tables, each [1, T, D] (a layer turns by table `rope`); slots int64 [T];
+  // ctx_slots int64 [T, S]; lens int64 [T] -> [T, E].
   // team: run the step inside one parallel region (below); false, or when a linear cannot take T
   // tokens in one call, runs the ops one after another (each splitting its own work) -- the same bits.
-  at::Tensor forward(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                     const at::Tensor& ctx_slots, const at::Tensor& lens, bool team) const {
+  at::Tensor forward(const at::Tensor& h_in, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                     const at::Tensor& slots, const at::Tensor& ctx_slots, const at::Tensor& lens, bool team) const {
     if (h_in.dim() != 2) step_fail("'h' should be float32 [T, ", e_, "], found ", h_in.sizes());
     const int64_t t = h_in.size(0);
     expect_f32(h_in, {t, e_}, "h");
-    expect_f32(cos, {1, t, d_}, "cos");
-    expect_f32(sin, {1, t, d_}, "sin");
+    if (int64_t(cos.size()) < tables_ || sin.size() != cos.size())
+      step_fail("the layers turn by ", tables_, " rotary tables; found ", cos.size(), " cos and ", sin.size(), " sin");
+    for (const Layer& l : layers_) {  // each layer's table [1, T, its rotary dim]
+      expect_f32(cos[l.rope], {1, t, l.rd}, "cos");
+      expect_f32(sin[l.rope], {1, t, l.rd}, "sin");
+    }
     if (slots.scalar_type() != at::kLong || slots.sizes() != at::IntArrayRef({t}) || !slots.is_contiguous())
       step_fail("'slots' should be contiguous int64 [", t, "], found ", slots.dtype(), " ", slots.sizes());
     const int64_t* sl = slots.data_ptr<int64_t>();
@@ -207,8 +146,10 @@ class DecoderStep {
     if (team && team_scratch(t) >= 0) return forward_team(h_in, cos, sin, sl, ctx_slots, lens);
     at::Tensor h = h_in;
     for (const Layer& l : layers_) {
-      h = at::add(h, attention(l, rms_norm(h, l.ln1, l.eps1), cos, sin, sl, ctx_slots, lens));
-      h = at::add(h, mlp(l, rms_norm(h, l.ln2, l.eps2)));
+      const at::Tensor a = attention(l, rms_norm(h, l.ln1, l.eps1), cos[l.rope], sin[l.rope], sl, ctx_slots, lens);
+      h = at::add(h, l.attn_out_norm ? rms_norm(a, *l.attn_out_norm, l.eps_ao) : a);
+      const at::Tensor f = mlp(l, rms_norm(h, l.ln2, l.eps2));
+      h = at::add(h, l.ffn_out_norm ? rms_norm(f, *l.ffn_out_norm, l.eps_fo) : f);
     }
     return h;
   }
@@ -221,6 +162,8 @@ class DecoderStep {
       std::vector<const Proj*> ps = {&l.o, l.experts ? &l.router : &l.down};
       for (const Proj& p : l.qkv) ps.push_back(&p);
       for (const Proj& p : l.gate_up) ps.push_back(&p);
+      if (l.shared_down.op) ps.insert(ps.end(), {&l.shared_down, &l.shared_gate});
+      for (const Proj& p : l.shared_gate_up) ps.push_back(&p);
       if (l.experts) {
         const int64_t b = l.experts->team_scratch(t);
         if (b < 0) return -1;
@@ -235,19 +178,21 @@ class DecoderStep {
     return most;
   }
 
-  at::Tensor forward_team(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, const int64_t* slots,
-                          const at::Tensor& ctx_slots, const at::Tensor& lens) const;
+  at::Tensor forward_team(const at::Tensor& h_in, const std::vector<at::Tensor>& cos,
+                          const std::vector<at::Tensor>& sin, const int64_t* slots, const at::Tensor& ctx_slots,
+                          const at::Tensor& lens) const;
 
   // x [T, E] -> [T, E]
   at::Tensor attention(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const int64_t* slots, const at::Tensor& ctx_slots, const at::Tensor& lens) const {
     const int64_t t = x.size(0);
-    std::vector<at::Tensor> qkv = outputs(l.qkv, x, {h_ * d_, hkv_ * d_, hkv_ * d_}, "q/k/v");
-    at::Tensor q = qkv[0].reshape({1, t, h_, d_}), k = qkv[1].reshape({1, t, hkv_, d_});
+    std::vector<at::Tensor> qkv = outputs(l.qkv, x, {q_width(l), hkv_ * d_, hkv_ * d_}, "q/k/v");
+    const at::Tensor qg = qkv[0].reshape({1, t, h_, l.gated ? 2 * d_ : d_});  // per head: query (, gate)
+    at::Tensor q = qg.narrow(3, 0, d_), k = qkv[1].reshape({1, t, hkv_, d_});
     q = l.q_norm ? rms_norm(q, *l.q_norm, l.qk_eps) : q.contiguous();  // [1, T, H, D]
     k = l.k_norm ? rms_norm(k, *l.k_norm, l.qk_eps) : k.contiguous();  // [1, T, Hkv, D]
-    rope_(q, cos, sin);
-    rope_(k, cos, sin);
+    rotate(q, cos, sin, l.rd);
+    rotate(k, cos, sin, l.rd);
     const at::Tensor& v = qkv[2];  // [T, Hkv D], rows `v.stride(0)` apart
     const int64_t row = hkv_ * d_;
     const float* kr = k.data_ptr<float>();
@@ -258,17 +203,31 @@ class DecoderStep {
     }
     const at::Tensor out = paged_decode_attention(q.view({t, h_, 1, d_}), l.k_pool, l.v_pool, ctx_slots, lens,
                                                   scale_, isa_, l.window);  // [T, H, 1, D]
-    return l.o(out.view({t, h_ * d_}));
+    if (!l.gated) return l.o(out.view({t, h_ * d_}));
+    return l.o(at::mul(out.view({t, h_ * d_}), sigmoid(qg.narrow(3, d_, d_).reshape({t, h_ * d_}))));
   }
+
+  // the first rd channels of each head of x [1, T, heads, D] turned by cos, sin [1, T, rd], in place
+  static void rotate(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd) {
+    if (rd == x.size(3)) return rope_(x, cos, sin);
+    at::Tensor part = x.narrow(3, 0, rd).contiguous();
+    rope_(part, cos, sin);
+    x.narrow(3, 0, rd).copy_(part);
+  }
+
+  int64_t q_width(const Layer& l) const { return (l.gated ? 2 : 1) * h_ * d_; }  // q_proj's [T, width]
 
   // x [T, E] -> [T, E]
   at::Tensor mlp(const Layer& l, const at::Tensor& x) const {
     if (l.experts) {
       const auto [w, ids] = route_tokens(l.router(x), l.top_k, l.renormalize);  // [T, k] each
-      return l.experts->forward(x, ids, w, false);
+      const at::Tensor routed = l.experts->forward(x, ids, w, false);  // [T, E]
+      if (!l.shared_down.op) return routed;
+      std::vector<at::Tensor> gu = outputs(l.shared_gate_up, x, {l.si, l.si}, "shared gate/up");
+      return at::add(routed, at::mul(sigmoid(l.shared_gate(x)), l.shared_down(silu_mul(gu[0], gu[1]))));
     }
     std::vector<at::Tensor> gu = outputs(l.gate_up, x, {i_, i_}, "gate/up");
-    return l.down(silu_mul(gu[0], gu[1]));
+    return l.down(l.act == Act::GeluTanh ? gelu_tanh_mul(gu[0], gu[1]) : silu_mul(gu[0], gu[1]));
   }
 
   int64_t e_, h_, hkv_, d_, i_;
@@ -276,6 +235,7 @@ class DecoderStep {
   std::string isa_;
   std::vector<Layer> layers_;
   int64_t rows_ = 0;  // pool rows of the smallest layer pool (the tables are checked against it)
+  int64_t tables_ = 1;  // rotary tables forward takes (one more than the largest layer's `rope`)
   KVType kv_type_ = KVType::F32;  // every layer's pools
   const IsaBackend* backend_ = &backend_for(isa_, "decoder step");  // chosen once (isa.h)
 };
@@ -292,7 +252,7 @@ class DecoderStep {
 
 // float32 buffers of one step, carved from one allocation
 struct TeamBufs {
-  float *h, *xn, *proj, *q, *k, *attn, *o, *gu, *act;
+  float *h, *xn, *proj, *q, *k, *attn, *o, *gu, *act, *gate, *sh, *sg;
 };
 
 // y [T, sum widths] (rows ldy apart) = the group's linears of x [T, K]; every thread calls it
@@ -309,9 +269,29 @@ void team_linears(const Proj* ps, size_t n, const float* x, int64_t t, float* y,
   }
 }
 
-at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
-                                     const int64_t* slots, const at::Tensor& ctx_slots, const at::Tensor& lens) const {
-  const int64_t t = h_in.size(0), kvd = hkv_ * d_, wqkv = h_ * d_ + 2 * kvd;
+// act [T, I] = act(gate) * up of gu [T, 2 I] (gate, up per row): this thread's share of the elements
+void team_act(Act act, const float* gu, float* y, int64_t t, int64_t i, int tid, int nt) {
+  int64_t e0, e1;
+  team_share(t * i, tid, nt, e0, e1);
+  for (int64_t r = e0 / i; r < t && r * i < e1; ++r) {
+    const int64_t b = std::max(e0, r * i) - r * i, e = std::min(e1, (r + 1) * i) - r * i;
+    const float* gr = gu + r * 2 * i;
+    (act == Act::GeluTanh ? gelu_tanh_mul_f32 : silu_mul_f32)(gr, gr + i, y + r * i, b, e);
+  }
+}
+
+// h[r] += the feed-forward output o[r] of layer l (normed first: sandwich norms); token r's row only
+void ffn_residual(const Layer& l, const TeamBufs& bu, int64_t r, int64_t e) {
+  if (l.ffn_out_norm) rms_norm_f32(bu.o, l.ffn_out_norm->data_ptr<float>(), bu.o, e, float(l.eps_fo), r, r + 1);
+  for (int64_t i = 0; i < e; ++i) bu.h[r * e + i] += bu.o[r * e + i];
+}
+
+at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<at::Tensor>& cos,
+                                     const std::vector<at::Tensor>& sin, const int64_t* slots,
+                                     const at::Tensor& ctx_slots, const at::Tensor& lens) const {
+  const int64_t t = h_in.size(0), kvd = hkv_ * d_, hd = h_ * d_;
+  int64_t wqkv = hd + 2 * kvd, imax = i_;  // the widest q/k/v row (gated: 2 H D + 2 Hkv D), MLP (or shared expert)
+  for (const Layer& l : layers_) wqkv = std::max(wqkv, q_width(l) + 2 * kvd), imax = std::max(imax, l.si);
   // the context tables, checked as paged_decode_attention checks them
   if (ctx_slots.scalar_type() != at::kLong || ctx_slots.dim() != 2 || ctx_slots.size(0) != t || !ctx_slots.is_contiguous())
     step_fail("'ctx_slots' should be contiguous int64 [", t, ", S], found ", ctx_slots.dtype(), " ", ctx_slots.sizes());
@@ -331,20 +311,24 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
   for (const Layer& l : layers_) threads = std::max<int>(threads, int(l.o.op->threads()));
   threads = std::max(1, std::min(threads, at::get_num_threads()));
   const int64_t g = h_ / hkv_, attn_floats = align64(g * (s + d_) * 4) / 4;  // per thread
-  // [T, E] h, xn, o; [T, wqkv] proj; [T, H D] q, attn; [T, Hkv D] k; [T, 2 I] gu; [T, I] act; attention scratch
-  const int64_t sizes[] = {t * e_, t * e_, t * wqkv, t * h_ * d_, t * kvd, t * h_ * d_, t * e_, 2 * t * i_, t * i_};
+  // [T, E] h, xn, o; [T, wqkv] proj; [T, H D] q, attn; [T, Hkv D] k; [T, 2 I] gu; [T, I] act; [T, H D] output
+  // gate; [T, E] shared expert; [T] its gate; attention scratch
+  const int64_t sizes[] = {t * e_, t * e_, t * wqkv, t * hd, t * kvd, t * hd, t * e_, 2 * t * imax, t * imax,
+                           t * hd, t * e_, t};
+  constexpr int n_parts = sizeof(sizes) / sizeof(sizes[0]);
   int64_t total = threads * attn_floats;
   for (int64_t n : sizes) total += align64(n * 4) / 4;
   at::Tensor mem = at::empty({total}, h_in.options());
   at::Tensor scratch_mem = at::empty({std::max<int64_t>(team_scratch(t), 64)}, h_in.options().dtype(at::kByte));
   float* at_ = mem.data_ptr<float>();
-  float* parts[9];
-  for (int i = 0; i < 9; ++i) {
+  float* parts[n_parts];
+  for (int i = 0; i < n_parts; ++i) {
     parts[i] = at_;
     at_ += align64(sizes[i] * 4) / 4;
   }
   float* attn_scratch = at_;
-  const TeamBufs bu{parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], parts[6], parts[7], parts[8]};
+  const TeamBufs bu{parts[0], parts[1], parts[2], parts[3], parts[4],  parts[5],
+                    parts[6], parts[7], parts[8], parts[9], parts[10], parts[11]};
   // MoE layers: router logits [T, experts], routing weights [T, k] and ids [T, k], the experts' work memory
   int64_t most_experts = 0, most_k = 0, most_work = 0;
   for (const Layer& l : layers_)
@@ -362,8 +346,8 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
   char* moe_work = reinterpret_cast<char*>(route_ids) + align64(t * most_k * 8);
   std::copy(h_in.data_ptr<float>(), h_in.data_ptr<float>() + t * e_, bu.h);
   char* scratch = static_cast<char*>(scratch_mem.data_ptr());
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+  std::vector<const float*> cp, sp;  // each table [T, rotary dim]
+  for (size_t i = 0; i < cos.size(); ++i) cp.push_back(cos[i].data_ptr<float>()), sp.push_back(sin[i].data_ptr<float>());
   AttnArgs a;
   a.q = bu.q, a.out = bu.attn;
   a.kh = a.vh = d_, a.ks = a.vs = kvd;
@@ -383,26 +367,32 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& l = layers_[li];
       for (int64_t r = r0; r < r1; ++r) {  // the previous layer's MLP residual, then this layer's norm
-        if (li > 0)
-          for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
+        if (li > 0) ffn_residual(layers_[li - 1], bu, r, e_);
         rms_norm_f32(bu.h, l.ln1.data_ptr<float>(), bu.xn, e_, float(l.eps1), r, r + 1);
       }
       bar.wait();
-      team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, wqkv, scratch, tid, nt, bar);
-      for (int64_t r = r0; r < r1; ++r) {  // q, k out of the projections (normed: Qwen3), rotated; k, v stored
-        float* q = bu.q + r * h_ * d_;
+      const int64_t qw = q_width(l), lw = qw + 2 * kvd;  // this layer's q_proj and q/k/v row widths
+      team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, lw, scratch, tid, nt, bar);
+      for (int64_t r = r0; r < r1; ++r) {  // q (, gate), k out of the projections (normed: Qwen3), rotated; k, v stored
+        float* q = bu.q + r * hd;
         float* k = bu.k + r * kvd;
-        const float* row = bu.proj + r * wqkv;
-        std::copy(row, row + h_ * d_, q);
-        std::copy(row + h_ * d_, row + h_ * d_ + kvd, k);
+        const float* row = bu.proj + r * lw;
+        if (l.gated)  // per head [query D, gate D]
+          for (int64_t j = 0; j < h_; ++j) {
+            std::copy(row + j * 2 * d_, row + j * 2 * d_ + d_, q + j * d_);
+            std::copy(row + j * 2 * d_ + d_, row + (j + 1) * 2 * d_, bu.gate + r * hd + j * d_);
+          }
+        else
+          std::copy(row, row + hd, q);
+        std::copy(row + qw, row + qw + kvd, k);
         if (l.q_norm) {
           rms_norm_f32(q, l.q_norm->data_ptr<float>(), q, d_, float(l.qk_eps), 0, h_);
           rms_norm_f32(k, l.k_norm->data_ptr<float>(), k, d_, float(l.qk_eps), 0, hkv_);
         }
-        rope_f32(bu.q, cp, sp, h_, d_, r, r + 1);
-        rope_f32(bu.k, cp, sp, hkv_, d_, r, r + 1);
+        rope_f32(bu.q, cp[l.rope], sp[l.rope], h_, l.rd, d_, r, r + 1);
+        rope_f32(bu.k, cp[l.rope], sp[l.rope], hkv_, l.rd, d_, r, r + 1);
         backend_->kv_store(pool_row(l.k_pool, slots[r]), k, kvd, kv_type_);
-        backend_->kv_store(pool_row(l.v_pool, slots[r]), row + h_ * d_ + kvd, kvd, kv_type_);
+        backend_->kv_store(pool_row(l.v_pool, slots[r]), row + qw + kvd, kvd, kv_type_);
       }
       bar.wait();
       AttnArgs la = a;
@@ -416,8 +406,17 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
         head(la, p / hkv_, p % hkv_, my_attn);
       }
       bar.wait();
+      if (l.gated) {  // attn * sigmoid(gate), this thread's tokens
+        for (int64_t r = r0; r < r1; ++r) {
+          float* gr = bu.gate + r * hd;
+          sigmoid_f32(gr, gr, 0, hd);
+          for (int64_t i = 0; i < hd; ++i) bu.attn[r * hd + i] *= gr[i];
+        }
+        bar.wait();
+      }
       team_linears(&l.o, 1, bu.attn, t, bu.o, e_, scratch, tid, nt, bar);
-      for (int64_t r = r0; r < r1; ++r) {  // the attention residual, then the MLP's norm
+      for (int64_t r = r0; r < r1; ++r) {  // the attention residual (its output normed: sandwich), the MLP's norm
+        if (l.attn_out_norm) rms_norm_f32(bu.o, l.attn_out_norm->data_ptr<float>(), bu.o, e_, float(l.eps_ao), r, r + 1);
         for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
         rms_norm_f32(bu.h, l.ln2.data_ptr<float>(), bu.xn, e_, float(l.eps2), r, r + 1);
       }
@@ -429,20 +428,26 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const at::Tensor& c
           route_token(logits + r * ne, ne, k, l.renormalize, route_ids + r * k, route_w + r * k);
         bar.wait();
         l.experts->team_forward(bu.xn, t, route_ids, route_w, k, bu.o, moe_work, scratch, tid, nt, bar);
+        if (!l.shared_down.op) continue;
+        // the shared expert into bu.sh, its gate logit into bu.sg; o += sigmoid(gate) * shared, this thread's tokens
+        team_linears(l.shared_gate_up.data(), l.shared_gate_up.size(), bu.xn, t, bu.gu, 2 * l.si, scratch, tid, nt, bar);
+        team_act(Act::Silu, bu.gu, bu.act, t, l.si, tid, nt);
+        bar.wait();
+        team_linears(&l.shared_down, 1, bu.act, t, bu.sh, e_, scratch, tid, nt, bar);
+        team_linears(&l.shared_gate, 1, bu.xn, t, bu.sg, 1, scratch, tid, nt, bar);
+        for (int64_t r = r0; r < r1; ++r) {
+          float sg;
+          sigmoid_f32(bu.sg + r, &sg, 0, 1);
+          for (int64_t i = 0; i < e_; ++i) bu.o[r * e_ + i] += sg * bu.sh[r * e_ + i];
+        }
         continue;
       }
       team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * i_, scratch, tid, nt, bar);
-      int64_t e0, e1;  // this thread's elements of [T, I]
-      team_share(t * i_, tid, nt, e0, e1);
-      for (int64_t r = e0 / i_; r < t && r * i_ < e1; ++r) {
-        const int64_t b = std::max(e0, r * i_) - r * i_, e = std::min(e1, (r + 1) * i_) - r * i_;
-        silu_mul_f32(bu.gu + r * 2 * i_, bu.gu + r * 2 * i_ + i_, bu.act + r * i_, b, e);
-      }
+      team_act(l.act, bu.gu, bu.act, t, i_, tid, nt);
       bar.wait();
       team_linears(&l.down, 1, bu.act, t, bu.o, e_, scratch, tid, nt, bar);
     }
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
+    for (int64_t r = r0; r < r1; ++r) ffn_residual(layers_.back(), bu, r, e_);
   }
   return mem.narrow(0, 0, t * e_).view({t, e_});
 }
@@ -461,6 +466,13 @@ void register_step(pybind11::module_& m) {
            py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"), py::arg("q_norm"), py::arg("k_norm"),
            py::arg("qk_eps"), py::arg("k_pool"), py::arg("v_pool"), py::arg("router") = nullptr,
            py::arg("experts") = nullptr, py::arg("top_k") = 0, py::arg("renormalize") = false, py::arg("window") = 0,
+           py::arg("attn_out_norm") = std::nullopt, py::arg("attn_out_eps") = 0.0, py::arg("ffn_out_norm") = std::nullopt,
+           py::arg("ffn_out_eps") = 0.0, py::arg("activation") = "silu", py::arg("rope") = 0,
+           py::arg("output_gate") = false, py::arg("rotary_dim") = 0,
+           py::arg("shared_gate_up") = std::vector<LinearOp*>{},
+           py::arg("shared_gate_up_bias") = std::vector<std::optional<at::Tensor>>{}, py::arg("shared_down") = nullptr,
+           py::arg("shared_down_bias") = std::nullopt, py::arg("shared_gate") = nullptr,
+           py::arg("shared_intermediate") = 0,
            py::keep_alive<1, 20>())  // the step holds the experts' Python object
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
       .def("forward", &DecoderStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
