@@ -12,10 +12,11 @@ the same order on the same shapes, so its output is the Python path's bits
 :func:`build_native_step` reads the model's ``DecoderLayerSpec`` list, never a model class.
 It builds a step when the compute dtype is float32, decode attention is native, and every
 layer is pre-norm or sandwich-norm (Gemma 3) with RMSNorms, rotary grouped-KV attention
-(q/k norms or not, biases or not, each layer turned by the rotary table its spec names) and
-either a gated SiLU / gelu-tanh MLP or softmax-top-k routed experts without a shared expert
-that run as one native ExpertGroup (csrc/moe.cpp, the Python path's own call), every
-linear on a native kernel; otherwise it says why (naming the layer) and the Python
+(q/k norms or not, biases or not, partial rotary or not, a sigmoid output gate or not:
+Qwen3.5; each layer turned by the rotary table its spec names) and either a gated SiLU /
+gelu-tanh MLP or softmax-top-k routed experts (with a sigmoid-gated shared expert or
+without) that run as one native ExpertGroup (csrc/moe.cpp, the Python path's own call),
+every linear on a native kernel; otherwise it says why (naming the layer) and the Python
 layers run.  The step serves steps whose tokens are all decodes (one new token per
 sequence, the common step); steps with a prompt chunk run the Python layers.  It borrows
 the model's kernels and the cache's pools: both live as long as the engine.
@@ -162,18 +163,18 @@ def _unsupported(spec: DecoderLayerSpec) -> str | None:
         why.append(f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}' and '{SANDWICH_NORM}')")
     if spec.residual == SANDWICH_NORM and (spec.attention_out_norm is None or spec.ffn_out_norm is None):
         why.append(f"residual structure '{SANDWICH_NORM}' without both output norms")
-    if a.output_gate:
-        why.append("gated attention output (the step runs ungated attention)")
-    if a.rotary_dim not in (None, a.head_dim):
-        why.append(f"partial rotary ({a.rotary_dim} of {a.head_dim} channels; the step rotates all)")
+    if a.rotary_dim is not None and not (0 < a.rotary_dim <= a.head_dim and a.rotary_dim % 2 == 0):
+        why.append(f"partial rotary of {a.rotary_dim} of {a.head_dim} channels (the step turns an even count)")
     if (a.q_norm is None) != (a.k_norm is None):
         why.append("a q norm without a k norm, or a k norm without a q norm (the step runs both or neither)")
     if isinstance(ffn, MLPSpec) and ffn.activation not in _NATIVE_ACTIVATIONS:
         why.append(f"feed-forward activation '{ffn.activation}' (the step runs {', '.join(_NATIVE_ACTIVATIONS)})")
     if isinstance(ffn, MoESpec) and ffn.router_kind != SOFTMAX_TOP_K:
         why.append(f"{ffn.name}: router '{ffn.router_kind}' (the step runs '{SOFTMAX_TOP_K}')")
-    if isinstance(ffn, MoESpec) and ffn.shared_expert is not None:
-        why.append(f"{ffn.name}: a shared expert (the step runs routed experts only)")
+    if isinstance(ffn, MoESpec) and ffn.shared_expert is not None and ffn.shared_expert.activation != "silu":
+        why.append(f"{ffn.name}: shared expert activation '{ffn.shared_expert.activation}' (the step runs silu)")
+    if isinstance(ffn, MoESpec) and ffn.shared_expert is not None and ffn.shared_gate is None:
+        why.append(f"{ffn.name}: a shared expert without its gate (the step runs sigmoid-gated shared experts)")
     return "; ".join(why) if why else None
 
 
@@ -208,6 +209,8 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
         "attn_out_norm": _weight(out_norms[0]), "attn_out_eps": out_norms[0].eps if sandwich else 0.0,
         "ffn_out_norm": _weight(out_norms[1]), "ffn_out_eps": out_norms[1].eps if sandwich else 0.0,
         "activation": spec.ffn.activation if isinstance(spec.ffn, MLPSpec) else "silu",
+        # Qwen3.5: q_proj gives each head its query and an output gate; rotary over the first rotary_dim channels
+        "output_gate": attn.output_gate, "rotary_dim": attn.rotary_dim or 0,
     }, None
 
 
@@ -238,8 +241,21 @@ def _moe_parts(moe: MoESpec) -> tuple[dict | None, str | None]:
         return None, why
     if router[1][0] is not None:
         return None, f"{moe.name}: the router has a bias"
-    return {"gate_up": [], "gate_up_bias": [], "down": None, "down_bias": None, "router": router[0][0],
-            "experts": moe.native_group, "top_k": moe.top_k, "renormalize": moe.renormalize}, None
+    parts = {"gate_up": [], "gate_up_bias": [], "down": None, "down_bias": None, "router": router[0][0],
+             "experts": moe.native_group, "top_k": moe.top_k, "renormalize": moe.renormalize}
+    if moe.shared_expert is None:
+        return parts, None
+    shared, why = _mlp_parts(moe.shared_expert)  # routed + sigmoid(shared_gate(x)) * shared_expert(x)
+    if shared is None:
+        return None, f"{moe.name}: shared expert: {why}"
+    gate, why = _linears_of([("shared_expert_gate", moe.shared_gate.impl)])
+    if gate is None:
+        return None, f"{moe.name}: {why}"
+    if gate[1][0] is not None:
+        return None, f"{moe.name}: the shared expert's gate has a bias"
+    return {**parts, "shared_gate_up": shared["gate_up"], "shared_gate_up_bias": shared["gate_up_bias"],
+            "shared_down": shared["down"], "shared_down_bias": shared["down_bias"], "shared_gate": gate[0][0],
+            "shared_intermediate": moe.shared_expert.intermediate}, None
 
 
 def _group(proj: Projections) -> tuple[tuple[list, list] | None, str | None]:
