@@ -92,7 +92,8 @@ class DecoderLM(nn.Module):
         layers, so only its Python layers run."""
         return None
 
-    def native_decode_step(self, cache: KVPools) -> tuple[Callable | None, str | None]:
-        """Every decoder layer of an all-decode step in one native call over ``cache``'s pools,
-        ``step(layout, h, rope) -> h`` (``ForwardContext.layers``), or (None, why not, naming the layer)."""
-        return build_native_step(self.decoder_layer_specs(), self.dtype, cache, type(self).__name__)
+    def native_decode_step(self, cache: KVPools, states=None) -> tuple[Callable | None, str | None]:
+        """Every decoder layer of an all-decode step in one native call over ``cache``'s pools and (recurrent
+        layers) ``states``' pools (``quill.engine.state_cache.StatePool``), ``step(layout, h, rope, state_rows)
+        -> h`` (``ForwardContext.layers``), or (None, why not, naming the layer)."""
+        return build_native_step(self.decoder_layer_specs(), self.dtype, cache, type(self).__name__, states)

@@ -5,6 +5,10 @@
 // Mixtral), RMSNorm -> router -> softmax top-k -> the routed experts (moe.cpp) -> residual.
 // Gemma 3: each block's output RMSNormed before its residual (sandwich norms), gelu-tanh for SiLU,
 // and the local layers' q and k turned by their own rotary table (forward takes one or more).
+// Qwen3.5: q_proj gives each head a query and an output gate (o_proj reads attn * sigmoid(gate)),
+// rotary over the first rotary_dim channels, an MoE layer's sigmoid-gated shared expert, and in
+// place of attention in most layers a Gated DeltaNet mixer (step_recurrent.h) over each sequence's
+// rows of the engine's state pools.
 //
 // Why: a decode step of a small model spent more time in Python module calls and torch op
 // dispatch around the kernels than in the kernels (default model: ~4 ms of a 12 ms token).
@@ -42,6 +46,8 @@
 #include "moe.h"
 #include "ops.h"
 #include "step_layers.h"
+#include "step_recurrent.h"
+#include "step_team.h"
 #include "team.h"
 
 namespace quill {
@@ -67,7 +73,8 @@ class DecoderStep {
                  double ffn_out_eps, const std::string& act, int64_t rope, bool output_gate, int64_t rotary_dim,
                  const std::vector<LinearOp*>& shared_gate_up,
                  const std::vector<std::optional<at::Tensor>>& shared_gate_up_bias, LinearOp* shared_down,
-                 std::optional<at::Tensor> shared_down_bias, LinearOp* shared_gate, int64_t shared_intermediate) {
+                 std::optional<at::Tensor> shared_down_bias, LinearOp* shared_gate, int64_t shared_intermediate,
+                 const DeltaNetMixer* mixer) {
     if (window < 0) step_fail("window ", window, ": expected 0 (global) or a positive number of positions");
     if (rope < 0) step_fail("rope table ", rope, ": expected an index >= 0 into forward's tables");
     if (rotary_dim < 0 || rotary_dim > d_ || rotary_dim % 2)
@@ -77,12 +84,17 @@ class DecoderStep {
     if (q_norm.has_value() != k_norm.has_value()) step_fail("q_norm and k_norm come together");
     if (q_norm) expect_f32(*q_norm, {d_}, "q_norm");
     if (k_norm) expect_f32(*k_norm, {d_}, "k_norm");
-    if (k_pool.dim() != 3 || k_pool.size(1) != hkv_)
-      step_fail("'k_pool' should be [N, ", hkv_, ", ", d_, "], found ", k_pool.sizes());
-    if (const std::string problem = pools_problem(k_pool, v_pool, d_); !problem.empty()) step_fail(problem);
-    if (!layers_.empty() && pool_type(k_pool) != kv_type_)
-      step_fail("layer ", layers_.size(), "'s pools are ", k_pool.dtype(), "; the first layer's are ",
-           layers_[0].k_pool.dtype(), " (one KV cache type for every layer)");
+    if (mixer != nullptr && (!qkv.empty() || mixer->hidden() != e_))
+      step_fail("a recurrent layer takes its mixer's in-projections from hidden size ", e_, " and no q/k/v; found ",
+                qkv.size(), " q/k/v linears, hidden size ", mixer->hidden());
+    if (mixer == nullptr) {  // an attention layer: its KV pools
+      if (k_pool.dim() != 3 || k_pool.size(1) != hkv_)
+        step_fail("'k_pool' should be [N, ", hkv_, ", ", d_, "], found ", k_pool.sizes());
+      if (const std::string problem = pools_problem(k_pool, v_pool, d_); !problem.empty()) step_fail(problem);
+      if (pool_rows_ >= 0 && pool_type(k_pool) != kv_type_)
+        step_fail("layer ", layers_.size(), "'s pools are ", k_pool.dtype(), "; an earlier layer's differ",
+                  " (one KV cache type for every layer)");
+    }
     if (o == nullptr) step_fail("o_proj is required");
     if ((down == nullptr) != (experts != nullptr)) step_fail("a layer takes either down_proj or routed experts");
     Layer l;
@@ -91,9 +103,14 @@ class DecoderStep {
     l.ffn_out_norm = opt_norm(std::move(ffn_out_norm), e_, "feed-forward output norm"), l.eps_fo = ffn_out_eps;
     l.act = activation(act), l.rope = rope;
     tables_ = std::max(tables_, rope + 1);
-    l.gated = output_gate, l.rd = rotary_dim ? rotary_dim : d_;
-    l.qkv = projs(qkv, qkv_bias, e_, {q_width(l), hkv_ * d_, hkv_ * d_}, "q/k/v");
-    l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d_, e_);
+    l.gated = output_gate, l.rd = rotary_dim ? rotary_dim : d_, l.mixer = mixer;
+    if (mixer) {
+      l.o = make_proj(o, std::move(o_bias), "out_proj", mixer->out_width(), e_);
+      recurrent_ = true;
+    } else {
+      l.qkv = projs(qkv, qkv_bias, e_, {q_width(l), hkv_ * d_, hkv_ * d_}, "q/k/v");
+      l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d_, e_);
+    }
     if (experts != nullptr) {
       if (!gate_up.empty() || router == nullptr || experts->hidden() != e_ || top_k < 1 || top_k > experts->num_experts())
         step_fail("an MoE layer takes a router, experts of hidden size ", e_, " and top_k in [1, ", experts->num_experts(),
@@ -101,40 +118,43 @@ class DecoderStep {
              ", top_k ", top_k);
       l.router = make_proj(router, std::nullopt, "router", e_, experts->num_experts());
       l.experts = experts, l.top_k = top_k, l.renormalize = renormalize;
-      if (shared_down != nullptr) {  // a shared expert: every token, scaled by sigmoid(shared_gate(x))
-        if (shared_gate == nullptr || shared_intermediate < 1)
-          step_fail("a shared expert takes its gate linear and a positive intermediate size, found ",
-                    shared_intermediate);
-        l.si = shared_intermediate;
-        l.shared_gate_up = projs(shared_gate_up, shared_gate_up_bias, e_, {l.si, l.si}, "shared gate/up");
-        l.shared_down = make_proj(shared_down, std::move(shared_down_bias), "shared down_proj", l.si, e_);
-        l.shared_gate = make_proj(shared_gate, std::nullopt, "shared expert gate", e_, 1);
-      }
+      if (shared_down != nullptr)
+        set_shared_expert(l, e_, shared_gate_up, shared_gate_up_bias, shared_down, std::move(shared_down_bias),
+                          shared_gate, shared_intermediate);
     } else {
       l.gate_up = projs(gate_up, gate_up_bias, e_, {i_, i_}, "gate/up");
       l.down = make_proj(down, std::move(down_bias), "down_proj", i_, e_);
     }
     l.q_norm = std::move(q_norm), l.k_norm = std::move(k_norm), l.qk_eps = qk_eps;
-    rows_ = layers_.empty() ? k_pool.size(0) : std::min(rows_, k_pool.size(0));
-    kv_type_ = pool_type(k_pool);
-    l.k_pool = std::move(k_pool), l.v_pool = std::move(v_pool);
+    if (!mixer) {
+      pool_rows_ = pool_rows_ < 0 ? k_pool.size(0) : std::min(pool_rows_, k_pool.size(0));
+      kv_type_ = pool_type(k_pool);
+      l.k_pool = std::move(k_pool), l.v_pool = std::move(v_pool);
+    }
     layers_.push_back(std::move(l));
   }
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
   // h [T, E]; cos, sin: the rotary tables, each [1, T, D] (a layer turns by table `rope`); slots int64 [T];
-  // ctx_slots int64 [T, S]; lens int64 [T] -> [T, E].
+  // ctx_slots int64 [T, S]; lens int64 [T]; state_rows int64 [T] (recurrent layers: each token's sequence's row
+  // of the state pools, updated in place) -> [T, E].
   // team: run the step inside one parallel region (below); false, or when a linear cannot take T
   // tokens in one call, runs the ops one after another (each splitting its own work) -- the same bits.
   at::Tensor forward(const at::Tensor& h_in, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                     const at::Tensor& slots, const at::Tensor& ctx_slots, const at::Tensor& lens, bool team) const {
+                     const at::Tensor& slots, const at::Tensor& ctx_slots, const at::Tensor& lens, bool team,
+                     const std::optional<at::Tensor>& state_rows) const {
     if (h_in.dim() != 2) step_fail("'h' should be float32 [T, ", e_, "], found ", h_in.sizes());
     const int64_t t = h_in.size(0);
     expect_f32(h_in, {t, e_}, "h");
     if (int64_t(cos.size()) < tables_ || sin.size() != cos.size())
       step_fail("the layers turn by ", tables_, " rotary tables; found ", cos.size(), " cos and ", sin.size(), " sin");
-    for (const Layer& l : layers_) {  // each layer's table [1, T, its rotary dim]
+    for (const Layer& l : layers_) {  // each attention layer's table [1, T, its rotary dim]
+      if (l.mixer) {
+        if (!state_rows) step_fail("the recurrent layers need 'state_rows', int64 [", t, "]");
+        deltanet_check_rows(*state_rows, t, l.mixer->state_rows(), "decoder step");
+        continue;
+      }
       expect_f32(cos[l.rope], {1, t, l.rd}, "cos");
       expect_f32(sin[l.rope], {1, t, l.rd}, "sin");
     }
@@ -142,11 +162,14 @@ class DecoderStep {
       step_fail("'slots' should be contiguous int64 [", t, "], found ", slots.dtype(), " ", slots.sizes());
     const int64_t* sl = slots.data_ptr<int64_t>();
     for (int64_t i = 0; i < t; ++i)  // against the smallest pool of the layers
-      if (sl[i] < 0 || sl[i] >= rows_) step_fail("token ", i, " writes pool row ", sl[i], "; the pool has ", rows_);
-    if (team && team_scratch(t) >= 0) return forward_team(h_in, cos, sin, sl, ctx_slots, lens);
+      if (sl[i] < 0 || sl[i] >= pool_rows_) step_fail("token ", i, " writes pool row ", sl[i], "; the pool has ", pool_rows_);
+    const int64_t* rows = state_rows ? state_rows->data_ptr<int64_t>() : nullptr;
+    if (team && team_scratch(t) >= 0) return forward_team(h_in, cos, sin, sl, ctx_slots, lens, rows);
     at::Tensor h = h_in;
     for (const Layer& l : layers_) {
-      const at::Tensor a = attention(l, rms_norm(h, l.ln1, l.eps1), cos[l.rope], sin[l.rope], sl, ctx_slots, lens);
+      const at::Tensor x = rms_norm(h, l.ln1, l.eps1);
+      const at::Tensor a = l.mixer ? recurrent(l, x, rows)
+                                   : attention(l, x, cos[l.rope], sin[l.rope], sl, ctx_slots, lens);
       h = at::add(h, l.attn_out_norm ? rms_norm(a, *l.attn_out_norm, l.eps_ao) : a);
       const at::Tensor f = mlp(l, rms_norm(h, l.ln2, l.eps2));
       h = at::add(h, l.ffn_out_norm ? rms_norm(f, *l.ffn_out_norm, l.eps_fo) : f);
@@ -160,6 +183,8 @@ class DecoderStep {
     int64_t most = 0;
     for (const Layer& l : layers_) {
       std::vector<const Proj*> ps = {&l.o, l.experts ? &l.router : &l.down};
+      if (l.mixer)
+        for (const Proj& p : l.mixer->proj()) ps.push_back(&p);
       for (const Proj& p : l.qkv) ps.push_back(&p);
       for (const Proj& p : l.gate_up) ps.push_back(&p);
       if (l.shared_down.op) ps.insert(ps.end(), {&l.shared_down, &l.shared_gate});
@@ -180,7 +205,12 @@ class DecoderStep {
 
   at::Tensor forward_team(const at::Tensor& h_in, const std::vector<at::Tensor>& cos,
                           const std::vector<at::Tensor>& sin, const int64_t* slots, const at::Tensor& ctx_slots,
-                          const at::Tensor& lens) const;
+                          const at::Tensor& lens, const int64_t* state_rows) const;
+
+  // x [T, E] -> [T, E]: the layer's DeltaNet mixer, state rows `rows` [T] (checked) updated in place
+  at::Tensor recurrent(const Layer& l, const at::Tensor& x, const int64_t* rows) const {
+    return l.o(l.mixer->forward(x, rows, *backend_));  // [T, Hv dv] -> [T, E]
+  }
 
   // x [T, E] -> [T, E]
   at::Tensor attention(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -207,14 +237,6 @@ class DecoderStep {
     return l.o(at::mul(out.view({t, h_ * d_}), sigmoid(qg.narrow(3, d_, d_).reshape({t, h_ * d_}))));
   }
 
-  // the first rd channels of each head of x [1, T, heads, D] turned by cos, sin [1, T, rd], in place
-  static void rotate(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd) {
-    if (rd == x.size(3)) return rope_(x, cos, sin);
-    at::Tensor part = x.narrow(3, 0, rd).contiguous();
-    rope_(part, cos, sin);
-    x.narrow(3, 0, rd).copy_(part);
-  }
-
   int64_t q_width(const Layer& l) const { return (l.gated ? 2 : 1) * h_ * d_; }  // q_proj's [T, width]
 
   // x [T, E] -> [T, E]
@@ -234,7 +256,8 @@ class DecoderStep {
   double scale_;
   std::string isa_;
   std::vector<Layer> layers_;
-  int64_t rows_ = 0;  // pool rows of the smallest layer pool (the tables are checked against it)
+  int64_t pool_rows_ = -1;  // pool rows of the smallest layer pool (the tables are checked against it), -1: none
+  bool recurrent_ = false;  // a layer is recurrent: forward takes each token's state row
   int64_t tables_ = 1;  // rotary tables forward takes (one more than the largest layer's `rope`)
   KVType kv_type_ = KVType::F32;  // every layer's pools
   const IsaBackend* backend_ = &backend_for(isa_, "decoder step");  // chosen once (isa.h)
@@ -250,48 +273,21 @@ class DecoderStep {
 // barrier separates dependent ops.  Nothing is allocated and no exception can be thrown inside.
 // Each op runs the arithmetic of its ops-path twin on the same values, so the bits are the same.
 
-// float32 buffers of one step, carved from one allocation
-struct TeamBufs {
-  float *h, *xn, *proj, *q, *k, *attn, *o, *gu, *act, *gate, *sh, *sg;
-};
-
-// y [T, sum widths] (rows ldy apart) = the group's linears of x [T, K]; every thread calls it
-void team_linears(const Proj* ps, size_t n, const float* x, int64_t t, float* y, int64_t ldy, char* scratch,
-                  int tid, int nt, SpinBarrier& bar) {
-  int64_t col = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const Proj& p = ps[i];
-    p.op->team_prepare(x, t, scratch, tid, nt);
-    bar.wait();
-    p.op->team_gemm(x, scratch, t, y + col, ldy, p.bias_ptr(), tid, nt);
-    bar.wait();  // the scratch is the next call's
-    col += p.op->out_features();
-  }
-}
-
-// act [T, I] = act(gate) * up of gu [T, 2 I] (gate, up per row): this thread's share of the elements
-void team_act(Act act, const float* gu, float* y, int64_t t, int64_t i, int tid, int nt) {
-  int64_t e0, e1;
-  team_share(t * i, tid, nt, e0, e1);
-  for (int64_t r = e0 / i; r < t && r * i < e1; ++r) {
-    const int64_t b = std::max(e0, r * i) - r * i, e = std::min(e1, (r + 1) * i) - r * i;
-    const float* gr = gu + r * 2 * i;
-    (act == Act::GeluTanh ? gelu_tanh_mul_f32 : silu_mul_f32)(gr, gr + i, y + r * i, b, e);
-  }
-}
-
-// h[r] += the feed-forward output o[r] of layer l (normed first: sandwich norms); token r's row only
-void ffn_residual(const Layer& l, const TeamBufs& bu, int64_t r, int64_t e) {
-  if (l.ffn_out_norm) rms_norm_f32(bu.o, l.ffn_out_norm->data_ptr<float>(), bu.o, e, float(l.eps_fo), r, r + 1);
-  for (int64_t i = 0; i < e; ++i) bu.h[r * e + i] += bu.o[r * e + i];
-}
-
 at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<at::Tensor>& cos,
                                      const std::vector<at::Tensor>& sin, const int64_t* slots,
-                                     const at::Tensor& ctx_slots, const at::Tensor& lens) const {
+                                     const at::Tensor& ctx_slots, const at::Tensor& lens,
+                                     const int64_t* state_rows) const {
   const int64_t t = h_in.size(0), kvd = hkv_ * d_, hd = h_ * d_;
   int64_t wqkv = hd + 2 * kvd, imax = i_;  // the widest q/k/v row (gated: 2 H D + 2 Hkv D), MLP (or shared expert)
-  for (const Layer& l : layers_) wqkv = std::max(wqkv, q_width(l) + 2 * kvd), imax = std::max(imax, l.si);
+  int64_t attn_w = hd, dn_c = 0, dn_scratch = 0;  // the mixer's output row ([T, H D], or [T, Hv dv]); DeltaNet conv
+  for (const Layer& l : layers_) {
+    wqkv = std::max(wqkv, q_width(l) + 2 * kvd), imax = std::max(imax, l.si);
+    if (l.mixer) {
+      const DeltaNetArgs& d = l.mixer->args();
+      wqkv = std::max(wqkv, l.mixer->width()), attn_w = std::max(attn_w, l.mixer->out_width());
+      dn_c = std::max(dn_c, d.c), dn_scratch = std::max(dn_scratch, align64(dnet_scratch(d.dk, d.dv) * 4) / 4);
+    }
+  }
   // the context tables, checked as paged_decode_attention checks them
   if (ctx_slots.scalar_type() != at::kLong || ctx_slots.dim() != 2 || ctx_slots.size(0) != t || !ctx_slots.is_contiguous())
     step_fail("'ctx_slots' should be contiguous int64 [", t, ", S], found ", ctx_slots.dtype(), " ", ctx_slots.sizes());
@@ -303,18 +299,18 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
   for (int64_t b = 0; b < t; ++b) {
     if (ln[b] < 1 || ln[b] > s) step_fail("sequence ", b, " has length ", ln[b], "; expected 1..", s);
     for (int64_t i = 0; i < ln[b]; ++i)
-      if (cs[b * s + i] < 0 || cs[b * s + i] >= rows_)
-        step_fail("sequence ", b, " position ", i, " names pool row ", cs[b * s + i], "; the pool has ", rows_);
+      if (cs[b * s + i] < 0 || cs[b * s + i] >= pool_rows_)
+        step_fail("sequence ", b, " position ", i, " names pool row ", cs[b * s + i], "; the pool has ", pool_rows_);
   }
   const AttnHead head = backend_->attn_head;
   int threads = 1;
   for (const Layer& l : layers_) threads = std::max<int>(threads, int(l.o.op->threads()));
   threads = std::max(1, std::min(threads, at::get_num_threads()));
-  const int64_t g = h_ / hkv_, attn_floats = align64(g * (s + d_) * 4) / 4;  // per thread
+  const int64_t g = h_ / hkv_, attn_floats = std::max(align64(g * (s + d_) * 4) / 4, dn_scratch);  // per thread
   // [T, E] h, xn, o; [T, wqkv] proj; [T, H D] q, attn; [T, Hkv D] k; [T, 2 I] gu; [T, I] act; [T, H D] output
-  // gate; [T, E] shared expert; [T] its gate; attention scratch
-  const int64_t sizes[] = {t * e_, t * e_, t * wqkv, t * hd, t * kvd, t * hd, t * e_, 2 * t * imax, t * imax,
-                           t * hd, t * e_, t};
+  // gate; [T, E] shared expert; [T] its gate; [T, C] DeltaNet conv output; attention / DeltaNet scratch
+  const int64_t sizes[] = {t * e_, t * e_, t * wqkv, t * hd, t * kvd, t * attn_w, t * e_, 2 * t * imax, t * imax,
+                           t * hd, t * e_, t, t * dn_c};
   constexpr int n_parts = sizeof(sizes) / sizeof(sizes[0]);
   int64_t total = threads * attn_floats;
   for (int64_t n : sizes) total += align64(n * 4) / 4;
@@ -327,8 +323,8 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
     at_ += align64(sizes[i] * 4) / 4;
   }
   float* attn_scratch = at_;
-  const TeamBufs bu{parts[0], parts[1], parts[2], parts[3], parts[4],  parts[5],
-                    parts[6], parts[7], parts[8], parts[9], parts[10], parts[11]};
+  const TeamBufs bu{parts[0], parts[1], parts[2], parts[3],  parts[4],  parts[5], parts[6],
+                    parts[7], parts[8], parts[9], parts[10], parts[11], parts[12]};
   // MoE layers: router logits [T, experts], routing weights [T, k] and ids [T, k], the experts' work memory
   int64_t most_experts = 0, most_k = 0, most_work = 0;
   for (const Layer& l : layers_)
@@ -371,48 +367,58 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
         rms_norm_f32(bu.h, l.ln1.data_ptr<float>(), bu.xn, e_, float(l.eps1), r, r + 1);
       }
       bar.wait();
-      const int64_t qw = q_width(l), lw = qw + 2 * kvd;  // this layer's q_proj and q/k/v row widths
-      team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, lw, scratch, tid, nt, bar);
-      for (int64_t r = r0; r < r1; ++r) {  // q (, gate), k out of the projections (normed: Qwen3), rotated; k, v stored
-        float* q = bu.q + r * hd;
-        float* k = bu.k + r * kvd;
-        const float* row = bu.proj + r * lw;
-        if (l.gated)  // per head [query D, gate D]
-          for (int64_t j = 0; j < h_; ++j) {
-            std::copy(row + j * 2 * d_, row + j * 2 * d_ + d_, q + j * d_);
-            std::copy(row + j * 2 * d_ + d_, row + (j + 1) * 2 * d_, bu.gate + r * hd + j * d_);
+      if (l.mixer) {  // in-projections, then the DeltaNet update (conv pass, barrier, head pass) into bu.attn
+        const DeltaNetMixer& m = *l.mixer;
+        team_linears(m.proj().data(), m.proj().size(), bu.xn, t, bu.proj, m.width(), scratch, tid, nt, bar);
+        const DeltaNetArgs da = m.step(bu.proj, m.width(), t, state_rows, bu.dn_x, bu.attn);
+        deltanet_conv_share(da, backend_->dn_conv, tid, nt);
+        bar.wait();
+        deltanet_head_share(da, backend_->dn_head, tid, nt, my_attn);
+        bar.wait();
+      } else {
+        const int64_t qw = q_width(l), lw = qw + 2 * kvd;  // this layer's q_proj and q/k/v row widths
+        team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, lw, scratch, tid, nt, bar);
+        for (int64_t r = r0; r < r1; ++r) {  // q (, gate), k out of the projections (normed: Qwen3), rotated; k, v stored
+          float* q = bu.q + r * hd;
+          float* k = bu.k + r * kvd;
+          const float* row = bu.proj + r * lw;
+          if (l.gated)  // per head [query D, gate D]
+            for (int64_t j = 0; j < h_; ++j) {
+              std::copy(row + j * 2 * d_, row + j * 2 * d_ + d_, q + j * d_);
+              std::copy(row + j * 2 * d_ + d_, row + (j + 1) * 2 * d_, bu.gate + r * hd + j * d_);
+            }
+          else
+            std::copy(row, row + hd, q);
+          std::copy(row + qw, row + qw + kvd, k);
+          if (l.q_norm) {
+            rms_norm_f32(q, l.q_norm->data_ptr<float>(), q, d_, float(l.qk_eps), 0, h_);
+            rms_norm_f32(k, l.k_norm->data_ptr<float>(), k, d_, float(l.qk_eps), 0, hkv_);
           }
-        else
-          std::copy(row, row + hd, q);
-        std::copy(row + qw, row + qw + kvd, k);
-        if (l.q_norm) {
-          rms_norm_f32(q, l.q_norm->data_ptr<float>(), q, d_, float(l.qk_eps), 0, h_);
-          rms_norm_f32(k, l.k_norm->data_ptr<float>(), k, d_, float(l.qk_eps), 0, hkv_);
-        }
-        rope_f32(bu.q, cp[l.rope], sp[l.rope], h_, l.rd, d_, r, r + 1);
-        rope_f32(bu.k, cp[l.rope], sp[l.rope], hkv_, l.rd, d_, r, r + 1);
-        backend_->kv_store(pool_row(l.k_pool, slots[r]), k, kvd, kv_type_);
-        backend_->kv_store(pool_row(l.v_pool, slots[r]), row + qw + kvd, kvd, kv_type_);
-      }
-      bar.wait();
-      AttnArgs la = a;
-      set_pools(la, l.k_pool, l.v_pool);
-      la.window = l.window;
-      int64_t q0, q1;  // this thread's query heads of [T, H], in (token, KV head, query head) order
-      team_share(t * h_, tid, nt, q0, q1);
-      for (int64_t p = q0 / g; p * g < q1; ++p) {  // (token, KV head) pairs, each for its share of heads
-        la.g_begin = std::max(q0, p * g) - p * g;
-        la.g_end = std::min(q1, (p + 1) * g) - p * g;
-        head(la, p / hkv_, p % hkv_, my_attn);
-      }
-      bar.wait();
-      if (l.gated) {  // attn * sigmoid(gate), this thread's tokens
-        for (int64_t r = r0; r < r1; ++r) {
-          float* gr = bu.gate + r * hd;
-          sigmoid_f32(gr, gr, 0, hd);
-          for (int64_t i = 0; i < hd; ++i) bu.attn[r * hd + i] *= gr[i];
+          rope_f32(bu.q, cp[l.rope], sp[l.rope], h_, l.rd, d_, r, r + 1);
+          rope_f32(bu.k, cp[l.rope], sp[l.rope], hkv_, l.rd, d_, r, r + 1);
+          backend_->kv_store(pool_row(l.k_pool, slots[r]), k, kvd, kv_type_);
+          backend_->kv_store(pool_row(l.v_pool, slots[r]), row + qw + kvd, kvd, kv_type_);
         }
         bar.wait();
+        AttnArgs la = a;
+        set_pools(la, l.k_pool, l.v_pool);
+        la.window = l.window;
+        int64_t q0, q1;  // this thread's query heads of [T, H], in (token, KV head, query head) order
+        team_share(t * h_, tid, nt, q0, q1);
+        for (int64_t p = q0 / g; p * g < q1; ++p) {  // (token, KV head) pairs, each for its share of heads
+          la.g_begin = std::max(q0, p * g) - p * g;
+          la.g_end = std::min(q1, (p + 1) * g) - p * g;
+          head(la, p / hkv_, p % hkv_, my_attn);
+        }
+        bar.wait();
+        if (l.gated) {  // attn * sigmoid(gate), this thread's tokens
+          for (int64_t r = r0; r < r1; ++r) {
+            float* gr = bu.gate + r * hd;
+            sigmoid_f32(gr, gr, 0, hd);
+            for (int64_t i = 0; i < hd; ++i) bu.attn[r * hd + i] *= gr[i];
+          }
+          bar.wait();
+        }
       }
       team_linears(&l.o, 1, bu.attn, t, bu.o, e_, scratch, tid, nt, bar);
       for (int64_t r = r0; r < r1; ++r) {  // the attention residual (its output normed: sandwich), the MLP's norm
@@ -456,6 +462,12 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
 
 void register_step(pybind11::module_& m) {
   namespace py = pybind11;
+  // the linears are borrowed (the caller keeps their Python objects alive), the tensors held
+  py::class_<DeltaNetMixer>(m, "DeltaNetMixer")
+      .def(py::init<const std::vector<LinearOp*>&, const std::vector<std::optional<at::Tensor>>&, at::Tensor,
+                    at::Tensor, at::Tensor, at::Tensor, double, at::Tensor, at::Tensor, bool>(),
+           py::arg("proj"), py::arg("proj_bias"), py::arg("conv_w"), py::arg("A_log"), py::arg("dt_bias"),
+           py::arg("norm_w"), py::arg("eps"), py::arg("conv_state"), py::arg("state"), py::arg("tiled") = false);
   py::class_<DecoderStep>(m, "DecoderStep")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, std::string>(), py::arg("hidden"),
            py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("scale"),
@@ -472,11 +484,12 @@ void register_step(pybind11::module_& m) {
            py::arg("shared_gate_up") = std::vector<LinearOp*>{},
            py::arg("shared_gate_up_bias") = std::vector<std::optional<at::Tensor>>{}, py::arg("shared_down") = nullptr,
            py::arg("shared_down_bias") = std::nullopt, py::arg("shared_gate") = nullptr,
-           py::arg("shared_intermediate") = 0,
-           py::keep_alive<1, 20>())  // the step holds the experts' Python object
+           py::arg("shared_intermediate") = 0, py::arg("mixer") = nullptr,
+           py::keep_alive<1, 20>(), py::keep_alive<1, 38>())  // the step holds the experts' and mixer's objects
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
       .def("forward", &DecoderStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
-           py::arg("ctx_slots"), py::arg("lens"), py::arg("team") = true, py::call_guard<py::gil_scoped_release>());
+           py::arg("ctx_slots"), py::arg("lens"), py::arg("team") = true,
+           py::arg("state_rows") = std::nullopt, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill

@@ -48,6 +48,14 @@ Act activation(const std::string& name) {
   step_fail("activation '", name, "': expected silu or gelu_pytorch_tanh");
 }
 
+// The first rd channels of each head of x [1, T, heads, D] turned by cos, sin [1, T, rd], in place.
+void rotate(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t rd) {
+  if (rd == x.size(3)) return rope_(x, cos, sin);
+  at::Tensor part = x.narrow(3, 0, rd).contiguous();
+  rope_(part, cos, sin);
+  x.narrow(3, 0, rd).copy_(part);
+}
+
 // One linear and its bias.
 struct Proj {
   LinearOp* op = nullptr;
@@ -68,7 +76,10 @@ Proj make_proj(LinearOp* op, std::optional<at::Tensor> bias, const char* what, i
   return p;
 }
 
+class DeltaNetMixer;  // step_recurrent.h
+
 struct Layer {
+  const DeltaNetMixer* mixer = nullptr;  // a recurrent layer's token mixer (no q/k/v, no KV pools); o its out_proj
   at::Tensor ln1, ln2;  // [E]
   double eps1 = 0, eps2 = 0;
   // sandwich norms (Gemma 3): the attention's and the feed-forward block's outputs normed before their residual
@@ -135,6 +146,18 @@ std::vector<at::Tensor> outputs(const std::vector<Proj>& ps, const at::Tensor& x
       step_fail(what, ": linear ", i, " gave ", out.back().sizes(), ", expected [T, ", widths[i], "]");
   }
   return out;
+}
+
+// An MoE layer's shared expert (every token, scaled by sigmoid(shared_gate(x))) from hidden size e.
+void set_shared_expert(Layer& l, int64_t e, const std::vector<LinearOp*>& gate_up,
+                       const std::vector<std::optional<at::Tensor>>& gate_up_bias, LinearOp* down,
+                       std::optional<at::Tensor> down_bias, LinearOp* gate, int64_t intermediate) {
+  if (gate == nullptr || intermediate < 1)
+    step_fail("a shared expert takes its gate linear and a positive intermediate size, found ", intermediate);
+  l.si = intermediate;
+  l.shared_gate_up = projs(gate_up, gate_up_bias, e, {l.si, l.si}, "shared gate/up");
+  l.shared_down = make_proj(down, std::move(down_bias), "shared down_proj", l.si, e);
+  l.shared_gate = make_proj(gate, std::nullopt, "shared expert gate", e, 1);
 }
 
 }  // namespace
