@@ -94,12 +94,13 @@ def test_a_shared_expert_is_described_with_its_own_mlp():
 
 @needs_native
 def test_an_architecture_the_step_cannot_run_says_why_everywhere(tmp_path, caplog):
-    """Qwen2-MoE's shared expert: the engine keeps the Python layers, and the reason names the layer in the
-    engine, `quill inspect` and one line of the load log."""
+    """Qwen2-MoE with float32 weights (its linears on torch's dense kernel, not a native one): the engine keeps
+    the Python layers, and the reason names the layer in the engine, `quill inspect` and one line of the load
+    log.  (Its shared expert runs in the step: tests/test_qwen3_5.py's MoE.)"""
     d = save_hf_dir(hf_moe_model("qwen2_moe", seed=2), tmp_path / "qwen2moe", tokenizer=False)
     with caplog.at_level(logging.INFO, logger="quill.layers"):
         llm = quill.LLM(str(d), skip_tokenizer_init=True, cache=False)
-    reason = "layer 0: model.layers.0.mlp: a shared expert (the step runs routed experts only)"
+    reason = "layer 0: q_proj+k_proj+v_proj runs kernel dense, not a native one"
     assert llm.engine.native_step is None and llm.engine.native_step_reason == reason
     assert f"decode step: the model's Python layers ({reason})\n" in report(llm)
     logged = [r.getMessage() for r in caplog.records if r.name == "quill.layers"]
@@ -138,8 +139,9 @@ def test_the_step_reads_only_the_descriptions(llama):
     assert why is None and step.handle.num_layers == len(specs)
     attn, ffn = specs[1].attention, specs[0].ffn
     cases = {
-        "layer 1: residual structure 'parallel' (the step runs 'pre-norm')": with_layer(specs, 1, residual="parallel"),
-        "layer 0: feed-forward activation 'gelu' (the step runs silu)":
+        "layer 1: residual structure 'parallel' (the step runs 'pre-norm' and 'sandwich-norm')":
+            with_layer(specs, 1, residual="parallel"),
+        "layer 0: feed-forward activation 'gelu' (the step runs silu, gelu_pytorch_tanh)":
             with_layer(specs, 0, ffn=dataclasses.replace(ffn, activation="gelu")),
         "layer 1: a q norm without a k norm, or a k norm without a q norm (the step runs both or neither)":
             with_layer(specs, 1, attention=dataclasses.replace(attn, q_norm=specs[1].input_norm)),

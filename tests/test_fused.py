@@ -73,6 +73,20 @@ def test_silu_mul_matches_torch(dtype):
     _close(y, fused.silu_mul_torch(gate, up), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_and_sigmoid_match_torch(dtype):
+    """The native ops Gemma's MLP and Qwen3.5's output / shared-expert gates run (in the Python layers and the
+    native decode step alike)."""
+    g = torch.Generator().manual_seed(4)
+    gate = (torch.randn(3, 5, 8192, generator=g) * 4).to(dtype)
+    up = torch.randn(3, 5, 8192, generator=g).to(dtype)
+    gate[0, 0, :4] = torch.tensor([0.0, -90.0, 90.0, 1e-3]).to(dtype)
+    _close(fused.gelu_tanh_mul(gate, up), fused.gelu_tanh_mul_torch(gate, up), dtype)
+    _close(fused.sigmoid(gate), torch.sigmoid(gate), dtype)
+    with pytest.raises(KernelError, match="gelu_tanh_mul: gate .* and up .* differ in shape"):
+        EXT.gelu_tanh_mul(torch.randn(4), torch.randn(5))
+
+
 def test_mixed_dtypes_and_grad_fall_back_to_torch():
     x = torch.randn(2, 8)
     w16 = torch.ones(8, dtype=torch.bfloat16)

@@ -1,7 +1,7 @@
 """Gemma 3 text (quill/models/gemma3.py): tiny random transformers models (gemma3_text, and the text half of a
 multimodal gemma3 checkpoint) against transformers' eager float32 forward: log-probabilities at every
 position of a prompt several windows long, 32 greedy tokens, batched = alone, preempted = uninterrupted; the
-native decode step says why it does not run these layers; the chat template renders.  GGUF files:
+native decode step runs these layers with the Python layers' bits; the chat template renders.  GGUF files:
 tests/test_gemma3_gguf.py."""
 
 from __future__ import annotations
@@ -126,14 +126,46 @@ def test_greedy_batched_and_preempted_match_transformers(pair):
     assert greedy(tight, prompts) == want and tight.stats().num_preemptions > 0
 
 
-def test_the_native_step_says_why_it_does_not_run_gemma3(pair):
+def test_the_native_step_runs_gemma3(pair):
     _, llm = pair
-    assert llm.engine.native_step is None
-    assert llm.engine.native_step_reason in (
-        "layer 0: residual structure 'sandwich-norm' (the step runs 'pre-norm'); rotary table 'local' (the step "
-        "turns every layer by one table); feed-forward activation 'gelu_pytorch_tanh' (the step runs silu)",
-        "native kernels unavailable", "decode attention runs in torch")
-    assert f"decode step: the model's Python layers ({llm.engine.native_step_reason})" in report(llm)
+    assert llm.engine.native_step is not None, llm.engine.native_step_reason
+    assert llm.engine.native_step.tables == ("local", "global")
+    assert "decode step: native" in report(llm)
+
+
+def step_run(llm, native_step: bool, isa: str, team: bool = True) -> dict:
+    """request -> (greedy tokens, top-3 log-probabilities per token): batched sequences of different lengths,
+    past the local layers' window, arriving at different steps."""
+    c = EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                   EngineConfig(kv_cache_dtype="float32", block_size=8, native_step=native_step, max_num_seqs=4,
+                                max_num_batched_tokens=32), isa=isa)
+    assert (c.native_step is not None) == native_step, c.native_step_reason
+    if native_step:
+        c.native_step.team = team
+    params = quill.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    out: dict[str, tuple[list, list]] = {}
+    arrivals, step = {0: [0, 1], 3: [2]}, 0
+    while c.has_unfinished_requests() or arrivals:
+        for i in arrivals.pop(step, []):
+            c.add_request(str(i), PROMPT[i * 7:i * 7 + 5 + 6 * i], params)
+        for o in c.step():
+            toks, lps = out.setdefault(o.request_id, ([], []))
+            toks.extend(o.new_token_ids)
+            lps.extend(sorted((k, v.logprob) for k, v in d.items()) for d in o.logprobs)
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("isa", ["native", "scalar"])
+def test_the_native_step_gives_the_python_layers_bits(pair, isa):
+    """Sandwich norms, gelu-tanh, q/k norms, the local layers' own rotary table and window in one native call
+    (teamed and op by op), on this CPU's kernels and the scalar twins: the Python layers' bits."""
+    _, llm = pair
+    isa = llm.engine.cache.isa if isa == "native" else isa
+    python = step_run(llm, False, isa)
+    assert step_run(llm, True, isa) == python
+    assert step_run(llm, True, isa, team=False) == python
+    assert len(python) == 3 and all(len(t) == 24 for t, _ in python.values())
 
 
 def test_multimodal_checkpoint_loads_its_text_model(tmp_path, caplog):

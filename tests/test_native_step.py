@@ -156,13 +156,15 @@ def test_bad_inputs_are_named_errors():
     e, d, t = args.hidden_size, args.head_dim, 2
     pool_rows = llm.engine.cache.keys[0].shape[0]
     h = torch.zeros(t, e)
-    cos = sin = torch.zeros(1, t, d)
+    cos = sin = [torch.zeros(1, t, d)]  # one rotary table
     ctx, lens = torch.zeros(t, 1, dtype=torch.int64), torch.ones(t, dtype=torch.int64)
     good_slots = torch.zeros(t, dtype=torch.int64)
     with pytest.raises(KernelError, match="'h' should be contiguous float32"):
         step.forward(torch.zeros(t, e + 1), cos, sin, good_slots, ctx, lens)
     with pytest.raises(KernelError, match="'cos' should be"):
-        step.forward(h, torch.zeros(t, d), sin, good_slots, ctx, lens)
+        step.forward(h, [torch.zeros(t, d)], sin, good_slots, ctx, lens)
+    with pytest.raises(KernelError, match="the layers turn by 1 rotary tables; found 0 cos and 0 sin"):
+        step.forward(h, [], [], good_slots, ctx, lens)
     with pytest.raises(KernelError, match=f"token 1 writes pool row {pool_rows}; the pool has {pool_rows}"):
         step.forward(h, cos, sin, torch.tensor([0, pool_rows]), ctx, lens)
     with pytest.raises(KernelError, match="sequence 0 has length 2"):
@@ -177,6 +179,16 @@ def test_bad_inputs_are_named_errors():
                        layer.self_attn.o_proj.impl.state.handle, None, [], [],
                        layer.mlp.down_proj.impl.state.handle, None, None, None, 0.0,
                        llm.engine.cache.keys[0], llm.engine.cache.values[0])
+    with pytest.raises(KernelError, match="activation 'relu': expected silu or gelu_pytorch_tanh"):
+        step.add_layer(layer.input_layernorm.weight, 1e-6, layer.post_attention_layernorm.weight, 1e-6,
+                       [layer.self_attn.qkv.impl.state.handle], [None], layer.self_attn.o_proj.impl.state.handle,
+                       None, [], [], layer.mlp.down_proj.impl.state.handle, None, None, None, 0.0,
+                       llm.engine.cache.keys[0], llm.engine.cache.values[0], activation="relu")
+    with pytest.raises(KernelError, match=f"rotary_dim 3: expected 0 \\(all {d} channels\\) or an even count"):
+        step.add_layer(layer.input_layernorm.weight, 1e-6, layer.post_attention_layernorm.weight, 1e-6,
+                       [layer.self_attn.qkv.impl.state.handle], [None], layer.self_attn.o_proj.impl.state.handle,
+                       None, [], [], layer.mlp.down_proj.impl.state.handle, None, None, None, 0.0,
+                       llm.engine.cache.keys[0], llm.engine.cache.values[0], rotary_dim=3)
     assert step.num_layers == args.num_hidden_layers  # the failed additions added nothing
 
 

@@ -115,9 +115,9 @@ def test_engine_describes_the_hybrid_model(pair):
     assert stats.state_slots_total == core.config.max_num_seqs and stats.state_bytes > 0
     assert [k.shape[0] > 0 for k in core.cache.keys] == [False, False, False, True]  # KV only for attention
     native = llm.engine  # built with the load's native ISA: the step is refused for a reason, not for lack of one
-    assert native.native_step is None
-    assert native.native_step_reason == ("layer 0: model.layers.0.linear_attn: recurrent layer (gated-deltanet): "
-                                         "runs in Python until the native kernel lands")
+    assert native.native_step is None  # (the reference kernels: the hybrid model on native ones is tested below)
+    assert native.native_step_reason.startswith("layer 0: ") and "native" in native.native_step_reason
+    assert "recurrent" not in native.native_step_reason
 
 
 def test_bad_checkpoints_are_named_errors(pair, tmp_path):
@@ -172,3 +172,82 @@ def test_state_of_the_wrong_size_is_refused():
     with pytest.raises(GenerationError, match=r"recurrent state of shape \[2, 4, 4\] does not match the "
                                               r"described \[2, 4, 5\]"):
         view.write([0], [torch.zeros(1, 6, 3), torch.zeros(1, 2, 4, 4)])
+
+
+def step_run(llm, native_step: bool, isa: str, team: bool = True) -> dict:
+    """request -> (greedy tokens, top-3 log-probabilities per token): sequences of different lengths arriving at
+    different steps, through a fresh engine on decode attention variant ``isa``."""
+    c = EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                   EngineConfig(kv_cache_dtype="float32", native_step=native_step, max_num_seqs=4,
+                                max_num_batched_tokens=32), isa=isa)
+    assert (c.native_step is not None) == native_step, c.native_step_reason
+    if native_step:
+        c.native_step.team = team
+    params = quill.SamplingParams(max_tokens=16, logprobs=3, **GREEDY)
+    out: dict[str, tuple[list, list]] = {}
+    arrivals, step = {0: [0, 1], 3: [2]}, 0
+    while c.has_unfinished_requests() or arrivals:
+        for i in arrivals.pop(step, []):
+            c.add_request(str(i), prompt(5 + 7 * i, 10 + i), params)
+        for o in c.step():
+            toks, lps = out.setdefault(o.request_id, ([], []))
+            toks.extend(o.new_token_ids)
+            lps.extend(sorted((k, v.logprob) for k, v in d.items()) for d in o.logprobs)
+        step += 1
+    return out
+
+
+@pytest.fixture(scope="module", params=["dense", "moe", "dense-hybrid", "moe-hybrid"])
+def attention_only(request, tmp_path_factory):
+    """(transformers model, quill LLM on the native kernels) of a Qwen3.5 whose every layer is gated attention
+    (partial rotary, q/k norms; MoE: routed experts and a sigmoid-gated shared expert), or (hybrid) the usual
+    3 Gated DeltaNet layers and 1 gated attention layer."""
+    hybrid = {} if "hybrid" in request.param else {"layer_types": ["full_attention"] * 4}
+    hf = hf_qwen3_5(moe=request.param.startswith("moe"), **hybrid)
+    with torch.no_grad():  # bfloat16-valued: what the native dense kernels hold
+        for p in hf.parameters():
+            p.copy_(p.bfloat16().float())
+    d = save_hf_dir(hf, tmp_path_factory.mktemp(request.param) / "ckpt", tokenizer=False)
+    return hf, quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
+
+
+@pytest.mark.parametrize("isa", ["native", "scalar"])
+def test_the_native_step_runs_qwen3_5_with_the_python_layers_bits(attention_only, isa):
+    hf, llm = attention_only
+    assert llm.engine.native_step is not None, llm.engine.native_step_reason
+    spec = llm.model.decoder_layer_specs()[3]  # gated attention in both layouts
+    assert spec.attention.output_gate and spec.attention.rotary_dim < spec.attention.head_dim
+    isa = llm.engine.cache.isa if isa == "native" else isa
+    python = step_run(llm, False, isa)
+    assert step_run(llm, True, isa) == python
+    assert step_run(llm, True, isa, team=False) == python
+    assert len(python) == 3 and all(len(t) == 16 for t, _ in python.values())
+
+
+def test_the_native_step_gives_transformers_greedy_tokens(attention_only):
+    hf, llm = attention_only
+    ids = prompt(20, 2)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, 20:]
+    core = EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                      EngineConfig(kv_cache_dtype="float32"), isa=llm.engine.cache.isa)
+    assert core.native_step is not None, core.native_step_reason
+    assert run(core, {"a": ids}, 24)["a"][0] == want.tolist()
+
+
+def test_the_step_checks_the_state_rows(attention_only):
+    from quill.errors import KernelError
+    _, llm = attention_only  # (the hybrid models: each token's state row, no two alike, in the pools)
+    step = llm.engine.native_step
+    if not step.states:
+        pytest.skip("no recurrent layers")
+    args, t = llm.model.args, 2
+    h, cos = torch.zeros(t, args.hidden_size), [torch.zeros(1, t, args.rotary_dim)]
+    slots, ctx = torch.zeros(t, dtype=torch.int64), torch.zeros(t, 1, dtype=torch.int64)
+    lens = torch.ones(t, dtype=torch.int64)
+    with pytest.raises(KernelError, match="the recurrent layers need 'state_rows'"):
+        step.handle.forward(h, cos, cos, slots, ctx, lens)
+    with pytest.raises(KernelError, match="two sequences name state row 1"):
+        step.handle.forward(h, cos, cos, slots, ctx, lens, state_rows=torch.tensor([1, 1]))
+    with pytest.raises(KernelError, match="sequence 1 names state row 99"):
+        step.handle.forward(h, cos, cos, slots, ctx, lens, state_rows=torch.tensor([0, 99]))

@@ -153,7 +153,7 @@ class EngineCore:
         self.states = None if specs is None else StatePool(specs, self.config.max_num_seqs)
         self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")  # what the pools hold ("float32", ...)
         self.native_step, self.native_step_reason = (
-            model.native_decode_step(self.cache) if self.config.native_step else (None, "disabled"))
+            model.native_decode_step(self.cache, self.states) if self.config.native_step else (None, "disabled"))
         self.blocks = BlockManager(num_blocks, self.config.block_size,
                                    self.config.enable_prefix_caching and self.states is None, self.states)
         if self.states is not None and self.config.enable_prefix_caching:
@@ -405,8 +405,10 @@ class EngineCore:
         layout = StepLayout.build(pieces, self.blocks.block_size)
         if self.native_step is not None and (layout.one_row_per_sequence(len(batch)) or (
                 self.states is None and layout.all_decodes())):  # every token a decode
+            # recurrent layers: each sequence's state slot (one row per sequence, in the batch's order)
+            state_rows = None if self.states is None else torch.tensor([seq.state_slot for seq, _ in batch])
             ctx = ForwardContext(torch.tensor([positions]), None, None, torch.tensor(want, dtype=torch.int64),
-                                 layers=partial(self.native_step, layout))
+                                 layers=partial(self.native_step, layout, state_rows=state_rows))
         else:
             caches = self.cache.views(layout)
             if self.states is not None:  # recurrent layers: each sequence's state slot and piece of the row

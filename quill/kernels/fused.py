@@ -1,4 +1,5 @@
-"""Fused ops of decoder layers: RMSNorm, rotary embedding of q and k, SiLU-and-multiply, decode attention.
+"""Fused ops of decoder layers: RMSNorm, rotary embedding of q and k, SiLU- and gelu-tanh-and-multiply, decode
+attention.
 
 Model layers call these plain functions.  Each has a torch version (the
 definition, and the fallback) and a native one (``quill/native/csrc/ops.cpp``):
@@ -216,9 +217,25 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     return out[0].transpose(0, 1)  # [n, H, D]
 
 
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate) (tanh approximation, transformers' gelu_pytorch_tanh) * up: Gemma's gated MLP (torch)."""
+def gelu_tanh_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) (tanh approximation, transformers' gelu_pytorch_tanh) * up: Gemma's gated MLP."""
+    ext = _ext()
+    if ext is not None and _native_ok(gate, up) and gate.shape == up.shape:
+        return ext.gelu_tanh_mul(gate, up)
+    return gelu_tanh_mul_torch(gate, up)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), element-wise (Qwen3.5's attention output gate, a shared expert's gate): the native
+    op the native decode step runs, so both paths give one result."""
+    ext = _ext()
+    if ext is not None and _native_ok(x):
+        return ext.sigmoid(x)
+    return torch.sigmoid(x)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

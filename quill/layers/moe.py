@@ -18,7 +18,7 @@ from torch import nn
 
 from quill.canonical import QuantizedWeight
 from quill.errors import CacheError, CheckpointError, ModelError, NotCacheable
-from quill.kernels import LinearLayerConfig
+from quill.kernels import LinearLayerConfig, fused
 from quill.layers.context import LayerInfo, LoadContext
 from quill.layers.decoder import SOFTMAX_TOP_K, MoESpec
 from quill.layers.slots import PostLoad, Saved, Slot, check_qshape, checked, checked_bias, linear
@@ -230,7 +230,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
         routed = super().forward(x)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + fused.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def check_moe_config(model_type: str, num_layers: int, num_experts: int, top_k: int, moe_intermediate: int,

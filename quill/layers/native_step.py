@@ -11,19 +11,23 @@ the same order on the same shapes, so its output is the Python path's bits
 
 :func:`build_native_step` reads the model's ``DecoderLayerSpec`` list, never a model class.
 It builds a step when the compute dtype is float32, decode attention is native, and every
-layer is pre-norm with RMSNorms, rotary grouped-KV attention (q/k norms or not, biases or
-not) and either a gated SiLU MLP or softmax-top-k routed experts without a shared expert
-that run as one native ExpertGroup (csrc/moe.cpp, the Python path's own call), every
-linear on a native kernel; otherwise it says why (naming the layer) and the Python
-layers run.  The step serves steps whose tokens are all decodes (one new token per
-sequence, the common step); steps with a prompt chunk run the Python layers.  It borrows
-the model's kernels and the cache's pools: both live as long as the engine.
+layer is pre-norm or sandwich-norm (Gemma 3) with RMSNorms, a token mixer that is rotary
+grouped-KV attention (q/k norms or not, biases or not, partial rotary or not, a sigmoid
+output gate or not: Qwen3.5; each layer turned by the rotary table its spec names) or a
+Gated DeltaNet (Qwen3.5's recurrent layers, over the engine's per-sequence state pools),
+and either a gated SiLU / gelu-tanh MLP or softmax-top-k routed experts (with a
+sigmoid-gated shared expert or without) that run as one native ExpertGroup (csrc/moe.cpp,
+the Python path's own call), every linear on a native kernel; otherwise it says why
+(naming the layer) and the Python layers run.  The step serves steps whose tokens are all
+decodes (one new token per sequence, the common step); steps with a prompt chunk run the
+Python layers.  It borrows the model's kernels and the cache's and state pools' tensors:
+all live as long as the engine.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -32,6 +36,7 @@ from quill import native
 from quill.kernels.linear import native_op
 from quill.layers.decoder import (
     PRE_NORM,
+    SANDWICH_NORM,
     SOFTMAX_TOP_K,
     AttentionSpec,
     DecoderLayerSpec,
@@ -43,8 +48,11 @@ from quill.layers.decoder import (
 
 log = logging.getLogger("quill.layers")
 
-# hidden_act names whose fused op the step runs (csrc/step.cpp: silu_mul)
-_NATIVE_ACTIVATIONS = ("silu",)
+# hidden_act names whose fused op the step runs (csrc/step.cpp: silu_mul, gelu_tanh_mul)
+_NATIVE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# rotary tables a model hands its layers (DecoderLayerSpec.rope); a model passing one (cos, sin) pair passes "global"
+GLOBAL_ROPE = "global"
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class KVPools(Protocol):
@@ -53,6 +61,12 @@ class KVPools(Protocol):
     isa: str | None  # the native variant decode attention runs, None when it runs in torch
     keys: list[torch.Tensor]  # per layer [slots, Hkv, D]
     values: list[torch.Tensor]
+
+
+class StatePools(Protocol):
+    """What the step needs of the engine's recurrent-state pools (``quill.engine.state_cache.StatePool``)."""
+
+    pools: dict[int, list[torch.Tensor]]  # layer -> its state parts, each [slots, *shape] (DeltaNet: conv, state)
 
 
 class StepSlots(Protocol):
@@ -67,24 +81,46 @@ class NativeDecodeStep:
     """``step(layout, h, rope) -> h``: every decoder layer of an all-decode step
     (what ``quill.models.base.ForwardContext.layers`` runs)."""
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle, tables: Sequence[str] = (GLOBAL_ROPE,), states: Sequence[torch.Tensor] = ()) -> None:
         self.handle = handle  # quill.native DecoderStep
+        self.tables = tuple(tables)  # the rotary tables' names, in the order the layers index them
+        self.states = tuple(states)  # the recurrent layers' state pools the step updates in place
         # one parallel region for the whole step (step.cpp); False: each op splits its own work (same bits)
         self.team = True
 
-    def __call__(self, layout: StepSlots, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """h [1, T, E] (T decode tokens, one per sequence), rope cos/sin [1, T, D] -> [1, T, E]."""
-        cos, sin = rope
-        out = self.handle.forward(h[0].contiguous(), cos.contiguous(), sin.contiguous(), layout.slots,
-                                  layout.decode_slots, layout.decode_lens, self.team)
+    def __call__(self, layout: StepSlots, h: torch.Tensor, rope: Rope | Mapping[str, Rope],
+                 state_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """h [1, T, E] (T decode tokens, one per sequence), rope cos/sin [1, T, D] (or the model's tables by
+        name, e.g. Gemma 3's {"global": ..., "local": ...}); state_rows int64 [T]: each token's sequence's
+        recurrent-state slot (models with recurrent layers) -> [1, T, E]."""
+        ropes = {GLOBAL_ROPE: rope} if isinstance(rope, tuple) else rope
+        missing = [n for n in self.tables if n not in ropes]
+        if missing:
+            raise ValueError(f"native decode step: no rotary table {missing} (given {sorted(ropes)})")
+        cos = [ropes[n][0].contiguous() for n in self.tables]
+        sin = [ropes[n][1].contiguous() for n in self.tables]
+        if not self.states:
+            return self.handle.forward(h[0].contiguous(), cos, sin, layout.slots, layout.decode_slots,
+                                       layout.decode_lens, self.team)[None]
+        # the step updates the sequences' state rows in place: a step that fails leaves them as they were
+        # (the engine retries request by request from the states a sequence had, quill.engine.state_cache)
+        before = [pool.index_select(0, state_rows) for pool in self.states]
+        try:
+            out = self.handle.forward(h[0].contiguous(), cos, sin, layout.slots, layout.decode_slots,
+                                      layout.decode_lens, self.team, state_rows)
+        except BaseException:
+            for pool, rows in zip(self.states, before):
+                pool.index_copy_(0, state_rows, rows)
+            raise
         return out[None]
 
 
 def build_native_step(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dtype, pools: KVPools,
-                      model: str = "the model") -> tuple[NativeDecodeStep | None, str | None]:
-    """The native decode step over the described layers and ``pools``, or (None, why not); either is
-    logged once (``quill.layers``, the load log)."""
-    step, why = _build(specs, dtype, pools, model)
+                      model: str = "the model", states: StatePools | None = None
+                      ) -> tuple[NativeDecodeStep | None, str | None]:
+    """The native decode step over the described layers, ``pools`` and (recurrent layers) ``states``, or
+    (None, why not); either is logged once (``quill.layers``, the load log)."""
+    step, why = _build(specs, dtype, pools, model, states)
     if step is None:
         log.info("native decode step: not built, the Python layers run (%s)", why)
     else:
@@ -93,7 +129,7 @@ def build_native_step(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dty
 
 
 def _build(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dtype, pools: KVPools,
-           model: str) -> tuple[NativeDecodeStep | None, str | None]:
+           model: str, states: StatePools | None) -> tuple[NativeDecodeStep | None, str | None]:
     ext = native.load().module
     if ext is None:
         return None, "native kernels unavailable"
@@ -103,19 +139,25 @@ def _build(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dtype, pools: 
         return None, f"{model} does not describe its decoder layers"
     if dtype != torch.float32:
         return None, f"compute dtype {dtype} (the step runs float32)"
-    parts = []
+    parts, held = [], []
     for i, spec in enumerate(specs):
         p, why = _layer_parts(spec)
+        if p is not None and isinstance(spec.attention, RecurrentSpec):
+            p, why = _mixer(ext, spec.attention, p, states.pools.get(i) if states is not None else None)
         if p is None:
             return None, f"layer {i}: {why}"
         parts.append(p)
+        if "mixer" in p:
+            held += states.pools[i]
     sizes, why = _sizes(specs)
     if sizes is None:
         return None, why
+    tables = list(dict.fromkeys(s.rope for s in specs if isinstance(s.attention, AttentionSpec)))  # first use order
     step = ext.DecoderStep(*sizes, pools.isa)
-    for i, p in enumerate(parts):
-        step.add_layer(**p, k_pool=pools.keys[i], v_pool=pools.values[i])
-    return NativeDecodeStep(step), None
+    for i, (p, spec) in enumerate(zip(parts, specs)):
+        rope = tables.index(spec.rope) if isinstance(spec.attention, AttentionSpec) else 0
+        step.add_layer(**p, k_pool=pools.keys[i], v_pool=pools.values[i], rope=rope)
+    return NativeDecodeStep(step, tables, held), None
 
 
 def _sizes(specs: Sequence[DecoderLayerSpec]) -> tuple[tuple | None, str | None]:
@@ -125,15 +167,18 @@ def _sizes(specs: Sequence[DecoderLayerSpec]) -> tuple[tuple | None, str | None]
         a = s.attention
         return s.input_norm.dim, a.heads, a.kv_heads, a.head_dim, a.scale
 
-    if not specs:
-        return None, "no decoder layers"
-    for i, s in enumerate(specs):
-        if shape(s) != shape(specs[0]):
-            return None, f"layer {i}: hidden size, heads, head dim or scale differ from layer 0's (one set per step)"
+    attention = [(i, s) for i, s in enumerate(specs) if isinstance(s.attention, AttentionSpec)]
+    if not attention:
+        return None, "no attention layers (the step sizes its buffers by them)"
+    first = attention[0][1]
+    for i, s in attention:
+        if shape(s) != shape(first):
+            return None, (f"layer {i}: hidden size, heads, head dim or scale differ from layer {attention[0][0]}'s "
+                          "(one set per step)")
     dense = sorted({s.ffn.intermediate for s in specs if isinstance(s.ffn, MLPSpec)})
     if len(dense) > 1:
         return None, f"MLP intermediate sizes {dense} differ between layers (the step runs one)"
-    hidden, heads, kv_heads, head_dim, scale = shape(specs[0])
+    hidden, heads, kv_heads, head_dim, scale = shape(first)
     # an all-MoE stack has no gated-MLP buffers to size: 1 is the step's smallest valid size
     return (hidden, heads, kv_heads, head_dim, dense[0] if dense else 1, scale), None
 
@@ -141,27 +186,29 @@ def _sizes(specs: Sequence[DecoderLayerSpec]) -> tuple[tuple | None, str | None]
 def _unsupported(spec: DecoderLayerSpec) -> str | None:
     """Why the step cannot compute what ``spec`` describes, whichever kernels its linears got (every reason,
     joined by "; ", so the load log names all a new architecture lacks); None: it can."""
-    if isinstance(spec.attention, RecurrentSpec):
-        return (f"{spec.attention.name}: recurrent layer ({spec.attention.kind}): runs in Python until the "
-                "native kernel lands")
     a, ffn, why = spec.attention, spec.ffn, []
-    if spec.residual != PRE_NORM:
-        why.append(f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}')")
-    if spec.rope != "global":
-        why.append(f"rotary table '{spec.rope}' (the step turns every layer by one table)")
-    if a.output_gate:
-        why.append("gated attention output (the step runs ungated attention)")
-    if a.rotary_dim not in (None, a.head_dim):
-        why.append(f"partial rotary ({a.rotary_dim} of {a.head_dim} channels; the step rotates all)")
-    if (a.q_norm is None) != (a.k_norm is None):
+    if isinstance(a, RecurrentSpec) and a.kind != "gated-deltanet":
+        why.append(f"{a.name}: recurrent layer '{a.kind}' (the step runs gated-deltanet)")
+    if isinstance(a, RecurrentSpec) and getattr(a.layer.conv1d, "bias", None) is not None:
+        why.append(f"{a.name}: a conv bias (the step runs Qwen3.5's bias-free conv)")
+    if spec.residual not in (PRE_NORM, SANDWICH_NORM):
+        why.append(f"residual structure '{spec.residual}' (the step runs '{PRE_NORM}' and '{SANDWICH_NORM}')")
+    if spec.residual == SANDWICH_NORM and (spec.attention_out_norm is None or spec.ffn_out_norm is None):
+        why.append(f"residual structure '{SANDWICH_NORM}' without both output norms")
+    rd = a.rotary_dim if isinstance(a, AttentionSpec) else None
+    if rd is not None and not (0 < rd <= a.head_dim and rd % 2 == 0):
+        why.append(f"partial rotary of {a.rotary_dim} of {a.head_dim} channels (the step turns an even count)")
+    if isinstance(a, AttentionSpec) and (a.q_norm is None) != (a.k_norm is None):
         why.append("a q norm without a k norm, or a k norm without a q norm (the step runs both or neither)")
     if isinstance(ffn, MLPSpec) and ffn.activation not in _NATIVE_ACTIVATIONS:
         why.append(f"feed-forward activation '{ffn.activation}' (the step runs {', '.join(_NATIVE_ACTIVATIONS)})")
     if isinstance(ffn, MoESpec) and ffn.router_kind != SOFTMAX_TOP_K:
         why.append(f"{ffn.name}: router '{ffn.router_kind}' (the step runs '{SOFTMAX_TOP_K}')")
-    if isinstance(ffn, MoESpec) and ffn.shared_expert is not None:
-        why.append(f"{ffn.name}: a shared expert (the step runs routed experts only)")
-    if a.sinks is not None:
+    if isinstance(ffn, MoESpec) and ffn.shared_expert is not None and ffn.shared_expert.activation != "silu":
+        why.append(f"{ffn.name}: shared expert activation '{ffn.shared_expert.activation}' (the step runs silu)")
+    if isinstance(ffn, MoESpec) and ffn.shared_expert is not None and ffn.shared_gate is None:
+        why.append(f"{ffn.name}: a shared expert without its gate (the step runs sigmoid-gated shared experts)")
+    if isinstance(a, AttentionSpec) and a.sinks is not None:
         why.append("attention sinks (the step's attention has no sink logits)")
     if isinstance(ffn, MoESpec) and ffn.activation != "silu":
         why.append(f"{ffn.name}: expert activation '{ffn.activation}', a clamped swiglu (the step runs silu)")
@@ -176,26 +223,59 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
     if why is not None:
         return None, why
     attn = spec.attention
-    norms = [spec.input_norm.weight, spec.post_attention_norm.weight]
-    qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.q_norm is not None else [None, None]
+    recurrent = isinstance(attn, RecurrentSpec)
+    sandwich = spec.residual == SANDWICH_NORM
+    out_norms = [spec.attention_out_norm, spec.ffn_out_norm] if sandwich else [None, None]
+    norms = [spec.input_norm.weight, spec.post_attention_norm.weight] + [n.weight for n in out_norms if n is not None]
+    qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if not recurrent and attn.q_norm is not None else [None, None]
     if any(w is not None and w.dtype != torch.float32 for w in norms + qk_norms):
         return None, "a norm weight is not float32"
-    qkv, why = _group(attn.qkv)
+    qkv, why = ([], []), None  # a recurrent layer's in-projections are its mixer's (_mixer)
+    if not recurrent:
+        qkv, why = _group(attn.qkv)
     if qkv is None:
         return None, why
     ffn, why = _moe_parts(spec.ffn) if isinstance(spec.ffn, MoESpec) else _mlp_parts(spec.ffn)
     if ffn is None:
         return None, why
-    o, why = _linears_of([("o_proj", attn.o_proj.impl)])
+    o, why = _linears_of([("out_proj", attn.layer.out_proj.impl)] if recurrent else [("o_proj", attn.o_proj.impl)])
     if o is None:
         return None, why
     return {
         "ln1": norms[0].contiguous(), "eps1": spec.input_norm.eps,
         "ln2": norms[1].contiguous(), "eps2": spec.post_attention_norm.eps,
         "qkv": qkv[0], "qkv_bias": qkv[1], "o": o[0][0], "o_bias": o[1][0], **ffn,
-        "q_norm": qk_norms[0], "k_norm": qk_norms[1], "qk_eps": _qk_eps(attn),
-        "window": attn.window or 0,  # a local layer's sliding window (0: global)
+        "q_norm": qk_norms[0], "k_norm": qk_norms[1], "qk_eps": 0.0 if recurrent else _qk_eps(attn),
+        "window": 0 if recurrent else attn.window or 0,  # a local layer's sliding window (0: global)
+        # sandwich norms (Gemma 3): each block's output normed before its residual
+        "attn_out_norm": _weight(out_norms[0]), "attn_out_eps": out_norms[0].eps if sandwich else 0.0,
+        "ffn_out_norm": _weight(out_norms[1]), "ffn_out_eps": out_norms[1].eps if sandwich else 0.0,
+        "activation": spec.ffn.activation if isinstance(spec.ffn, MLPSpec) else "silu",
+        # Qwen3.5: q_proj gives each head its query and an output gate; rotary over the first rotary_dim channels
+        "output_gate": not recurrent and attn.output_gate, "rotary_dim": 0 if recurrent else attn.rotary_dim or 0,
     }, None
+
+
+def _mixer(ext, spec: RecurrentSpec, parts: dict, pools: list[torch.Tensor] | None) -> tuple[dict | None, str | None]:
+    """``parts`` with the native Gated DeltaNet mixer of a recurrent layer over its state ``pools`` (conv [N, C, K-1],
+    delta-rule state [N, Hv, dk, dv]), or (None, why not)."""
+    layer = spec.layer
+    if pools is None or len(pools) != 2 or any(p.dtype != torch.float32 for p in pools):
+        return None, f"{spec.name}: no float32 conv and delta-rule state pools from the engine"
+    names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    proj, why = _group(Projections(names, layer.proj))
+    if proj is None:
+        return None, f"{spec.name}: {why}"
+    tensors = [layer.conv1d.weight, layer.params["A_log"], layer.params["dt_bias"], layer.norm.weight]
+    if any(t.dtype != torch.float32 for t in tensors):
+        return None, f"{spec.name}: a conv, A_log, dt_bias or norm weight is not float32"
+    mixer = ext.DeltaNetMixer(proj[0], proj[1], *(t.contiguous() for t in tensors), layer.norm.eps, pools[0],
+                              pools[1], layer.d.tiled)
+    return {**parts, "mixer": mixer}, None
+
+
+def _weight(norm) -> torch.Tensor | None:
+    return None if norm is None else norm.weight.contiguous()
 
 
 def _qk_eps(attn: AttentionSpec) -> float:
@@ -221,8 +301,21 @@ def _moe_parts(moe: MoESpec) -> tuple[dict | None, str | None]:
         return None, why
     if router[1][0] is not None:
         return None, f"{moe.name}: the router has a bias"
-    return {"gate_up": [], "gate_up_bias": [], "down": None, "down_bias": None, "router": router[0][0],
-            "experts": moe.native_group, "top_k": moe.top_k, "renormalize": moe.renormalize}, None
+    parts = {"gate_up": [], "gate_up_bias": [], "down": None, "down_bias": None, "router": router[0][0],
+             "experts": moe.native_group, "top_k": moe.top_k, "renormalize": moe.renormalize}
+    if moe.shared_expert is None:
+        return parts, None
+    shared, why = _mlp_parts(moe.shared_expert)  # routed + sigmoid(shared_gate(x)) * shared_expert(x)
+    if shared is None:
+        return None, f"{moe.name}: shared expert: {why}"
+    gate, why = _linears_of([("shared_expert_gate", moe.shared_gate.impl)])
+    if gate is None:
+        return None, f"{moe.name}: {why}"
+    if gate[1][0] is not None:
+        return None, f"{moe.name}: the shared expert's gate has a bias"
+    return {**parts, "shared_gate_up": shared["gate_up"], "shared_gate_up_bias": shared["gate_up_bias"],
+            "shared_down": shared["down"], "shared_down_bias": shared["down_bias"], "shared_gate": gate[0][0],
+            "shared_intermediate": moe.shared_expert.intermediate}, None
 
 
 def _group(proj: Projections) -> tuple[tuple[list, list] | None, str | None]:

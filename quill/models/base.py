@@ -62,8 +62,9 @@ class ForwardContext:
     caches: Sequence[LayerCache] | None = None
     logits_indices: torch.Tensor | None = None  # int64 [N]: the only flattened positions that need logits
     # runs every decoder layer at once in place of the model's loop: layers(h, rope) -> h (the engine's
-    # native decode step, DecoderLM.native_decode_step); None: the model's own layers run
-    layers: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
+    # native decode step, DecoderLM.native_decode_step); rope one (cos, sin), or the model's rotary tables by
+    # the names its DecoderLayerSpec.rope use (Gemma 3: "global", "local"); None: the model's own layers run
+    layers: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
 
     @classmethod
     def causal(cls, batch: int, length: int) -> "ForwardContext":
@@ -92,7 +93,8 @@ class DecoderLM(nn.Module):
         layers, so only its Python layers run."""
         return None
 
-    def native_decode_step(self, cache: KVPools) -> tuple[Callable | None, str | None]:
-        """Every decoder layer of an all-decode step in one native call over ``cache``'s pools,
-        ``step(layout, h, rope) -> h`` (``ForwardContext.layers``), or (None, why not, naming the layer)."""
-        return build_native_step(self.decoder_layer_specs(), self.dtype, cache, type(self).__name__)
+    def native_decode_step(self, cache: KVPools, states=None) -> tuple[Callable | None, str | None]:
+        """Every decoder layer of an all-decode step in one native call over ``cache``'s pools and (recurrent
+        layers) ``states``' pools (``quill.engine.state_cache.StatePool``), ``step(layout, h, rope, state_rows)
+        -> h`` (``ForwardContext.layers``), or (None, why not, naming the layer)."""
+        return build_native_step(self.decoder_layer_specs(), self.dtype, cache, type(self).__name__, states)

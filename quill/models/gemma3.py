@@ -149,11 +149,11 @@ class Model(llama.Model):
         ropes = {"global": self.rotary(ctx.positions, self.dtype),
                  "local": self.local_rotary(ctx.positions, self.dtype)}
         if ctx.layers is not None:
-            raise ModelError("gemma3: the native decode step does not run these layers (sandwich norms, two rotary "
-                             "tables)")
-        for i, layer in enumerate(self.model.layers):
-            rope = ropes["global" if layer.self_attn.window is None else "local"]
-            h = layer(h, rope, ctx.mask, ctx.layer_cache(i))
+            h = ctx.layers(h, ropes)  # each layer turns by the table its spec names (DecoderLayerSpec.rope)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                rope = ropes["global" if layer.self_attn.window is None else "local"]
+                h = layer(h, rope, ctx.mask, ctx.layer_cache(i))
         if ctx.logits_indices is not None:
             h = h.reshape(-1, h.shape[-1])[ctx.logits_indices][None]  # [1, N, E]
         elif not all_logits:

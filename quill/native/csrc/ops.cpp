@@ -1,5 +1,5 @@
 // Fused element-wise ops of a decoder layer (RMSNorm, rotary embedding of q and k,
-// SiLU-and-multiply): one call each instead of 4-16 small torch ops, whose fixed cost
+// SiLU- and gelu-tanh-and-multiply): one call each instead of 4-16 small torch ops, whose fixed cost
 // (~1-2 us each) dominates a decode step's time outside the linears.
 //
 // Plain C++ (baseline x86-64, vectorised by the compiler): the vectors are a few
@@ -104,15 +104,16 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t d, float eps, int64_t r
 // ---- rotary embedding, rotate-half layout, in place on [B, T, H, D] ----
 
 // x[h] (h < D/2) -> x[h] * cos[h] - x[h + D/2] * sin[h]; x[h + D/2] -> x[h + D/2] * cos + x[h] * sin,
-// each product and the sum rounded to T (torch: x * cos + cat(-x2, x1) * sin).
+// each product and the sum rounded to T (torch: x * cos + cat(-x2, x1) * sin).  The first d channels of
+// heads ld apart (ld > d: partial rotary, the rest passed through).
 template <class T>
-void rope_rows(T* x, const T* cos, const T* sin, int64_t heads, int64_t d, int64_t t0, int64_t t1) {
+void rope_rows(T* x, const T* cos, const T* sin, int64_t heads, int64_t d, int64_t ld, int64_t t0, int64_t t1) {
   const int64_t half = d / 2;
   for (int64_t t = t0; t < t1; ++t) {  // t: flat (batch, position) index
     const T* c = cos + t * d;
     const T* s = sin + t * d;
     for (int64_t h = 0; h < heads; ++h) {
-      T* v = x + (t * heads + h) * d;
+      T* v = x + (t * heads + h) * ld;
       for (int64_t i = 0; i < half; ++i) {
         const float a = Elem<T>::load(v, i), b = Elem<T>::load(v, i + half);
         const float lo = Elem<T>::round(a * Elem<T>::load(c, i)) + Elem<T>::round(-b * Elem<T>::load(s, i));
@@ -135,6 +136,27 @@ void silu_mul_range(const T* g, const T* u, T* y, int64_t i0, int64_t i1) {
   }
 }
 
+// ---- sigmoid: y = dtype(1 / (1 + exp(-x))) (gated attention's output gate, a shared expert's gate) ----
+
+template <class T>
+void sigmoid_range(const T* x, T* y, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) Elem<T>::store(y, i, 1.0f / (1.0f + std::exp(-Elem<T>::load(x, i))));
+}
+
+// ---- gelu (tanh approximation) and multiply: y = dtype(gelu_tanh(g)) * u, rounded ----
+// gelu_tanh(v) = 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))), torch's scalar spelling (Gemma's MLP)
+
+template <class T>
+void gelu_tanh_mul_range(const T* g, const T* u, T* y, int64_t i0, int64_t i1) {
+  const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float v = Elem<T>::load(g, i);
+    const float inner = beta * (v + kappa * (v * v * v));
+    const float a = Elem<T>::round(0.5f * v * (1.0f + std::tanh(inner)));
+    Elem<T>::store(y, i, a * Elem<T>::load(u, i));
+  }
+}
+
 template <class F>
 void dispatch(at::ScalarType t, const F& f) {
   switch (t) {
@@ -151,11 +173,22 @@ void rms_norm_f32(const float* x, const float* w, float* y, int64_t d, float eps
 }
 
 void rope_f32(float* x, const float* cos, const float* sin, int64_t heads, int64_t d, int64_t t0, int64_t t1) {
-  rope_rows(x, cos, sin, heads, d, t0, t1);
+  rope_rows(x, cos, sin, heads, d, d, t0, t1);
 }
+
+void rope_f32(float* x, const float* cos, const float* sin, int64_t heads, int64_t d, int64_t ld, int64_t t0,
+              int64_t t1) {
+  rope_rows(x, cos, sin, heads, d, ld, t0, t1);
+}
+
+void sigmoid_f32(const float* x, float* y, int64_t i0, int64_t i1) { sigmoid_range(x, y, i0, i1); }
 
 void silu_mul_f32(const float* g, const float* u, float* y, int64_t i0, int64_t i1) {
   silu_mul_range(g, u, y, i0, i1);
+}
+
+void gelu_tanh_mul_f32(const float* g, const float* u, float* y, int64_t i0, int64_t i1) {
+  gelu_tanh_mul_range(g, u, y, i0, i1);
 }
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
@@ -201,16 +234,20 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     T* xp = x.data_ptr<T>();
     const T* c = cos.data_ptr<T>();
     const T* s = sin.data_ptr<T>();
-    rows(bt, heads * d, [&](int64_t t0, int64_t t1) { rope_rows(xp, c, s, heads, d, t0, t1); });
+    rows(bt, heads * d, [&](int64_t t0, int64_t t1) { rope_rows(xp, c, s, heads, d, d, t0, t1); });
   });
 }
 
-at::Tensor silu_mul(const at::Tensor& g_in, const at::Tensor& u_in) {
-  check_float(g_in, "silu_mul", "gate");
-  same_dtype(g_in, u_in, "silu_mul", "up");
+namespace {
+
+// y = act(gate) * up element-wise, gate and up of one shape; `range` one of the *_mul_range templates
+template <template <class> class Range>
+at::Tensor gated_act(const at::Tensor& g_in, const at::Tensor& u_in, const char* op) {
+  check_float(g_in, op, "gate");
+  same_dtype(g_in, u_in, op, "up");
   if (g_in.sizes() != u_in.sizes()) {
     std::ostringstream s;
-    s << "silu_mul: gate " << g_in.sizes() << " and up " << u_in.sizes() << " differ in shape";
+    s << op << ": gate " << g_in.sizes() << " and up " << u_in.sizes() << " differ in shape";
     bad(s.str());
   }
   const at::Tensor g = g_in.contiguous(), u = u_in.contiguous();
@@ -220,7 +257,37 @@ at::Tensor silu_mul(const at::Tensor& g_in, const at::Tensor& u_in) {
     const T* gp = g.data_ptr<T>();
     const T* up = u.data_ptr<T>();
     T* yp = y.data_ptr<T>();
-    rows(g.numel(), 1, [&](int64_t i0, int64_t i1) { silu_mul_range(gp, up, yp, i0, i1); });
+    rows(g.numel(), 1, [&](int64_t i0, int64_t i1) { Range<T>::run(gp, up, yp, i0, i1); });
+  });
+  return y;
+}
+
+template <class T>
+struct SiluRange {
+  static void run(const T* g, const T* u, T* y, int64_t i0, int64_t i1) { silu_mul_range(g, u, y, i0, i1); }
+};
+template <class T>
+struct GeluTanhRange {
+  static void run(const T* g, const T* u, T* y, int64_t i0, int64_t i1) { gelu_tanh_mul_range(g, u, y, i0, i1); }
+};
+
+}  // namespace
+
+at::Tensor silu_mul(const at::Tensor& g, const at::Tensor& u) { return gated_act<SiluRange>(g, u, "silu_mul"); }
+
+at::Tensor gelu_tanh_mul(const at::Tensor& g, const at::Tensor& u) {
+  return gated_act<GeluTanhRange>(g, u, "gelu_tanh_mul");
+}
+
+at::Tensor sigmoid(const at::Tensor& x_in) {
+  check_float(x_in, "sigmoid", "x");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty_like(x);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    rows(x.numel(), 1, [&](int64_t i0, int64_t i1) { sigmoid_range(xp, yp, i0, i1); });
   });
   return y;
 }
@@ -230,6 +297,8 @@ void register_ops(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("rope_", &rope_, py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, py::arg("gate"), py::arg("up"), py::call_guard<py::gil_scoped_release>());
+  m.def("sigmoid", &sigmoid, py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, py::arg("gate"), py::arg("up"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill
