@@ -57,7 +57,7 @@ llamacpp: $(LLAMA_VENV)/.installed
 
 test: install llamacpp
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscopereorder
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 # Ask the default model a question through its chat template (greedy, streamed): runtime only.
 demo: $(RUNTIME) native

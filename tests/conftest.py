@@ -33,7 +33,7 @@ def pytest_configure(config):
 
 
 # The modules that take longest (seconds on a 2-core Zen 3, one process), run first: pytest-xdist hands
-# each worker one module at a time as it frees up (`--dist loadfile --no-loadscopereorder`), so starting
+# each worker one module at a time as it frees up (`--dist loadfile --no-loadscope-reorder`), so starting
 # with the long ones lets the two workers finish together instead of one waiting on a late Ray module.
 LONGEST_FIRST = ("test_ray_serve", "test_gguf_kquants", "test_gguf_default_model", "test_prepacked",
                  "test_serve_http", "test_serve", "test_bench", "test_native_step", "test_cli", "test_qwen3_5_gguf",

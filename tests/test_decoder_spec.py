@@ -55,6 +55,7 @@ DESCRIBED_ELSEWHERE = {
     "gemma3": "tests/test_gemma3.py", "gemma3_text": "tests/test_gemma3.py",  # sandwich norms, local layers
     "qwen3_5": "tests/test_qwen3_5.py", "qwen3_5_text": "tests/test_qwen3_5.py",  # recurrent layers
     "qwen3_5_moe": "tests/test_qwen3_5.py", "qwen3_5_moe_text": "tests/test_qwen3_5.py",
+    "gpt_oss": "tests/test_gpt_oss.py",  # attention sinks, biased router and clamped-SwiGLU experts
 }
 
 

@@ -193,8 +193,9 @@ def test_model_args_from_dict():
     assert mod.ModelArgs.from_dict({**cfg, "use_sliding_window": True}).layer_window(0) == 1024
     with pytest.raises(ModelError, match="required field.*hidden_size"):
         mod.ModelArgs.from_dict({k: v for k, v in cfg.items() if k != "hidden_size"})
-    with pytest.raises(ModelError, match="rope type 'yarn' is not supported; supported: default, linear, llama3"):
-        mod.ModelArgs.from_dict({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ModelError, match="rope type 'dynamic' is not supported; supported: default, linear, llama3, "
+                                         "yarn"):
+        mod.ModelArgs.from_dict({**cfg, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(ModelError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 3"):
         mod.ModelArgs.from_dict({**cfg, "num_key_value_heads": 3})
 

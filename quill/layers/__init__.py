@@ -18,9 +18,17 @@ from quill.layers.moe import (
     check_moe_config,
     expert_count,
     is_sparse_layer,
+    swiglu_clamped_name,
 )
 from quill.layers.native_step import KVPools, NativeDecodeStep, build_native_step
-from quill.layers.ops import ACTIVATIONS, attend, attention, paged_decode_attention, paged_prefill_attention
+from quill.layers.ops import (
+    ACTIVATIONS,
+    attend,
+    attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    sigmoid,
+)
 from quill.layers.rope import RopeConfig, RotaryEmbedding, apply_rope_qk, rope_inv_freq
 from quill.layers.slots import Embedding, Linear, PostLoad, RMSNorm, Slot, linear, take_rows
 
@@ -31,5 +39,6 @@ __all__ = [
     "build_native_step",
     "RopeConfig", "RotaryEmbedding", "SharedExpertMoeBlock", "Slot", "SparseMoeBlock", "apply_rope_qk", "attend",
     "attention", "paged_decode_attention", "paged_prefill_attention",
-    "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "take_rows",
+    "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "sigmoid", "swiglu_clamped_name",
+    "take_rows",
 ]

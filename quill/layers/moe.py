@@ -23,6 +23,7 @@ from quill.layers.context import LayerInfo, LoadContext
 from quill.layers.decoder import SOFTMAX_TOP_K, MoESpec
 from quill.layers.slots import PostLoad, Saved, Slot, check_qshape, checked, checked_bias, linear
 from quill.moe import DenseWeight, ExpertWeights, FusedMoE, build_fused_moe, export_fused_moe, restore_fused_moe, route
+from quill.moe.config import swiglu_clamped_name  # noqa: F401  (a model names its experts' activation)
 from quill.moe.experts import Proj
 
 

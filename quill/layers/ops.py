@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from quill.kernels import fused
+from quill.kernels.fused import sigmoid  # noqa: F401  (models gate through quill.layers)
 
 # hidden_act -> fused activation-and-multiply of a gated MLP
 ACTIVATIONS = {"silu": fused.silu_mul, "gelu_pytorch_tanh": fused.gelu_tanh_mul}

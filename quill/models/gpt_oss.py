@@ -25,12 +25,11 @@ import torch
 from torch import nn
 
 from quill.errors import ModelError
-from quill.layers import SparseMoeBlock, attend, check_moe_config, expert_count
+from quill.layers import SparseMoeBlock, attend, check_moe_config, expert_count, swiglu_clamped_name
 from quill.layers.rope import apply_rope_qk
 from quill.layers.stacked_experts import StackedExperts, Vector
 from quill.models import llama
 from quill.models.base import LayerCache
-from quill.moe.config import swiglu_clamped_name
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' GptOssConfig default rope: YaRN over the 4096 positions gpt-oss was trained on

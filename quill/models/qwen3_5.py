@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from quill.errors import ModelError
-from quill.kernels import fused
 from quill.layers import (
     AttentionSpec,
     DecoderLayerSpec,
@@ -27,6 +26,7 @@ from quill.layers import (
     attend,
     linear,
     merged,
+    sigmoid,
 )
 from quill.layers.decoder import RecurrentSpec
 from quill.layers.deltanet import DeltaNetDims, GatedDeltaNet, StateSpec
@@ -146,7 +146,7 @@ class GatedAttention(nn.Module):
         q, k = apply_partial_rope(q, k, *rope)
         v = v.reshape(B, T, self.n_kv_heads, self.head_dim)
         out = attend(*(t.transpose(1, 2) for t in (q, k, v)), cache, mask, self.scale)  # [B, H, T, D]
-        out = out.transpose(1, 2).reshape(B, T, -1) * fused.sigmoid(gate.reshape(B, T, -1))
+        out = out.transpose(1, 2).reshape(B, T, -1) * sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(out)
 
 
