@@ -140,6 +140,11 @@ def _free_port() -> int:
     return pick("127.0.0.1", 0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _every_cpu(unpinned):
+    """Ray's processes on both CPUs (tests/conftest.py's `unpinned`), started before the cluster."""
+
+
 @pytest.fixture(scope="module")
 def cluster():
     c = RayCluster()

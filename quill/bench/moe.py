@@ -233,7 +233,7 @@ def _shape(args) -> MoEShape:
 
 
 def _header(args, platform: Platform) -> int:
-    threads = args.threads or platform.physical_cores
+    threads = args.threads or platform.default_threads
     torch.set_num_threads(threads)
     print(f"cpu: {platform.model_name} ({platform.microarch}, {platform.isa_level}), {threads} threads, "
           f"torch {torch.__version__}", flush=True)
@@ -250,7 +250,7 @@ def run_layer(args) -> int:
     shape = _shape(args)
     print(f"MoE layer: {shape.num_experts} experts, top-{shape.num_experts_per_tok}, hidden {shape.hidden_size}, "
           f"expert intermediate {shape.moe_intermediate_size}, W{args.bits} g{args.group}, {args.dtype}", flush=True)
-    threads = args.threads or platform.physical_cores
+    threads = args.threads or platform.default_threads
     probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
     rows = bench_layer(shape, args.bits, args.group, _ints(args.tokens, "tokens"), backends, DTYPES[args.dtype],
                        platform, runs=args.runs, log=lambda s: print(s, flush=True), probe=probe)

@@ -42,7 +42,7 @@ class MoEShape:
 
 def add_arguments(layer: argparse.ArgumentParser, model: argparse.ArgumentParser) -> None:
     for p in (layer, model):
-        p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
+        p.add_argument("--threads", type=int, default=None, help="threads (default: the usable physical cores)")
         p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="compute dtype")
         p.add_argument("--hidden", type=int, default=MoEShape.hidden_size)
         p.add_argument("--inter", type=int, default=MoEShape.moe_intermediate_size, help="expert intermediate size")

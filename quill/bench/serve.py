@@ -45,7 +45,8 @@ def register(bsub) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests per client count (default: 2 x clients, >= 6)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per client count; medians reported")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="threads of each server (default: physical cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads of each server (default: the usable physical cores)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="quill's --max-num-seqs (default: most clients)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra argument for quill serve (repeatable)")
     p.add_argument("--ray", default=None, metavar="RxT,...",
@@ -213,7 +214,7 @@ def run(args) -> int:
     from quill.platform import detect
 
     platform = detect()
-    threads = args.threads or platform.physical_cores
+    threads = args.threads or platform.default_threads
     levels = [int(c) for c in args.clients.split(",") if c.strip()]
     gguf = args.gguf or (args.model if args.model and str(args.model).endswith(".gguf") else None)
     if args.llama_server and gguf is None:

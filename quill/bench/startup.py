@@ -66,7 +66,7 @@ def register(bsub) -> None:
     p.add_argument("--model", action="append", default=None,
                    help="a .gguf file or checkpoint directory (repeatable; default: the default model)")
     p.add_argument("--runs", type=int, default=5, help="runs per mode (cold, warm) and engine (default 5)")
-    p.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
+    p.add_argument("--threads", type=int, default=None, help="threads (default: the usable physical cores)")
     p.add_argument("--llama-python", default=".venv-llamacpp/bin/python",
                    help="an interpreter with llama-cpp-python (make llamacpp); '' skips llama.cpp")
     p.add_argument("--generate", action="store_true",
@@ -205,7 +205,7 @@ def run(args) -> int:
     from quill.platform import detect
 
     platform = detect()
-    threads = args.threads or platform.physical_cores
+    threads = args.threads or platform.default_threads
     models = [Path(m) for m in (args.model or [str(default_model_path())])]
     for m in models:
         if not m.exists():

@@ -52,7 +52,7 @@ def rows_for(path: str, tokens: list[int], threads: int | None = None) -> list[d
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096, help="tokens of pydoc_data.topics scored")
-    ap.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
+    ap.add_argument("--threads", type=int, default=None, help="threads (default: the usable physical cores)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     tokens = text_tokens(args.tokens)
