@@ -17,6 +17,7 @@ from quill.cli.inspect import report
 from quill.engine.core import EngineConfig, EngineCore
 from quill.engine.scoring import ScoreSpec
 from quill.models.base import ForwardContext
+from tests.engine_util import engine_core, greedy, hf_logprobs
 from tests.model_util import save_hf_dir
 
 WINDOW = 16
@@ -59,33 +60,15 @@ def hf_gemma3(seed: int = 0, **overrides):
     return randomized(transformers.Gemma3ForCausalLM(cfg))
 
 
+def core(llm, **cfg) -> EngineCore:
+    return engine_core(llm, **{"block_size": 8, **cfg})
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     hf = hf_gemma3(seed=1)
     d = save_hf_dir(hf, tmp_path_factory.mktemp("gemma3"), tokenizer=False)
     return hf, quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
-
-
-def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-
-def core(llm, **cfg) -> EngineCore:
-    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
-                      EngineConfig(**{"kv_cache_dtype": "float32", "block_size": 8, **cfg}), isa=llm.engine.cache.isa)
-
-
-def greedy(c: EngineCore, prompts: dict[str, list[int]], n: int = 32) -> dict[str, list[int]]:
-    params = quill.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    for rid, p in prompts.items():
-        c.add_request(rid, p, params)
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while c.has_unfinished_requests():
-        for o in c.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return out
 
 
 def test_the_model_describes_gemma3(pair):

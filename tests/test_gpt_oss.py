@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import quill
-from quill.engine.core import EngineConfig, EngineCore
+from quill.engine.core import EngineCore
 from quill.engine.scoring import ScoreSpec
+from tests.engine_util import engine_core, greedy, hf_logprobs
 from tests.model_util import save_hf_dir
 
 WINDOW = 16
@@ -52,22 +53,15 @@ def hf_gpt_oss(seed: int = 0, **overrides):
     return randomized(transformers.GptOssForCausalLM(cfg))
 
 
+def core(llm, **cfg) -> EngineCore:
+    return engine_core(llm, **{"block_size": 8, **cfg})
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     hf = hf_gpt_oss(seed=2)  # a seed whose greedy continuations vary (5-6 distinct tokens of 32), not one repeated
     d = save_hf_dir(hf, tmp_path_factory.mktemp("gpt_oss"), tokenizer=False)
     return hf, quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
-
-
-def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-
-def core(llm, **cfg) -> EngineCore:
-    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
-                      EngineConfig(**{"kv_cache_dtype": "float32", "block_size": 8, **cfg}), isa=llm.engine.cache.isa)
 
 
 def scored(llm, prompt: list[int], chunk: int = 256) -> torch.Tensor:
@@ -79,17 +73,6 @@ def scored(llm, prompt: list[int], chunk: int = 256) -> torch.Tensor:
         for o in c.step():
             got = o.scores.token_logprobs if o.scores is not None else got
     return got
-
-
-def greedy(c: EngineCore, prompts: dict[str, list[int]], n: int = 32) -> dict[str, list[int]]:
-    params = quill.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    for rid, p in prompts.items():
-        c.add_request(rid, p, params)
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while c.has_unfinished_requests():
-        for o in c.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return out
 
 
 def test_the_model_describes_gpt_oss(pair):

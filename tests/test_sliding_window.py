@@ -12,10 +12,11 @@ import torch
 
 import quill
 from quill import native
-from quill.engine.core import EngineConfig, EngineCore
 from quill.engine.scoring import ScoreSpec
 from quill.kernels import fused
 from quill.platform import detect
+from tests.engine_util import engine_core as core
+from tests.engine_util import greedy, hf_logprobs
 from tests.model_util import hf_model, save_hf_dir
 
 WINDOW = 16
@@ -41,29 +42,6 @@ def pair(request, tmp_path_factory):
             p.copy_(p.bfloat16().float())
     d = save_hf_dir(hf, tmp_path_factory.mktemp(request.param), tokenizer=False)
     return hf, quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
-
-
-def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
-    """float32 [len(ids) - 1]: log p(ids[i] | ids[:i]) from transformers' eager float32 forward."""
-    with torch.no_grad():
-        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-
-
-def core(llm, **cfg) -> EngineCore:
-    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
-                      EngineConfig(**{"kv_cache_dtype": "float32", **cfg}), isa=llm.engine.cache.isa)
-
-
-def greedy(c: EngineCore, prompts: dict[str, list[int]], n: int = 32) -> dict[str, list[int]]:
-    params = quill.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    for rid, p in prompts.items():
-        c.add_request(rid, p, params)
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while c.has_unfinished_requests():
-        for o in c.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return out
 
 
 def test_layers_describe_their_windows(pair):

@@ -1,0 +1,33 @@
+"""Driving an EngineCore over a loaded model in tests, and transformers' log-probabilities to compare with."""
+
+from __future__ import annotations
+
+import torch
+
+import quill
+from quill.engine.core import EngineConfig, EngineCore
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """float32 [len(ids) - 1]: log p(ids[i] | ids[:i]) from transformers' eager float32 forward."""
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def engine_core(llm, **cfg) -> EngineCore:
+    """An engine over ``llm``'s model with a float32 KV cache (the exact one) and ``cfg``."""
+    return EngineCore(llm.model, llm.eos_token_ids, llm.context_length,
+                      EngineConfig(**{"kv_cache_dtype": "float32", **cfg}), isa=llm.engine.cache.isa)
+
+
+def greedy(c: EngineCore, prompts: dict[str, list[int]], n: int = 32) -> dict[str, list[int]]:
+    """Request id -> ``n`` greedy tokens of each prompt, all added at once and stepped to the end."""
+    params = quill.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for rid, p in prompts.items():
+        c.add_request(rid, p, params)
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while c.has_unfinished_requests():
+        for o in c.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
