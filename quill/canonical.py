@@ -306,17 +306,27 @@ class QuantizedWeight:
     # ---- the formula -------------------------------------------------
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], computed exactly as the class docstring says."""
+        if self.g_idx is None and self.in_features % self.group_size == 0:
+            # Contiguous groups: the same element-wise formula on an [out, G, group] view, each group
+            # tensor broadcast instead of gathered to [out, in] (the same bits, several times faster).
+            codes = self.codes.reshape(self.out_features, -1, self.group_size)
+            return self._formula(codes, lambda t: t.to(torch.float32).unsqueeze(-1)).reshape(
+                self.out_features, self.in_features)
         g = self.group_index()
+        return self._formula(self.codes, lambda t: t.to(torch.float32)[:, g])
+
+    def _formula(self, codes: torch.Tensor, per_group) -> torch.Tensor:
+        """The formula on ``codes``; ``per_group`` lays an [out, G] tensor beside them."""
         if self.codebook is not None:
-            return self.codebook.to(torch.float32)[self.codes.long()] * self.scales.to(torch.float32)[:, g]
-        w = self.codes.to(torch.float32)
+            return self.codebook.to(torch.float32)[codes.long()] * per_group(self.scales)
+        w = codes.to(torch.float32)
         if self.zeros is None:
             w = w - float(1 << (self.bits - 1))
         else:
-            w = w - self.zeros.to(torch.float32)[:, g]
-        w = w * self.group_scales()[:, g]
+            w = w - per_group(self.zeros)
+        w = w * per_group(self.group_scales())
         if self.offsets is not None:
-            w = w + self.group_offsets()[:, g]
+            w = w + per_group(self.group_offsets())
         return w
 
     def with_(self, **changes) -> "QuantizedWeight":

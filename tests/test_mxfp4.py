@@ -16,7 +16,6 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors.torch import save_file
-from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from quill import native
 from quill.canonical import E8M0, FP4_E2M1, ActivationQuant, QuantizedWeight
@@ -101,6 +100,12 @@ def _hf_pair(experts: int, out: int, inp: int, seed: int) -> tuple[torch.Tensor,
     scales = torch.randint(100, 140, (experts, out, inp // 32), dtype=torch.uint8, generator=g)
     scales.view(-1)[:3] = torch.tensor([0, 1, 254], dtype=torch.uint8)  # subnormal and largest scales
     return blocks, scales
+
+
+def convert_moe_packed_tensors(*args, **kwargs):
+    """transformers' own MXFP4 decoding, imported here: its module takes seconds to import."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors as convert
+    return convert(*args, **kwargs)
 
 
 def test_hf_blocks_scales_bit_exact_with_transformers():
