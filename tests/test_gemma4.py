@@ -221,7 +221,9 @@ def test_gemma4_chat_template_renders(tmp_path):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello "},
             {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
     got = ours.apply_chat_template(chat, add_generation_prompt=True)
-    assert got.startswith("<bos><|turn>system\nBe brief.") and got.endswith("<|turn>model\n")
+    # thinking off (the template's default): an empty thought channel opens the model's turn
+    assert got.startswith("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nhello<turn|>\n")
+    assert got.endswith("<|turn>model\n<|channel>thought\n<channel|>")
     assert got == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     tools = [{"type": "function", "function": {"name": "weather", "description": "Weather in a city",
                                                "parameters": {"type": "object", "required": ["city"],
@@ -229,3 +231,6 @@ def test_gemma4_chat_template_renders(tmp_path):
     got = ours.apply_chat_template(chat[1:], add_generation_prompt=True, tools=tools)
     assert "weather" in got
     assert got == theirs.apply_chat_template(chat[1:], tokenize=False, add_generation_prompt=True, tools=tools)
+    got = ours.apply_chat_template(chat, add_generation_prompt=True, template_kwargs={"enable_thinking": True})
+    assert "<|think|>" in got and not got.endswith("<channel|>")
+    assert got == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=True)

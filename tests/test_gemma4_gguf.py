@@ -96,3 +96,19 @@ def test_gguf_matches_transformers_on_its_weights(converted, qtype):
             got = o.scores.token_logprobs if o.scores is not None else got
     ref = want[:-1].gather(1, ids[0, 1:, None])[:, 0]
     assert (got - ref).abs().max() < 1e-3
+
+
+def test_the_files_gemma4_tokenizer_encodes_as_the_hf_one(converted):
+    """llama.cpp's ``gemma4`` tokenizer model (the merges, U+2581 for spaces, byte fallback): the HF tokenizer's
+    ids for text with merges, newlines, specials and characters only bytes spell."""
+    from transformers import AutoTokenizer
+
+    from quill.tokenizer import Tokenizer
+    _, files = converted
+    spec = GGUFCheckpoint(files["Q8_0"]).tokenizer_spec()
+    hf = AutoTokenizer.from_pretrained(files["Q8_0"].parent)
+    ours = Tokenizer(spec)
+    assert spec.add_bos_token and spec.bos_token_id == 2
+    for text in ("the theme in a hat", "a\n\nthe end ü", " leading space<eos>", "ÿ€ then"):
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
+        assert ours.decode(hf.encode(text, add_special_tokens=False), skip_special_tokens=False) == text
