@@ -195,8 +195,8 @@ def test_a_missing_tensor_is_a_named_error(saved, tmp_path):
 def test_configs_it_cannot_run_are_named_errors(saved, tmp_path):
     _, d = saved
     cfg = json.loads((d / "config.json").read_text())
-    for change, field in (({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-                            "moe_intermediate_size": 16}, "enable_moe_block"),
+    for change, field in (({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 5,
+                            "moe_intermediate_size": 16}, "exceeds the 4 experts"),
                           ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
                           ({"num_kv_shared_layers": 5}, "KV-shared")):
         from quill.models import model_module
@@ -234,3 +234,29 @@ def test_gemma4_chat_template_renders(tmp_path):
     got = ours.apply_chat_template(chat, add_generation_prompt=True, template_kwargs={"enable_thinking": True})
     assert "<|think|>" in got and not got.endswith("<channel|>")
     assert got == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+
+
+def test_the_moe_variant_matches_transformers(tmp_path):
+    """enable_moe_block: routed experts (stacked, gate and up in halves; gelu-tanh) beside each dense MLP, the
+    scaled router with per-expert scales, their own norms; logprobs at every position, chunked."""
+    hf = hf_gemma4(seed=5, enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=20)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("router.scale", "per_expert_scale")):
+                p.copy_(torch.rand_like(p) + 0.5)
+    d = save_hf_dir(hf, tmp_path / "moe", tokenizer=False)
+    llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
+    assert all(layer.moe is not None for layer in llm.model.model.layers)
+    assert "routed experts" in llm.engine.native_step_reason
+    c = core(llm, max_num_batched_tokens=24)
+    c.add_request("s", PROMPT, quill.SamplingParams(max_tokens=1), score=ScoreSpec())
+    got = None
+    while c.has_unfinished_requests():
+        for o in c.step():
+            got = o.scores.token_logprobs if o.scores is not None else got
+    assert (got - hf_logprobs(hf, PROMPT)).abs().max() < 1e-3
+    prompts = {str(i): PROMPT[i * 9:i * 9 + 30] for i in range(2)}
+    with torch.no_grad():
+        want = {rid: hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                                 min_new_tokens=16)[0, len(p):].tolist() for rid, p in prompts.items()}
+    assert greedy(core(llm), prompts, n=16) == want

@@ -17,7 +17,10 @@ modeling_gemma4.py and llama.cpp's src/models/gemma4.cpp change:
 * the last ``num_kv_shared_layers`` layers compute no keys or values: each attends with those of the last
   earlier layer of its kind (local or global).  Here they read that layer's KV pool and own none.
 
-The MoE variant (``enable_moe_block``: a dense MLP beside routed experts) is refused by name.
+The MoE variant (``enable_moe_block``, 26B-A4B) adds routed experts beside every layer's dense MLP: the router
+reads the residual stream through a weightless RMSNorm times a learned scale and hidden^-0.5, softmax over
+the experts, the top k renormalized and multiplied by per-expert scales; each branch has its own output norm
+and the experts their own input norm.  The checkpoint stacks a layer's experts (gate and up in halves).
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ from quill.layers import (
     RMSNorm,
     RopeConfig,
     RotaryEmbedding,
+    SparseMoeBlock,
     apply_rope_qk,
     attend,
+    check_moe_config,
     linear,
     merged,
 )
-from quill.layers.stacked_experts import Vector
+from quill.layers.stacked_experts import StackedExperts, Vector
 from quill.models import llama
 from quill.models.base import ForwardContext, LayerCache
 
@@ -78,6 +83,9 @@ class ModelArgs(llama.ModelArgs):
     num_kv_shared_layers: int = 0
     enable_moe_block: bool = False
     use_double_wide_mlp: bool = False
+    num_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_intermediate_size: int | None = None
     global_head_dim: int = 512
     num_global_key_value_heads: int | None = None
     per_layer_config: dict | None = None
@@ -116,9 +124,7 @@ class ModelArgs(llama.ModelArgs):
             raise ModelError("config field 'use_bidirectional_attention': 'all' is not supported (causal decoding; "
                              "'vision' concerns image tokens only and is accepted)")
         if self.enable_moe_block:
-            raise ModelError("config field 'enable_moe_block': true (Gemma 4's MoE, a dense MLP beside routed "
-                             "experts with a scaled router and per-expert scales) is not supported; supported: "
-                             "the dense Gemma 4 models")
+            check_moe_config(self.model_type, n, self.num_experts, self.top_k_experts, self.moe_intermediate_size)
         shared = self.num_kv_shared_layers
         if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared < n:
             raise ModelError(f"config field 'num_kv_shared_layers': expected 0 .. {n - 1}, found {shared!r}")
@@ -243,6 +249,28 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
+class MoE(SparseMoeBlock):
+    """Gemma 4's routed experts (HF: ``router.{proj,scale,per_expert_scale}``, ``experts.{gate_up_proj,down_proj}``,
+    aliased onto this block's ``gate``, ``router_scale``, ``per_expert_scale`` and ``stacked``)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        E, H = args.num_experts, args.hidden_size
+        super().__init__(f"model.layers.{layer}.moe", H, intermediate=args.moe_intermediate_size, num_experts=E,
+                         top_k=args.top_k_experts, renormalize=True, hidden_act=args.hidden_activation)
+        self.stacked = StackedExperts(E, H, args.moe_intermediate_size, self.deliver, halves=True)
+        self.router_scale, self.per_expert_scale = Vector(H), Vector(E)
+        self.eps = args.rms_norm_eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] the experts' input, ``residual`` [B, T, H] what the router reads -> [B, T, H]."""
+        B, T, H = x.shape
+        r = rms(residual.reshape(-1, H), self.eps) * self.router_scale.weight.to(x.dtype) * H ** -0.5
+        probs = torch.softmax(self.gate(r).float(), dim=-1)  # [BT, E], float32 as transformers
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale.weight[ids]
+        return self.fused(x.reshape(-1, H), ids, weights).reshape(B, T, H)
+
+
 class DecoderLayer(nn.Module):
     """Gemma 3's four norms, then the per-layer-input block, then the layer scalar (HF names)."""
 
@@ -263,6 +291,10 @@ class DecoderLayer(nn.Module):
             self.per_layer_input_gate = linear(args.hidden_size, self.ple, False)
             self.per_layer_projection = linear(self.ple, args.hidden_size, False)
             self.post_per_layer_input_norm = norm()
+        self.moe = MoE(args, layer) if args.enable_moe_block else None
+        if self.moe is not None:  # the dense MLP's and the experts' own norms
+            self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2 = norm(), norm()
+            self.pre_feedforward_layernorm_2 = norm()
 
     def spec(self) -> DecoderLayerSpec:
         return DecoderLayerSpec(self.input_layernorm, self.self_attn.spec(), self.pre_feedforward_layernorm,
@@ -272,7 +304,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, mask, cache, shared, per_layer_input):
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, cache, shared))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        m = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.moe is not None:
+            routed = self.moe(self.pre_feedforward_layernorm_2(h), h)
+            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(routed)
+        h = h + self.post_feedforward_layernorm(m)
         if self.ple:
             g = self.act(self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
@@ -287,6 +323,11 @@ class Model(llama.Model):
         (r"^model\.language_model\.", "model."),
         # a buffer in transformers, a one-element vector slot here
         (r"\.layer_scalar$", ".layer_scalar.weight"),
+        # the MoE variant's router and stacked experts, onto the layer's MoE block
+        (r"^(model\.layers\.\d+)\.router\.proj\.", r"\1.moe.gate."),
+        (r"^(model\.layers\.\d+)\.router\.scale$", r"\1.moe.router_scale.weight"),
+        (r"^(model\.layers\.\d+)\.router\.per_expert_scale$", r"\1.moe.per_expert_scale.weight"),
+        (r"^(model\.layers\.\d+)\.experts\.(gate_up_proj|down_proj)$", r"\1.moe.stacked.\2"),
     )
     # the multimodal checkpoint's vision and audio towers and their embedders: not part of the text model
     # (the loader skips them, one log line); KV-shared layers' k/v projections and norms, which
@@ -331,6 +372,8 @@ class Model(llama.Model):
                         f"{(a.global_kv_heads, a.global_head_dim)}; the step holds one set)")
         if a.attention_k_eq_v:
             need.append("values taken from the keys (attention_k_eq_v)")
+        if a.enable_moe_block:
+            need.append("routed experts beside the dense MLP (Gemma 4's scaled router, per-expert scales)")
         if a.num_kv_shared_layers:
             need.append(f"KV-shared layers (the last {a.num_kv_shared_layers} read earlier layers' pools and "
                         "write none)")
