@@ -112,3 +112,59 @@ def test_the_files_gemma4_tokenizer_encodes_as_the_hf_one(converted):
     for text in ("the theme in a hat", "a\n\nthe end ü", " leading space<eos>", "ÿ€ then"):
         assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
         assert ours.decode(hf.encode(text, add_special_tokens=False), skip_special_tokens=False) == text
+
+
+def test_the_moe_variant_from_gguf(tmp_path):
+    """enable_moe_block through the converter (gate and up stacked as ffn_gate_up_exps, the router's scale and
+    the per-expert scales as .scale vectors) and Q8_0, against transformers on the file's weights."""
+    hf = hf_gemma4(seed=6, **{**GGUF_TEXT, "num_hidden_layers": 3, "layer_types": [L, G, G],
+                              "num_kv_shared_layers": 1}, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                   moe_intermediate_size=32)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("router.scale", "per_expert_scale")):
+                p.copy_(torch.rand_like(p) + 0.5)
+    d = save_hf_dir(hf, tmp_path / "hf", tokenizer=False)
+    save_byte_fallback_tokenizer(d)
+    path = quantize(convert(d, d / "f32.gguf", "f32"), d / "q8.gguf", "Q8_0")
+    cfg = GGUFCheckpoint(path).config
+    assert cfg["enable_moe_block"] and (cfg["num_experts"], cfg["top_k_experts"]) == (4, 2)
+    llm = quill.LLM(str(path), skip_tokenizer_init=True, kv_cache_dtype="float32", activation_quant="none")
+    ids = torch.randint(4, GGUF_VOCAB, (1, 50), generator=torch.Generator().manual_seed(3))
+    state_ref = reference_moe(hf, path)
+    with torch.no_grad():
+        want = torch.log_softmax(state_ref(ids).logits.float(), -1)[0]
+    c = core(llm, max_num_batched_tokens=24)
+    c.add_request("s", ids[0].tolist(), quill.SamplingParams(max_tokens=1), score=ScoreSpec())
+    got = None
+    while c.has_unfinished_requests():
+        for o in c.step():
+            got = o.scores.token_logprobs if o.scores is not None else got
+    assert (got - want[:-1].gather(1, ids[0, 1:, None])[:, 0]).abs().max() < 1e-3
+
+
+def reference_moe(hf, path):
+    """``hf`` (MoE) with the file's weights: the experts put back into transformers' stacked tensors."""
+    ckpt = GGUFCheckpoint(path)
+    state = {f"{m}.weight": qw.dequantize() for m, qw in ckpt.quantized_layers()}
+    state.update({k: t.float() for k, t in ckpt.dense_tensors()})
+    out = {}
+    for k, v in state.items():
+        k = k.replace("layer_scalar.weight", "layer_scalar").replace(".moe.gate.", ".router.proj.")
+        k = k.replace(".moe.router_scale.weight", ".router.scale").replace(
+            ".moe.per_expert_scale.weight", ".router.per_expert_scale")
+        out[k] = v
+    E = hf.config.num_experts
+    for i in range(hf.config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        gu = out.pop(f"{p}.moe.stacked.gate_up_proj.weight", None)
+        if gu is None:
+            gu = out.pop(f"{p}.moe.stacked.gate_up_proj")
+        out[f"{p}.experts.gate_up_proj"] = gu.reshape(E, -1, gu.shape[-1])
+        out[f"{p}.experts.down_proj"] = torch.stack([out.pop(f"{p}.moe.experts.{e}.down_proj.weight")
+                                                     for e in range(E)])
+    out["model.embed_tokens_per_layer.weight"] = out["model.embed_tokens_per_layer.weight"].float()
+    out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+    ref = type(hf)(hf.config).eval()
+    ref.load_state_dict(out, strict=True)
+    return ref

@@ -129,10 +129,10 @@ class ModelArgs(llama.ModelArgs):
         if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared < n:
             raise ModelError(f"config field 'num_kv_shared_layers': expected 0 .. {n - 1}, found {shared!r}")
         first = n - shared
-        for kind in set(self.layer_types[first:]):
-            if kind not in self.layer_types[:first]:
-                raise ModelError(f"config: KV-shared layers of kind '{kind}' but no earlier '{kind}' layer computes "
-                                 f"keys and values (num_kv_shared_layers {shared}, layer_types {self.layer_types})")
+        for kind in set(self.layer_types):  # as transformers' kv_sharing_modes: every kind before the shared ones
+            if shared and kind not in self.layer_types[:first]:
+                raise ModelError(f"config: no '{kind}' layer before the KV-shared ones computes keys and values "
+                                 f"(num_kv_shared_layers {shared}, layer_types {self.layer_types})")
         ple = self.hidden_size_per_layer_input
         if isinstance(ple, bool) or not isinstance(ple, int) or ple < 0:
             raise ModelError(f"config field 'hidden_size_per_layer_input': expected a non-negative integer, "
@@ -328,6 +328,7 @@ class Model(llama.Model):
         (r"^(model\.layers\.\d+)\.router\.scale$", r"\1.moe.router_scale.weight"),
         (r"^(model\.layers\.\d+)\.router\.per_expert_scale$", r"\1.moe.per_expert_scale.weight"),
         (r"^(model\.layers\.\d+)\.experts\.(gate_up_proj|down_proj)$", r"\1.moe.stacked.\2"),
+        (r"(\.moe\.stacked\.gate_up_proj)\.weight$", r"\1"),  # a dense one from a GGUF file
     )
     # the multimodal checkpoint's vision and audio towers and their embedders: not part of the text model
     # (the loader skips them, one log line); KV-shared layers' k/v projections and norms, which
@@ -377,7 +378,7 @@ class Model(llama.Model):
         if a.num_kv_shared_layers:
             need.append(f"KV-shared layers (the last {a.num_kv_shared_layers} read earlier layers' pools and "
                         "write none)")
-        return f"{type(self).__name__} (Gemma 4): the native decode step has no " + "; no ".join(need)
+        return f"{type(self).__name__} (Gemma 4): the native decode step lacks " + "; ".join(need)
 
     def native_decode_step(self, cache: KVPools, states=None):
         why = self.native_refusal()

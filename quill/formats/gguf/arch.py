@@ -70,7 +70,8 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen35moe": ArchSpec("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", False, "qwen3_5_moe_text",
                           "Qwen3_5MoeForCausalLM", block_names=_QWEN35_NAMES, hybrid=True),
     "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", False, block_names=_GEMMA3_NAMES, offset_norms=True),
-    "gemma4": ArchSpec("gemma4_text", "Gemma4ForCausalLM", False, block_names=gemma4.NAMES,
+    "gemma4": ArchSpec("gemma4_text", "Gemma4ForCausalLM", False, "gemma4_text", "Gemma4ForCausalLM", "moe",
+                       block_names=gemma4.NAMES,
                        global_names=tuple(gemma4.GLOBAL_NAMES.items()), in_config=("rope_freqs.weight",)),
     "gpt-oss": ArchSpec("gpt_oss", "GptOssForCausalLM", False, "gpt_oss", "GptOssForCausalLM",
                         block_names=_GPT_OSS_NAMES),
@@ -125,6 +126,8 @@ def arch_spec(arch: str, path) -> ArchSpec:
 def map_name(gguf_name: str, spec: ArchSpec, is_moe: bool, path) -> TensorName:
     """The HF name of one GGUF tensor, or ``UnsupportedFormatError`` naming it."""
     stem, _, suffix = gguf_name.rpartition(".")
+    if spec.model_type == "gemma4_text" and (module := gemma4.scale_name(gguf_name)):
+        return TensorName(gguf_name, module, "weight")
     if spec.hybrid and (m := _SSM_A.fullmatch(gguf_name) or _SSM_DT.fullmatch(gguf_name)):
         attr = "A_log" if m.re is _SSM_A else "dt_bias"  # parameters of the linear_attn module itself
         return TensorName(gguf_name, f"model.layers.{m.group(1)}.linear_attn", attr)

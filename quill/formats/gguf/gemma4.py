@@ -25,7 +25,21 @@ NAMES = (
     ("post_ffw_norm", "post_feedforward_layernorm"), ("inp_gate", "per_layer_input_gate"),
     ("proj", "per_layer_projection"), ("post_norm", "post_per_layer_input_norm"),
     ("layer_output_scale", "layer_scalar"),
+    # the MoE variant: the dense MLP's and the experts' own norms, the router, gate and up stacked in halves
+    ("pre_ffw_norm_2", "pre_feedforward_layernorm_2"), ("post_ffw_norm_1", "post_feedforward_layernorm_1"),
+    ("post_ffw_norm_2", "post_feedforward_layernorm_2"), ("ffn_gate_inp", "moe.gate"),
+    ("ffn_gate_up_exps", "moe.stacked.gate_up_proj"),
 )
+# the router's input scale and the per-expert scales: vectors stored as "<tensor>.scale"
+SCALES = {"ffn_gate_inp": "moe.router_scale", "ffn_down_exps": "moe.per_expert_scale"}
+
+
+def scale_name(gguf_name: str) -> str | None:
+    """The HF module of a ``blk.N.<leaf>.scale`` vector (its weight), or None."""
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "scale" and parts[2] in SCALES:
+        return f"model.layers.{parts[1]}.{SCALES[parts[2]]}"
+    return None
 GLOBAL_NAMES = {"per_layer_token_embd": "model.embed_tokens_per_layer",
                 "per_layer_model_proj": "model.per_layer_model_projection",
                 "per_layer_proj_norm": "model.per_layer_projection_norm"}
@@ -101,8 +115,8 @@ def config(meta: dict, a: str, cfg: dict, tensors: dict, read: Callable[[str], t
         out["vocab_size_per_layer_input"] = tensors["per_layer_token_embd.weight"].shape[-1]
     if f"{a}.final_logit_softcapping" in meta:
         out["final_logit_softcapping"] = float(meta[f"{a}.final_logit_softcapping"])
-    if meta.get(f"{a}.expert_count", 0):
-        out["enable_moe_block"] = True  # refused by the model, by name
+    if cfg.get("num_experts"):
+        out.update(enable_moe_block=True, top_k_experts=cfg["num_experts_per_tok"])
     return out
 
 
