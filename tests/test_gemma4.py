@@ -134,7 +134,10 @@ def test_greedy_batched_and_preempted_match_transformers(pair):
         for rid, p in prompts.items():
             out = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
             want[rid] = out[0, len(p):].tolist()
-    assert greedy(core(llm), {"0": prompts["0"]}) == {"0": want["0"]}
+    c = core(llm)
+    assert greedy(c, {"0": prompts["0"]}) == {"0": want["0"]}
+    # again on the same engine: the prompt's blocks come from the prefix cache (the shared layers read them too)
+    assert greedy(c, {"again": prompts["0"]}) == {"again": want["0"]} and c.stats().prefix_cache_hit_tokens > 0
     assert greedy(core(llm), prompts) == want
     per_block = 8 * 2 * 4 * sum(h * d for h, d in filter(None, llm.model.kv_layer_shapes()))
     tight = core(llm, kv_cache_memory=32 * per_block, enable_prefix_caching=False)
