@@ -181,18 +181,32 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path, caplog):
     assert (got - ref).abs().max() < 1e-4
 
 
-def test_a_missing_tensor_is_a_named_error(saved, tmp_path):
-    _, d = saved
-    bad = tmp_path / "bad"
-    bad.mkdir()
+def edited(d: Path, out: Path, edit) -> Path:
+    """A copy of checkpoint ``d`` whose tensors ``edit`` changed in place."""
+    out.mkdir()
     for f in d.iterdir():
         if f.suffix != ".safetensors":
-            (bad / f.name).write_bytes(f.read_bytes())
+            (out / f.name).write_bytes(f.read_bytes())
     state = load_file(str(d / "model.safetensors"))
-    del state["model.layers.3.self_attn.k_proj.weight"]
-    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    edit(state)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_missing_tensor_is_a_named_error(saved, tmp_path):
+    _, d = saved
+    bad = edited(d, tmp_path / "bad", lambda s: s.pop("model.layers.3.self_attn.k_proj.weight"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.3\.self_attn\.k_proj"):
         quill.LLM(str(bad), skip_tokenizer_init=True)
+
+
+def test_kv_shared_layers_own_projections_are_skipped(saved, tmp_path):
+    """A checkpoint may hold k/v projections and norms for KV-shared layers (transformers ignores them too)."""
+    _, d = saved
+    extra = {"model.layers.4.self_attn.k_proj.weight": torch.ones(32, 72),
+             "model.layers.5.self_attn.k_norm.weight": torch.ones(24)}
+    llm = quill.LLM(str(edited(d, tmp_path / "extra", lambda s: s.update(extra))), skip_tokenizer_init=True)
+    assert llm.model.kv_layer_shapes()[4:] == [None, None]
 
 
 def test_configs_it_cannot_run_are_named_errors(saved, tmp_path):

@@ -378,7 +378,7 @@ class Model(llama.Model):
         if a.num_kv_shared_layers:
             need.append(f"KV-shared layers (the last {a.num_kv_shared_layers} read earlier layers' pools and "
                         "write none)")
-        return f"{type(self).__name__} (Gemma 4): the native decode step lacks " + "; ".join(need)
+        return f"Gemma 4 ({a.model_type}): the native decode step lacks " + "; ".join(need)
 
     def native_decode_step(self, cache: KVPools, states=None):
         why = self.native_refusal()
