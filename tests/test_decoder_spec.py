@@ -53,6 +53,7 @@ def ffn_kind(spec: DecoderLayerSpec) -> str:
 # architectures whose layers are not pre-norm attention + MLP: their own test files check their descriptions
 DESCRIBED_ELSEWHERE = {
     "gemma3": "tests/test_gemma3.py", "gemma3_text": "tests/test_gemma3.py",  # sandwich norms, local layers
+    "gemma4": "tests/test_gemma4.py", "gemma4_text": "tests/test_gemma4.py",  # per-layer inputs, KV-shared layers
     "qwen3_5": "tests/test_qwen3_5.py", "qwen3_5_text": "tests/test_qwen3_5.py",  # recurrent layers
     "qwen3_5_moe": "tests/test_qwen3_5.py", "qwen3_5_moe_text": "tests/test_qwen3_5.py",
     "gpt_oss": "tests/test_gpt_oss.py",  # attention sinks, biased router and clamped-SwiGLU experts

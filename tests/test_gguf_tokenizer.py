@@ -229,7 +229,8 @@ def test_sentencepiece_space_prefix_after_special_tokens_follows_llama_cpp(spm):
 def test_unsupported_tokenizers(tmp_path):
     path = write_gguf(tmp_path / "b.gguf", "llama", [("tokenizer.ggml.model", "bert", V.STRING),
                                                      ("tokenizer.ggml.tokens", ["a", "b"], V.ARRAY, V.STRING)])
-    with pytest.raises(UnsupportedFormatError, match="tokenizer.ggml.model 'bert' is not supported; supported: gpt2"):
+    with pytest.raises(UnsupportedFormatError,
+                       match="tokenizer.ggml.model 'bert' is not supported; supported: gemma4, gpt2, llama"):
         tokenizer_spec_from_gguf(GGUFFile(path).metadata, path)
     kv = [("tokenizer.ggml.model", "gpt2", V.STRING), ("tokenizer.ggml.pre", "martian", V.STRING),
           ("tokenizer.ggml.tokens", ["a", "b"], V.ARRAY, V.STRING),

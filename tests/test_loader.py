@@ -49,8 +49,8 @@ def test_directory_without_config(tmp_path):
 def test_unsupported_model_type_lists_supported(saved, tmp_path):
     d = copy_with(saved, tmp_path / "gpt2", edit_config=lambda c: c.update(model_type="gpt2"))
     with pytest.raises(ModelError, match="model_type .gpt2. is not supported; supported: gemma3, gemma3_text, "
-                       "gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, "
-                       "qwen3_5_moe_text, qwen3_5_text, qwen3_moe$"):
+                       "gemma4, gemma4_text, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, "
+                       "qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe$"):
         load(d)
 
 

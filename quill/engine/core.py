@@ -143,13 +143,15 @@ class EngineCore:
         # per decoder layer the per-sequence state it keeps instead of keys and values (None: KV cache)
         specs = getattr(model, "state_specs", lambda: None)()
         kv_layers = None if specs is None else [s is None for s in specs]
+        # per decoder layer its pool's (kv heads, head dim), None: no pool (None: every layer the config's)
+        shapes = getattr(model, "kv_layer_shapes", lambda: None)()
         per_block = PagedKVCache.bytes_per_block(args.num_hidden_layers if specs is None else sum(kv_layers),
                                                  self.config.block_size, args.num_key_value_heads, args.head_dim,
-                                                 kv_dtype)
+                                                 kv_dtype, shapes)
         state_total = 0 if specs is None else self.config.max_num_seqs * state_bytes(specs)
         num_blocks = max(2, self._kv_bytes(per_block, state_total) // per_block)
         self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, self.config.block_size,
-                                  args.num_key_value_heads, args.head_dim, kv_dtype, isa, kv_layers)
+                                  args.num_key_value_heads, args.head_dim, kv_dtype, isa, kv_layers, shapes)
         self.states = None if specs is None else StatePool(specs, self.config.max_num_seqs)
         self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")  # what the pools hold ("float32", ...)
         self.native_step, self.native_step_reason = (

@@ -136,19 +136,28 @@ class PagedKVCache:
     """Per layer, keys and values for ``num_blocks * block_size`` token slots: [slots, Hkv, D]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, isa: str | None = None, kv_layers: list[bool] | None = None):
+                 dtype: torch.dtype = torch.float32, isa: str | None = None, kv_layers: list[bool] | None = None,
+                 layer_shapes: list[tuple[int, int] | None] | None = None):
         """``kv_layers``: which layers keep keys and values (None: all); the others (recurrent layers) get
-        empty pools, so the lists stay indexed by decoder layer."""
+        empty pools, so the lists stay indexed by decoder layer.  ``layer_shapes``: per layer its own (kv heads,
+        head dim), or None for a layer without a pool (Gemma 4: global layers wider than local ones, and
+        layers that read another layer's pool); it overrides ``kv_heads``, ``head_dim`` and ``kv_layers``."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.isa = isa  # the native variant decode attention runs (chosen at load), None for torch
-        shape = (num_blocks * block_size, kv_heads, head_dim)
-        kv = kv_layers or [True] * num_layers
-        self.keys = [untouched_zeros(shape if kv[i] else (0, kv_heads, head_dim), dtype) for i in range(num_layers)]
-        self.values = [untouched_zeros(shape if kv[i] else (0, kv_heads, head_dim), dtype) for i in range(num_layers)]
+        if layer_shapes is None:
+            kv = kv_layers or [True] * num_layers
+            layer_shapes = [(kv_heads, head_dim) if kv[i] else None for i in range(num_layers)]
+        slots = num_blocks * block_size
+        shapes = [(slots, *s) if s is not None else (0, kv_heads, head_dim) for s in layer_shapes]
+        self.keys = [untouched_zeros(shape, dtype) for shape in shapes]
+        self.values = [untouched_zeros(shape, dtype) for shape in shapes]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        layer_shapes: list[tuple[int, int] | None] | None = None) -> int:
+        per_token = num_layers * kv_heads * head_dim if layer_shapes is None else (
+            sum(h * d for h, d in filter(None, layer_shapes)))
+        return 2 * per_token * block_size * torch.empty(0, dtype=dtype).element_size()
 
     def views(self, layout: StepLayout) -> list["PagedLayerCache"]:
         return [PagedLayerCache(self.keys[i], self.values[i], layout, self.isa) for i in range(len(self.keys))]
@@ -165,12 +174,14 @@ class PagedLayerCache:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q [1, H, T, D], k and v [1, Hkv, T, D] (the packed new tokens) -> [1, H, T, D]; ``window``: a
+        """q [1, H, T, D], k and v [1, Hkv, T, D] (the packed new tokens, or None: attend what the pool holds,
+        the step's tokens written by the layer that owns it) -> [1, H, T, D]; ``window``: a
         local layer's sliding window (the pool keeps every position; attention reads the last ``window``);
         ``sinks`` [H]: attention sinks, one learned logit per head in the softmax denominator (gpt-oss)."""
         lay = self.layout
-        self.keys.index_copy_(0, lay.slots, to_pool(k[0].transpose(0, 1), self.keys.dtype))  # [T, Hkv, D]
-        self.values.index_copy_(0, lay.slots, to_pool(v[0].transpose(0, 1), self.values.dtype))
+        if k is not None:  # None: a layer reading another layer's pool (Gemma 4's KV-shared layers) writes nothing
+            self.keys.index_copy_(0, lay.slots, to_pool(k[0].transpose(0, 1), self.keys.dtype))  # [T, Hkv, D]
+            self.values.index_copy_(0, lay.slots, to_pool(v[0].transpose(0, 1), self.values.dtype))
         if not lay.prefills:  # every token a decode (most steps): no gather, no scatter
             qd = q[0].transpose(0, 1)[:, :, None]  # [T, H, 1, D]
             od = paged_decode_attention(qd, self.keys, self.values, lay.decode_slots, lay.decode_lens, scale,

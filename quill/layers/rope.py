@@ -11,7 +11,7 @@ from torch import nn
 from quill.errors import ModelError
 from quill.kernels import fused
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class RopeConfig:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    # "proportional" (Gemma 4's global layers): the first partial_rotary_factor of each head's channel pairs
+    # turn at base ** (-2i / head_dim), the rest not at all (frequency 0: cos 1, sin 0)
+    partial_rotary_factor: float = 1.0
 
     @classmethod
     def from_config(cls, rope_theta: float | None, rope_scaling: dict | None,
@@ -54,6 +57,7 @@ class RopeConfig:
             beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
             truncate=bool(params.get("truncate", True)), attention_factor=params.get("attention_factor"),
             mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+            partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
         )
 
     @property
@@ -89,6 +93,9 @@ def rope_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:
         return torch.where(medium, smoothed, scaled)
     if cfg.kind == "yarn":
         return _yarn_inv_freq(cfg, dim, inv)
+    if cfg.kind == "proportional":  # transformers' _compute_proportional_rope_parameters
+        turned = int(cfg.partial_rotary_factor * dim // 2)
+        return torch.cat([inv[:turned], torch.zeros(dim // 2 - turned)]) / cfg.factor
     return inv
 
 

@@ -8,7 +8,12 @@ gpt-oss checkpoints (transformers' ``GptOssExperts``) hold, per MoE layer::
     experts.down_proj          [E, I, hidden]
     experts.down_proj_bias     [E, hidden]
 
-or, quantized, one canonical weight per projection whose rows are the E experts' output rows stacked
+Gemma 4's (transformers' ``Gemma4TextExperts``) are ``nn.functional.linear`` weights, gate and up in halves::
+
+    experts.gate_up_proj       [E, 2 * I, hidden]   rows: gate 0 .. I - 1, up I .. 2I - 1
+    experts.down_proj          [E, hidden, I]
+
+(``halves=True``), or, quantized, one canonical weight per projection whose rows are the E experts' output rows stacked
 (``[E * out, in]``, the bias likewise).  Either way expert e's projection is rows ``e * out ...`` of the
 ``[E * out, in]`` form; this slot cuts them out (``take_rows``, exact) and fills the block's expert slots,
 which then build the layer as for any per-expert checkpoint.  The model aliases the stacked names onto
@@ -40,10 +45,12 @@ def checkpoint_name(name: str, suffix: str = "") -> str:
 class StackedProj(nn.Module, Slot):
     """One stacked projection: ``experts`` x ``out`` rows of ``in_features``, then split per expert."""
 
-    def __init__(self, experts: int, out_features: int, in_features: int, parts: tuple[str, ...]):
+    def __init__(self, experts: int, out_features: int, in_features: int, parts: tuple[str, ...],
+                 halves: bool = False):
         super().__init__()
         self.experts, self.out_features, self.in_features = experts, out_features, in_features
         self.parts = parts  # the per-expert projections it holds, interleaved by row (gate, up) or one (down)
+        self.halves = halves  # Gemma 4: dense [E, out, in], the parts in consecutive halves of the rows
         self.weight: torch.Tensor | None = None  # dense [E, in, out] as stored (x @ W)
         self.bias: torch.Tensor | None = None  # dense [E, out]
         self.deliver: Deliver | None = None  # set by the block that owns the expert slots
@@ -63,6 +70,8 @@ class StackedProj(nn.Module, Slot):
         return True
 
     def take_dense(self, name: str, tensor: torch.Tensor, ctx: LoadContext) -> None:
+        if self.halves:  # stored [E, out, in]: held as gpt-oss's [E, in, out] view (no copy)
+            tensor = checked(ctx, name, tensor, (self.experts, self.out_features, self.in_features)).transpose(1, 2)
         self.weight = checked(ctx, name, tensor, (self.experts, self.in_features, self.out_features))
 
     def load_quantized(self, name: str, weight: QuantizedWeight, ctx: LoadContext) -> bool:
@@ -104,8 +113,9 @@ class StackedProj(nn.Module, Slot):
         n = len(self.parts)
         for e in range(self.experts):
             for i, part in enumerate(self.parts):
-                # interleaved rows: part i of expert e is rows i, i + n, i + 2n ... of its block
-                ids = torch.arange(i, self.out_features, n)
+                # interleaved rows: part i of expert e is rows i, i + n, i + 2n ... of its block; or its i-th share
+                ids = (torch.arange(i * self.out_features // n, (i + 1) * self.out_features // n) if self.halves
+                       else torch.arange(i, self.out_features, n))
                 self.deliver(e, part, rows(e, ids), ctx)
         self.done = True
 
@@ -114,10 +124,10 @@ class StackedExperts(nn.Module, Slot):
     """``<block>.stacked``: the dense stacked tensors arrive here (``gate_up_proj``, ``down_proj``), their
     biases and quantized forms at the children of the same names."""
 
-    def __init__(self, experts: int, hidden: int, intermediate: int, deliver: Deliver):
+    def __init__(self, experts: int, hidden: int, intermediate: int, deliver: Deliver, halves: bool = False):
         super().__init__()
-        self.gate_up_proj = StackedProj(experts, 2 * intermediate, hidden, ("gate_proj", "up_proj"))
-        self.down_proj = StackedProj(experts, hidden, intermediate, ("down_proj",))
+        self.gate_up_proj = StackedProj(experts, 2 * intermediate, hidden, ("gate_proj", "up_proj"), halves)
+        self.down_proj = StackedProj(experts, hidden, intermediate, ("down_proj",), halves)
         self.gate_up_proj.deliver = self.down_proj.deliver = deliver
 
     @property

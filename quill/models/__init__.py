@@ -21,6 +21,8 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "qwen3_moe",
     "gemma3_text": "gemma3",  # local sliding-window layers between global ones
     "gemma3": "gemma3",  # the multimodal checkpoint's text model (its vision tower skipped)
+    "gemma4_text": "gemma4",  # per-layer input embeddings, KV-shared layers, wider global heads
+    "gemma4": "gemma4",  # the multimodal checkpoint's text model (its vision and audio towers skipped)
     "qwen3_5_text": "qwen3_5",  # hybrid: Gated DeltaNet layers beside gated attention
     "qwen3_5": "qwen3_5",  # the multimodal checkpoint's text model (its vision tower skipped)
     "qwen3_5_moe_text": "qwen3_5_moe",

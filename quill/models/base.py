@@ -88,6 +88,12 @@ class DecoderLM(nn.Module):
         layer uses the KV cache.  The engine allocates what this says and knows nothing else about it."""
         return None
 
+    def kv_layer_shapes(self) -> list[tuple[int, int] | None] | None:
+        """Per decoder layer the (kv heads, head dim) of its KV pool, None for a layer with no pool of its own
+        (it reads another layer's, or keeps recurrent state); or None: every layer the config's
+        (num_key_value_heads, head_dim), recurrent layers (``state_specs``) without."""
+        return None
+
     def decoder_layer_specs(self) -> list[DecoderLayerSpec] | None:
         """Each decoder layer described (``quill.layers.decoder``), or None: this model does not describe its
         layers, so only its Python layers run."""

@@ -21,8 +21,13 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# Gated activations an expert MLP may use: down(act(gate(x), up(x))); "silu" is act(g, u) = silu(g) * u.
-HIDDEN_ACTS: dict[str, GatedAct] = {"silu": _silu_mul}
+def _gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# Gated activations an expert MLP may use: down(act(gate(x), up(x))); "silu" is act(g, u) = silu(g) * u
+# (Gemma 4's experts: gelu-tanh)
+HIDDEN_ACTS: dict[str, GatedAct] = {"silu": _silu_mul, "gelu_pytorch_tanh": _gelu_tanh_mul}
 # gpt-oss's clamped SwiGLU, its two constants in the name (so a saved layer config says them):
 # "swiglu_clamped(alpha,limit)"
 _CLAMPED = re.compile(r"swiglu_clamped\(([-+0-9.e]+),([-+0-9.e]+)\)")

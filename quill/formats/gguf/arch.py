@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from quill.errors import CheckpointError, ConfigError, UnsupportedFormatError, format_choices
+from quill.formats.gguf import gemma4
 from quill.formats.gguf.quants import BF16, F16
 
 
@@ -32,6 +33,8 @@ class ArchSpec:
     block_names: tuple[tuple[str, str], ...] = ()  # this architecture's own blk.N.<leaf> -> HF module names
     hybrid: bool = False  # Qwen3.5: Gated DeltaNet layers (ssm_*) beside attention, zero-centred norms
     offset_norms: bool = False  # Gemma 3: every norm stored as 1 + w by the converter (undone on load)
+    global_names: tuple[tuple[str, str], ...] = ()  # this architecture's own top-level tensors -> HF names
+    in_config: tuple[str, ...] = ()  # tensors read into the config, not loaded (Gemma 4's rope_freqs)
 
 
 # Qwen3.5's Gated DeltaNet tensors (llama.cpp's QWEN35 names); ssm_a and ssm_dt.bias are mapped in map_name
@@ -67,6 +70,9 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen35moe": ArchSpec("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", False, "qwen3_5_moe_text",
                           "Qwen3_5MoeForCausalLM", block_names=_QWEN35_NAMES, hybrid=True),
     "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", False, block_names=_GEMMA3_NAMES, offset_norms=True),
+    "gemma4": ArchSpec("gemma4_text", "Gemma4ForCausalLM", False, "gemma4_text", "Gemma4ForCausalLM", "moe",
+                       block_names=gemma4.NAMES,
+                       global_names=tuple(gemma4.GLOBAL_NAMES.items()), in_config=("rope_freqs.weight",)),
     "gpt-oss": ArchSpec("gpt_oss", "GptOssForCausalLM", False, "gpt_oss", "GptOssForCausalLM",
                         block_names=_GPT_OSS_NAMES),
 }
@@ -120,11 +126,14 @@ def arch_spec(arch: str, path) -> ArchSpec:
 def map_name(gguf_name: str, spec: ArchSpec, is_moe: bool, path) -> TensorName:
     """The HF name of one GGUF tensor, or ``UnsupportedFormatError`` naming it."""
     stem, _, suffix = gguf_name.rpartition(".")
+    if spec.model_type == "gemma4_text" and (module := gemma4.scale_name(gguf_name)):
+        return TensorName(gguf_name, module, "weight")
     if spec.hybrid and (m := _SSM_A.fullmatch(gguf_name) or _SSM_DT.fullmatch(gguf_name)):
         attr = "A_log" if m.re is _SSM_A else "dt_bias"  # parameters of the linear_attn module itself
         return TensorName(gguf_name, f"model.layers.{m.group(1)}.linear_attn", attr)
-    if stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
-        return TensorName(gguf_name, _GLOBAL_NAMES[stem], suffix)
+    global_names = {**_GLOBAL_NAMES, **dict(spec.global_names)}
+    if stem in global_names and suffix in ("weight", "bias"):
+        return TensorName(gguf_name, global_names[stem], suffix)
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m:
         layer, leaf, expert, suffix = m.groups()
@@ -222,10 +231,14 @@ def _rope_scaling(meta: dict, a: str, path) -> dict | None:
     return scaling
 
 
-def build_config(meta: dict, arch: str, tensors: dict, n_tokens: int | None, path) -> dict:
-    """An HF-style ``config.json`` dict from GGUF metadata (``<arch>.*`` and ``tokenizer.ggml.*``)."""
+def build_config(meta: dict, arch: str, tensors: dict, n_tokens: int | None, path, read=None) -> dict:
+    """An HF-style ``config.json`` dict from GGUF metadata (``<arch>.*`` and ``tokenizer.ggml.*``); ``read``:
+    name -> tensor, for what an architecture keeps in a tensor (Gemma 4's rope_freqs)."""
     spec = arch_spec(arch, path)
     a = arch
+    full_meta = meta
+    if spec.model_type == "gemma4_text":
+        meta = gemma4.uniform_view(meta, a)  # per-layer arrays, read per layer below
     n_experts = _int(meta, f"{a}.expert_count", path, 0)
     is_moe = n_experts > 0
     if is_moe and spec.moe_model_type is None:
@@ -273,6 +286,8 @@ def build_config(meta: dict, arch: str, tensors: dict, n_tokens: int | None, pat
         cfg.update(_gemma3_config(meta, a, cfg, path))
     if spec.model_type == "gpt_oss":
         cfg.update(_gpt_oss_config(meta, a, cfg, path))
+    if spec.model_type == "gemma4_text":
+        cfg.update(gemma4.config(full_meta, a, cfg, tensors, read, path))
     for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("padding_token_id", "pad_token_id")):
         if f"tokenizer.ggml.{key}" in meta:

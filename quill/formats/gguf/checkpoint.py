@@ -83,7 +83,8 @@ class GGUFCheckpoint:
         self.spec = arch_spec(arch, self.path)
         tokens = meta.get("tokenizer.ggml.tokens")
         self.config = build_config(meta, arch, self.file.tensors, len(tokens) if isinstance(tokens, list) else None,
-                                   self.path)
+                                   self.path, read=lambda name: self.file.array(
+                                       name, DENSE_TYPES[self.file.info(name).ggml_type]))
         self._quantized: dict[str, tuple[_Source, _Source | None]] = {}
         self._dense: dict[str, _Source] = {}
         self._plan()
@@ -104,6 +105,8 @@ class GGUFCheckpoint:
         named: list[tuple[TensorName, int, tuple[int, ...]]] = []
         for info in self.file.tensors.values():
             check_supported(info.ggml_type, info.name)
+            if info.name in self.spec.in_config:
+                continue
             if info.name in _EXTRA_NAMES:
                 self._dense[_EXTRA_NAMES[info.name]] = _Source(info.name)
                 continue

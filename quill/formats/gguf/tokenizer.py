@@ -1,6 +1,6 @@
 """A ready ``tokenizers.Tokenizer`` from GGUF tokenizer metadata (``tokenizer.ggml.*``).
 
-Two vocabulary kinds, as llama.cpp reads them (``src/llama-vocab.cpp``):
+Three vocabulary kinds, as llama.cpp reads them (``src/llama-vocab.cpp``):
 
 * ``gpt2``: byte-level BPE.  Tokens are stored in GPT-2's byte alphabet with an
   explicit merge list; how text is split into words before BPE depends on
@@ -10,6 +10,8 @@ Two vocabulary kinds, as llama.cpp reads them (``src/llama-vocab.cpp``):
 * ``llama``: SentencePiece BPE with byte fallback.  Only per-token scores are
   stored; merges are rebuilt from them (a piece merges from two pieces that
   spell it, ranked by the merged piece's score).
+* ``gemma4``: BPE over U+2581-escaped text with the stored merges and byte
+  fallback, text split only at newlines (Gemma 4's tokenizer.json as it is).
 
 Tokens typed CONTROL (3) and USER_DEFINED (4) are matched whole in text, never
 split (llama.cpp's ``tokenizer_st_partition``): they become added tokens.
@@ -74,9 +76,11 @@ def tokenizer_spec_from_gguf(meta: dict, path) -> TokenizerSpec:
         tokenizer, default_bos = _byte_level(meta, tokens, path)
     elif kind == "llama":
         tokenizer, default_bos = _sentencepiece(meta, tokens, types, path), True
+    elif kind == "gemma4":
+        tokenizer, default_bos = _gemma4(meta, tokens, path), True  # llama.cpp forces add_bos for it
     else:
         raise UnsupportedFormatError(
-            f"{path}: tokenizer.ggml.model '{kind}' is not supported; supported: gpt2, llama")
+            f"{path}: tokenizer.ggml.model '{kind}' is not supported; supported: gemma4, gpt2, llama")
     _add_special_tokens(tokenizer, tokens, types)
     ids = {k: _token_id(meta, k, len(tokens), path) for k in ("bos", "eos", "eot", "eom", "unknown", "padding")}
     eog = [i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None]
@@ -159,6 +163,18 @@ def _sentencepiece(meta: dict, tokens: list[str], types: list[int], path):
     if prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def _gemma4(meta: dict, tokens: list[str], path):
+    """Gemma 4's SentencePiece-style BPE (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4): spaces escaped as U+2581
+    with no prefix space, the stored merges run over each run of non-newline text (runs of newlines apart),
+    characters outside the vocabulary as their <0xNN> byte tokens."""
+    merges = [_split_merge(m, path) for m in _string_list(meta, "tokenizer.ggml.merges", path)]
+    tokenizer = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return tokenizer
 
 
