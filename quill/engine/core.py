@@ -24,16 +24,15 @@ import torch
 from torch import nn
 
 from quill.engine.block_manager import BlockManager
-from quill.engine.kv_cache import PagedKVCache, StepLayout
+from quill.engine.kv_cache import StepLayout
 from quill.engine.limits import PromptLimits
-from quill.engine.memory import available_ram
+from quill.engine.pools import build_pools
 from quill.engine.sampling import Logprob, SamplingParams, process_logits, sample_token, token_logprobs
 from quill.engine.scheduler import Scheduler
 from quill.engine.scoring import PromptScores, ScoreAccumulator, ScoreSpec
 from quill.engine.sequence import Sequence, Status
 from quill.engine.spec_config import SpeculativeConfig
 from quill.engine.speculative import Speculator, verify, verify_token
-from quill.engine.state_cache import StatePool, state_bytes
 from quill.engine.structured import GrammarCompiler, constrain
 from quill.errors import GenerationError
 from quill.models.base import ForwardContext
@@ -138,22 +137,8 @@ class EngineCore:
         self.eos = frozenset(eos_token_ids)
         self.context_length = context_length
         self.vocab = model.args.vocab_size
-        args = model.args
-        kv_dtype = getattr(torch, "float16" if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype)
-        # per decoder layer the per-sequence state it keeps instead of keys and values (None: KV cache)
-        specs = getattr(model, "state_specs", lambda: None)()
-        kv_layers = None if specs is None else [s is None for s in specs]
-        # per decoder layer its pool's (kv heads, head dim), None: no pool (None: every layer the config's)
-        shapes = getattr(model, "kv_layer_shapes", lambda: None)()
-        per_block = PagedKVCache.bytes_per_block(args.num_hidden_layers if specs is None else sum(kv_layers),
-                                                 self.config.block_size, args.num_key_value_heads, args.head_dim,
-                                                 kv_dtype, shapes)
-        state_total = 0 if specs is None else self.config.max_num_seqs * state_bytes(specs)
-        num_blocks = max(2, self._kv_bytes(per_block, state_total) // per_block)
-        self.cache = PagedKVCache(args.num_hidden_layers, num_blocks, self.config.block_size,
-                                  args.num_key_value_heads, args.head_dim, kv_dtype, isa, kv_layers, shapes)
-        self.states = None if specs is None else StatePool(specs, self.config.max_num_seqs)
-        self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")  # what the pools hold ("float32", ...)
+        self.cache, self.states, num_blocks = build_pools(model, self.config, context_length, isa)
+        self.kv_cache_dtype = str(self.cache.keys[0].dtype).removeprefix("torch.")  # what the pools hold
         self.native_step, self.native_step_reason = (
             model.native_decode_step(self.cache, self.states) if self.config.native_step else (None, "disabled"))
         self.blocks = BlockManager(num_blocks, self.config.block_size,
@@ -183,25 +168,6 @@ class EngineCore:
             log.info("speculative decoding: off (the model keeps per-sequence recurrent state)")
             return None
         return None if spec is None else Speculator(spec, self.context_length)
-
-    def _pool_bytes(self, per_block: int) -> int:
-        c = self.config
-        if c.kv_cache_memory is not None:
-            return c.kv_cache_memory
-        # a fraction of free RAM, but never more than every sequence at full context needs
-        needed = c.max_num_seqs * (-(-self.context_length // c.block_size) + 1) * per_block
-        return min(int(available_ram() * c.kv_cache_fraction), needed)
-
-    def _kv_bytes(self, per_block: int, state_total: int) -> int:
-        """What the KV blocks get of the budget once ``state_total`` bytes of recurrent state are set aside."""
-        if not state_total:
-            return self._pool_bytes(per_block)
-        budget = self._pool_bytes(per_block) + (0 if self.config.kv_cache_memory is not None else state_total)
-        if budget - state_total < 2 * per_block:
-            raise GenerationError(f"EngineConfig.kv_cache_memory: {budget} bytes hold neither the recurrent state "
-                                  f"of max_num_seqs={self.config.max_num_seqs} sequences ({state_total} bytes) and "
-                                  f"two KV blocks ({2 * per_block} bytes); give more or lower max_num_seqs")
-        return budget - state_total
 
     # ---- requests --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
