@@ -265,7 +265,8 @@ def test_a_chat_stays_on_its_replica(server):
 
 def test_many_streaming_clients_some_disconnecting_leave_the_replicas_idle(cluster, server, llm):
     """64 concurrent streams through the ingress, 10 cut mid-stream: the rest finish with their offline
-    text, and every replica's engine (Ray's exported metrics) ends with nothing running or holding KV."""
+    text, and every replica's engine (Ray's exported metrics) ends with nothing running or holding KV (and
+    exports speculation's counters, 0 with it off)."""
     streams_with_disconnects(server, llm)
     deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
     while True:
@@ -273,9 +274,10 @@ def test_many_streaming_clients_some_disconnecting_leave_the_replicas_idle(clust
         running = cluster.metrics("quill_num_requests_running")
         used = cluster.metrics("quill_kv_cache_blocks_used")
         live = {r for r, v in generated.items() if v > 0}
-        if len(live) >= 2 and all(running.get(r) == 0 and used.get(r) == 0 for r in live):
+        drafts = cluster.metrics("vllm_spec_decode_num_drafts")  # speculation's counters, vLLM's names
+        if len(live) >= 2 and all(running.get(r) == 0 and used.get(r) == 0 and drafts.get(r) == 0 for r in live):
             break
-        assert time.monotonic() < deadline, (generated, running, used)
+        assert time.monotonic() < deadline, (generated, running, used, drafts)
         time.sleep(1)
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 

@@ -41,7 +41,7 @@ from quill.options import RunOptions
 from quill.serving.app import build_app as build_http_app
 from quill.serving.app import default_model_name
 from quill.serving.engine import AsyncEngine, EngineStopped, ServerBusy
-from quill.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ServerMetrics
+from quill.serving.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, SPEC_COUNTERS, ServerMetrics
 from quill.serving.openai import OpenAIServing
 from quill.serving.remote import RemoteEngine, ReplicaMetrics
 from quill.serving.router import AffinityRouter
@@ -223,14 +223,16 @@ class QuillReplica:
 
 class EngineGauges:
     """The engine's state as Ray metrics, refreshed every second from a thread: each node's metrics agent
-    exports them (``ray start --metrics-export-port P``: ``ray_quill_num_requests_running{replica=...}``...)."""
+    exports them (``ray start --metrics-export-port P``: ``ray_quill_num_requests_running{replica=...}``...),
+    speculative decoding's counters under vLLM's names too (``ray_vllm_spec_decode_num_drafts``...)."""
 
     def __init__(self, engine: AsyncEngine, replica: str, period: float = 1.0):
         from ray.util.metrics import Gauge
         self.engine, self.tags, self.period = engine, {"replica": replica}, period
         # counters are exported as gauges of their running totals (Ray's Counter wants increments)
-        self.gauges = {field: Gauge(name, description=doc, tag_keys=("replica",))
-                       for name, field, doc in ENGINE_GAUGES + ENGINE_COUNTERS}
+        # (vLLM's ``vllm:spec_decode_*`` leave as ``vllm_spec_decode_*``: no colon name reached Ray's exporter)
+        self.gauges = {field: Gauge(name.replace(":", "_"), description=doc, tag_keys=("replica",))
+                       for name, field, doc in ENGINE_GAUGES + ENGINE_COUNTERS + SPEC_COUNTERS}
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="quill-ray-metrics", daemon=True).start()
 
