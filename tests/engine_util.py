@@ -6,6 +6,7 @@ import torch
 
 import quill
 from quill.engine.core import EngineConfig, EngineCore
+from quill.engine.scoring import ScoreSpec
 
 
 def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
@@ -31,3 +32,15 @@ def greedy(c: EngineCore, prompts: dict[str, list[int]], n: int = 32) -> dict[st
         for o in c.step():
             out[o.request_id].extend(o.new_token_ids)
     return out
+
+
+def scored(llm, prompt: list[int], chunk: int = 256, **cfg) -> torch.Tensor:
+    """quill's log-probability of every prompt token after the first, through the engine's paged cache
+    (prefilled ``chunk`` tokens per step; ``cfg``: more EngineConfig fields, e.g. ``block_size``)."""
+    c = engine_core(llm, max_num_batched_tokens=chunk, **cfg)
+    c.add_request("s", prompt, quill.SamplingParams(max_tokens=1), score=ScoreSpec())
+    got = None
+    while c.has_unfinished_requests():
+        for o in c.step():
+            got = o.scores.token_logprobs if o.scores is not None else got
+    return got

@@ -21,7 +21,7 @@ from quill.cli.inspect import report
 from quill.engine.scoring import ScoreSpec
 from quill.errors import CheckpointError, ModelError
 from quill.models.base import ForwardContext
-from tests.engine_util import engine_core, greedy, hf_logprobs
+from tests.engine_util import engine_core, greedy, hf_logprobs, scored
 from tests.model_util import save_hf_dir
 
 WINDOW = 16
@@ -107,12 +107,7 @@ def test_the_native_step_refuses_gemma4_by_name(pair, caplog):
 @pytest.mark.parametrize("chunk", [256, 24])
 def test_logprobs_match_transformers_at_every_position(pair, chunk):
     hf, llm = pair
-    c = core(llm, max_num_batched_tokens=chunk)
-    c.add_request("s", PROMPT, quill.SamplingParams(max_tokens=1), score=ScoreSpec())
-    got = None
-    while c.has_unfinished_requests():
-        for o in c.step():
-            got = o.scores.token_logprobs if o.scores is not None else got
+    got = scored(llm, PROMPT, chunk, block_size=8)
     ref = hf_logprobs(hf, PROMPT)
     assert got.shape == ref.shape and (got - ref).abs().max() < 1e-3
 

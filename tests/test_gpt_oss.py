@@ -16,8 +16,7 @@ import torch
 
 import quill
 from quill.engine.core import EngineCore
-from quill.engine.scoring import ScoreSpec
-from tests.engine_util import engine_core, greedy, hf_logprobs
+from tests.engine_util import engine_core, greedy, hf_logprobs, scored
 from tests.model_util import save_hf_dir
 
 WINDOW = 16
@@ -64,17 +63,6 @@ def pair(tmp_path_factory):
     return hf, quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
 
 
-def scored(llm, prompt: list[int], chunk: int = 256) -> torch.Tensor:
-    """quill's log-probability of every prompt token after the first, through the engine's paged cache."""
-    c = core(llm, max_num_batched_tokens=chunk)
-    c.add_request("s", prompt, quill.SamplingParams(max_tokens=1), score=ScoreSpec())
-    got = None
-    while c.has_unfinished_requests():
-        for o in c.step():
-            got = o.scores.token_logprobs if o.scores is not None else got
-    return got
-
-
 def test_the_model_describes_gpt_oss(pair):
     _, llm = pair
     specs = llm.model.decoder_layer_specs()
@@ -88,7 +76,7 @@ def test_the_model_describes_gpt_oss(pair):
 @pytest.mark.parametrize("chunk", [256, 24])
 def test_logprobs_match_transformers_at_every_position(pair, chunk):
     hf, llm = pair
-    got, ref = scored(llm, PROMPT, chunk), hf_logprobs(hf, PROMPT)
+    got, ref = scored(llm, PROMPT, chunk, block_size=8), hf_logprobs(hf, PROMPT)
     assert got.shape == ref.shape and (got - ref).abs().max() < 1e-3
 
 
@@ -101,7 +89,7 @@ def test_the_sinks_matter(pair):
     try:
         for s in layers:
             s.weight = torch.full_like(s.weight, -1e30)  # exp(-1e30) = 0: no sink at all
-        without = scored(llm, PROMPT[:60])
+        without = scored(llm, PROMPT[:60], block_size=8)
     finally:
         for s, w in zip(layers, saved):
             s.weight = w
@@ -165,7 +153,7 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_weights(tmp_path):
     infos = [i for i in llm.loaded.layers if i.kind == "expert"]
     assert infos and all(i.bits == 4 and i.group_size == 32 for i in infos)
     prompt = PROMPT[:70]
-    assert (scored(llm, prompt, 24) - hf_logprobs(hf, prompt)).abs().max() < 1e-3
+    assert (scored(llm, prompt, 24, block_size=8) - hf_logprobs(hf, prompt)).abs().max() < 1e-3
 
 
 def test_harmony_chat_template_renders(tmp_path):
@@ -210,7 +198,7 @@ def test_prepacked_cache_hit_scores_as_the_checkpoint(pair, tmp_path):
     miss.cache.wait()  # the file of a miss is written on a thread
     hit = quill.LLM(str(llm.loaded.path), **kw)
     assert hit.cache_hit and not miss.cache_hit
-    assert torch.equal(scored(hit, PROMPT[:40]), scored(llm, PROMPT[:40]))
+    assert torch.equal(scored(hit, PROMPT[:40], block_size=8), scored(llm, PROMPT[:40], block_size=8))
 
 
 def test_bad_configs_and_checkpoints_are_refused(pair, tmp_path):
