@@ -9,8 +9,9 @@ serves MoE too.
 ``apply``:
 
 * float32 with every expert's stacked gate_up and down on native kernels (biases or
-  not) and a SiLU or clamped-SwiGLU activation: one native call (``quill.native`` ExpertGroup, csrc/moe.cpp: one parallel region
-  instead of 2k calls per token and their glue), the work laid out as below;
+  not) and a SiLU or clamped-SwiGLU activation: one native call (``quill.native``
+  ExpertGroup, csrc/moe.cpp: one parallel region instead of 2k calls per token and
+  their glue), the work laid out as below;
   the native decode step (quill.layers.native_step) runs the same code.
 * otherwise, one token (decode): only its k experts run, on the token itself;
   nothing else is touched, so only the selected experts' weights are read.
