@@ -2,10 +2,10 @@
 forward: log-probabilities at every position of a prompt several windows long (whole and chunked prefill),
 32 greedy tokens, batched = alone, preempted = uninterrupted; the attention sinks matter (zeroed, the
 log-probabilities move far beyond the tolerance, so an attention path ignoring them fails); an HF MXFP4
-checkpoint (stacked ``*_blocks`` / ``*_scales`` experts) against transformers on its dequantized weights; the
-native decode step says why it does not run these layers; a prepacked cache hit scores as the checkpoint; the
-harmony chat template renders.  GGUF files: tests/test_gpt_oss_gguf.py; the sinks in the native kernels:
-tests/test_attention_sinks.py."""
+checkpoint (stacked ``*_blocks`` / ``*_scales`` experts) against transformers on its dequantized weights; a
+prepacked cache hit scores as the checkpoint; the harmony chat template renders.  GGUF files:
+tests/test_gpt_oss_gguf.py; the sinks in the native kernels: tests/test_attention_sinks.py; gpt-oss in the
+one-call native decode step: tests/test_gpt_oss_step.py."""
 
 from __future__ import annotations
 
@@ -112,25 +112,16 @@ def test_greedy_batched_and_preempted_match_transformers(pair):
     assert greedy(tight, prompts) == want and tight.stats().num_preemptions > 0
 
 
-def test_the_native_step_says_why_it_does_not_run_gpt_oss(pair):
-    _, llm = pair
-    assert llm.engine.native_step is None
-    assert llm.engine.native_step_reason in (
-        "layer 0: attention sinks (the step's attention has no sink logits); model.layers.0.mlp: expert activation "
-        "'swiglu_clamped(1.702,7.0)', a clamped swiglu (the step runs silu); model.layers.0.mlp: router bias (the "
-        "step's router has none)", "native kernels unavailable", "decode attention runs in torch")
-
-
-def test_mxfp4_checkpoint_matches_transformers_on_its_weights(tmp_path):
-    """An HF MXFP4 checkpoint as gpt-oss ships (experts as stacked ``*_blocks`` / ``*_scales`` with float
-    biases, everything else float): transformers cannot write one on CPU, so the pairs are drawn here
-    (every FP4 code, exponents near 1) and transformers runs on their dequantization
-    (``convert_moe_packed_tensors``, the tool's own)."""
+def mxfp4_checkpoint(d):
+    """(transformers model, directory ``d`` of) an HF MXFP4 checkpoint as gpt-oss ships (experts as stacked
+    ``*_blocks`` / ``*_scales`` with float biases, everything else float): transformers cannot write one on
+    CPU, so the pairs are drawn here (every FP4 code, exponents near 1) and the transformers model holds their
+    dequantization (``convert_moe_packed_tensors``, the tool's own)."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     hf = hf_gpt_oss(seed=3, hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4)
-    d = save_hf_dir(hf, tmp_path / "mx", tokenizer=False)
+    d = save_hf_dir(hf, d, tokenizer=False)
     state = load_file(str(d / "model.safetensors"))
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
@@ -149,6 +140,12 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_weights(tmp_path):
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (d / "config.json").write_text(json.dumps(cfg))
+    return hf, d
+
+
+def test_mxfp4_checkpoint_matches_transformers_on_its_weights(tmp_path):
+    """An HF MXFP4 checkpoint (:func:`mxfp4_checkpoint`) against transformers on its dequantized weights."""
+    hf, d = mxfp4_checkpoint(tmp_path / "mx")
     llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
     infos = [i for i in llm.loaded.layers if i.kind == "expert"]
     assert infos and all(i.bits == 4 and i.group_size == 32 for i in infos)

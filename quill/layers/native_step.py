@@ -13,11 +13,13 @@ the same order on the same shapes, so its output is the Python path's bits
 It builds a step when the compute dtype is float32, decode attention is native, and every
 layer is pre-norm or sandwich-norm (Gemma 3) with RMSNorms, a token mixer that is rotary
 grouped-KV attention (q/k norms or not, biases or not, partial rotary or not, a sigmoid
-output gate or not: Qwen3.5; each layer turned by the rotary table its spec names) or a
+output gate or not: Qwen3.5; attention sinks or not: gpt-oss; each layer turned by the rotary table its
+spec names) or a
 Gated DeltaNet (Qwen3.5's recurrent layers, over the engine's per-sequence state pools),
-and either a gated SiLU / gelu-tanh MLP or softmax-top-k routed experts (with a
-sigmoid-gated shared expert or without) that run as one native ExpertGroup (csrc/moe.cpp,
-the Python path's own call), every linear on a native kernel; otherwise it says why
+and either a gated SiLU / gelu-tanh MLP or softmax-top-k routed experts (a router bias or
+not, a sigmoid-gated shared expert or not) that run as one native ExpertGroup (csrc/moe.cpp,
+the Python path's own call, the experts' biases and activation its own: SiLU or gpt-oss's clamped
+SwiGLU), every linear on a native kernel; otherwise it says why
 (naming the layer) and the Python layers run.  The step serves steps whose tokens are all
 decodes (one new token per sequence, the common step); steps with a prompt chunk run the
 Python layers.  It borrows the model's kernels and the cache's and state pools' tensors:
@@ -208,12 +210,6 @@ def _unsupported(spec: DecoderLayerSpec) -> str | None:
         why.append(f"{ffn.name}: shared expert activation '{ffn.shared_expert.activation}' (the step runs silu)")
     if isinstance(ffn, MoESpec) and ffn.shared_expert is not None and ffn.shared_gate is None:
         why.append(f"{ffn.name}: a shared expert without its gate (the step runs sigmoid-gated shared experts)")
-    if isinstance(a, AttentionSpec) and a.sinks is not None:
-        why.append("attention sinks (the step's attention has no sink logits)")
-    if isinstance(ffn, MoESpec) and ffn.activation != "silu":
-        why.append(f"{ffn.name}: expert activation '{ffn.activation}', a clamped swiglu (the step runs silu)")
-    if isinstance(ffn, MoESpec) and ffn.router_bias:
-        why.append(f"{ffn.name}: router bias (the step's router has none)")
     return "; ".join(why) if why else None
 
 
@@ -230,6 +226,9 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
     qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if not recurrent and attn.q_norm is not None else [None, None]
     if any(w is not None and w.dtype != torch.float32 for w in norms + qk_norms):
         return None, "a norm weight is not float32"
+    sinks = None if recurrent or attn.sinks is None else attn.sinks.weight  # gpt-oss: [H], one per query head
+    if sinks is not None and sinks.dtype != torch.float32:
+        return None, "the attention sinks are not float32"
     qkv, why = ([], []), None  # a recurrent layer's in-projections are its mixer's (_mixer)
     if not recurrent:
         qkv, why = _group(attn.qkv)
@@ -253,6 +252,7 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
         "activation": spec.ffn.activation if isinstance(spec.ffn, MLPSpec) else "silu",
         # Qwen3.5: q_proj gives each head its query and an output gate; rotary over the first rotary_dim channels
         "output_gate": not recurrent and attn.output_gate, "rotary_dim": 0 if recurrent else attn.rotary_dim or 0,
+        "sinks": None if sinks is None else sinks.contiguous(),
     }, None
 
 
@@ -293,16 +293,16 @@ def _mlp_parts(mlp: MLPSpec) -> tuple[dict | None, str | None]:
 
 
 def _moe_parts(moe: MoESpec) -> tuple[dict | None, str | None]:
-    """The router and the native expert group of an MoE block, or (None, why not)."""
+    """The router (its bias or none) and the native expert group of an MoE block (the experts' biases and
+    activation are the group's), or (None, why not)."""
     if moe.native_group is None:
         return None, f"{moe.name}: the routed experts do not run as one native expert group"
     router, why = _linears_of([("router", moe.router.impl)])
     if router is None:
         return None, why
-    if router[1][0] is not None:
-        return None, f"{moe.name}: the router has a bias"
     parts = {"gate_up": [], "gate_up_bias": [], "down": None, "down_bias": None, "router": router[0][0],
-             "experts": moe.native_group, "top_k": moe.top_k, "renormalize": moe.renormalize}
+             "router_bias": router[1][0], "experts": moe.native_group, "top_k": moe.top_k,
+             "renormalize": moe.renormalize}
     if moe.shared_expert is None:
         return parts, None
     shared, why = _mlp_parts(moe.shared_expert)  # routed + sigmoid(shared_gate(x)) * shared_expert(x)

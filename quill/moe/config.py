@@ -47,6 +47,15 @@ def _swiglu_clamped(alpha: float, limit: float) -> GatedAct:
     return act
 
 
+def native_activation(name: str) -> tuple[str, float, float] | None:
+    """(activation, alpha, limit) as the native ExpertGroup takes them (csrc/moe.cpp), or None when it has
+    no such activation."""
+    if name == "silu":
+        return "silu", 0.0, 0.0
+    m = _CLAMPED.fullmatch(name)
+    return ("swiglu_clamped", float(m.group(1)), float(m.group(2))) if m else None
+
+
 def gated_activation(name: str, layer: str = "moe") -> GatedAct:
     """The gated activation named ``name``, or a ModelError listing the supported ones."""
     if name in HIDDEN_ACTS:

@@ -8,9 +8,10 @@ serves MoE too.
 
 ``apply``:
 
-* float32 with every expert's stacked gate_up and down on native kernels: one
-  native call (``quill.native`` ExpertGroup, csrc/moe.cpp: one parallel region
-  instead of 2k calls per token and their glue), the work laid out as below;
+* float32 with every expert's stacked gate_up and down on native kernels (biases or
+  not) and a SiLU or clamped-SwiGLU activation: one native call (``quill.native``
+  ExpertGroup, csrc/moe.cpp: one parallel region instead of 2k calls per token and
+  their glue), the work laid out as below;
   the native decode step (quill.layers.native_step) runs the same code.
 * otherwise, one token (decode): only its k experts run, on the token itself;
   nothing else is touched, so only the selected experts' weights are read.
@@ -31,7 +32,7 @@ import torch
 from quill import native
 from quill.kernels.linear import native_op
 from quill.moe.base import LinearFactory, MoEBackend
-from quill.moe.config import GatedAct, MoELayerConfig, gated_activation
+from quill.moe.config import GatedAct, MoELayerConfig, gated_activation, native_activation
 from quill.moe.experts import ExpertWeights, stack_gate_up
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -66,22 +67,24 @@ class GroupedState:
 
 
 def _native_op(fn: Fn | None):
-    """The C++ linear behind a built linear without a bias (the group adds none), or None."""
-    return native_op(fn) if getattr(fn, "bias", None) is None else None
+    """The C++ linear behind a built linear (its bias is the group's to add), or None."""
+    return None if fn is None else native_op(fn)
 
 
 def native_group(experts: list[GroupedExpert], hidden_act: str) -> object | None:
     """An ExpertGroup over ``experts`` when every one has a stacked gate_up and a down on native kernels
-    and the activation is SiLU (what csrc/moe.cpp computes); else None (the per-expert path runs)."""
+    and the activation is one csrc/moe.cpp computes (SiLU, gpt-oss's clamped SwiGLU); else None (the
+    per-expert path runs).  The linears' biases are the group's (gpt-oss's experts have them)."""
     ext = native.load()
-    if ext is None or hidden_act != "silu" or not experts:
+    act = native_activation(hidden_act)
+    if ext is None or act is None or not experts:
         return None
     ops = [(_native_op(ex.gate_up), _native_op(ex.down)) for ex in experts]
     if any(a is None or b is None for a, b in ops):
         return None
-    group = ext.module.ExpertGroup(experts[0].down.out_features, experts[0].intermediate)
-    for a, b in ops:
-        group.add_expert(a, b)
+    group = ext.module.ExpertGroup(experts[0].down.out_features, experts[0].intermediate, *act)
+    for (a, b), ex in zip(ops, experts):
+        group.add_expert(a, b, getattr(ex.gate_up, "bias", None), getattr(ex.down, "bias", None))
     return group
 
 

@@ -1,4 +1,5 @@
-// The routed experts of an MoE layer (moe.h): y = sum_j w_j * down_j(silu(gate_j x) * up_j x).
+// The routed experts of an MoE layer (moe.h): y = sum_j w_j * down_j(act(gate_j x, up_j x)), act SiLU-and-
+// multiply or gpt-oss's clamped SwiGLU, the linears with their biases or none.
 //
 // Why one native object: one decode token of an MoE layer runs 2k small linears (Qwen3-30B-A3B's
 // shapes: 8 experts, 1.8 MB gate_up and 0.9 MB down each).  Called one by one from Python each
@@ -11,7 +12,7 @@
 // Order of work: the (token, slot) pairs are laid out in "positions": one token's slots in
 // routing order; several tokens' sorted by expert (stable), so each expert that received tokens
 // runs once on all of them (its weights read once per call, one GEMM of exactly its token count).
-// Arithmetic: each expert's linears give run()'s bits; silu-mul is ops.cpp's; token r's output is
+// Arithmetic: each expert's linears give run()'s bits (bias included); the activation is ops.cpp's; token r's output is
 // y = p_0, then y = y + p_j over its positions in ascending order, p = w * out rounded to float32
 // (no FMA contraction in this build).  float32 only.
 #include "moe.h"
@@ -79,11 +80,27 @@ struct ExpertGroup::Work {
   char* solo;                  // each thread's own scratch for one token (solo_stride bytes apart)
 };
 
-ExpertGroup::ExpertGroup(int64_t hidden, int64_t intermediate) : h_(hidden), i_(intermediate) {
+ExpertGroup::ExpertGroup(int64_t hidden, int64_t intermediate, const std::string& act, double alpha, double limit)
+    : h_(hidden), i_(intermediate), clamped_(act == "swiglu_clamped"), alpha_(float(alpha)), limit_(float(limit)) {
   if (h_ < 1 || i_ < 1) moe_fail("hidden ", h_, " and intermediate ", i_, " should be positive");
+  if (act != "silu" && !clamped_) moe_fail("activation '", act, "': expected silu or swiglu_clamped");
+  if (clamped_ && !(alpha > 0 && limit > 0))
+    moe_fail("swiglu_clamped: alpha ", alpha, " and limit ", limit, " should be positive");
 }
 
-void ExpertGroup::add_expert(LinearOp* gate_up, LinearOp* down) {
+namespace {
+
+// A bias of `n` as float32 (what the linears' team calls take), undefined for none.
+at::Tensor bias_f32(const std::optional<at::Tensor>& b, int64_t n, int64_t e, const char* what) {
+  if (!b || !b->defined()) return {};
+  if (b->dim() != 1 || b->size(0) != n) moe_fail("expert ", e, ": ", what, " bias is ", b->sizes(), ", expected [", n, "]");
+  return b->to(at::kFloat).contiguous();
+}
+
+}  // namespace
+
+void ExpertGroup::add_expert(LinearOp* gate_up, LinearOp* down, const std::optional<at::Tensor>& gate_up_bias,
+                             const std::optional<at::Tensor>& down_bias) {
   const int64_t e = num_experts();
   if (gate_up == nullptr || down == nullptr) moe_fail("expert ", e, ": gate_up and down are required");
   if (gate_up->in_features() != h_ || gate_up->out_features() != 2 * i_)
@@ -96,8 +113,17 @@ void ExpertGroup::add_expert(LinearOp* gate_up, LinearOp* down) {
   if (a < 0 || b < 0) moe_fail("expert ", e, ": a linear cannot run one token in a team call");
   scratch1_ = std::max({scratch1_, a, b});
   threads_ = std::max({threads_, gate_up->threads(), down->threads()});
+  gate_up_bias_.push_back(bias_f32(gate_up_bias, 2 * i_, e, "gate_up"));
+  down_bias_.push_back(bias_f32(down_bias, h_, e, "down"));
   gate_up_.push_back(gate_up);
   down_.push_back(down);
+}
+
+void ExpertGroup::act(const float* gu, float* y, int64_t b, int64_t e) const {
+  if (clamped_)
+    swiglu_clamped_f32(gu, gu + i_, y, alpha_, limit_, b, e);
+  else
+    silu_mul_f32(gu, gu + i_, y, b, e);
 }
 
 int64_t ExpertGroup::team_scratch(int64_t m) const {
@@ -168,6 +194,11 @@ inline int64_t run_end(const int64_t* order, const int64_t* ids, int64_t p, int6
   return q;
 }
 
+// The ops path's bias argument: the held float32 bias, or none.
+inline std::optional<at::Tensor> opt(const at::Tensor& bias) {
+  return bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+}
+
 }  // namespace
 
 void ExpertGroup::combine(const Work& wk, const float* w, int64_t t, int64_t k, float* y, int64_t c0,
@@ -203,25 +234,27 @@ void ExpertGroup::team_forward(const float* x, int64_t t, const int64_t* ids, co
   bar.wait();
   for (int64_t p = 0, q; p < n; p = q) {  // gate_up of every run: [m, H] -> [m, 2I]
     q = run_end(wk.order, ids, p, n, t);
-    const LinearOp* op = gate_up_[size_t(ids[wk.order[p]])];
+    const size_t ex = size_t(ids[wk.order[p]]);
+    const LinearOp* op = gate_up_[ex];
     op->team_prepare(wk.xs + p * h_, q - p, scratch, tid, nt);
     bar.wait();
-    op->team_gemm(wk.xs + p * h_, scratch, q - p, wk.gu + p * 2 * i_, 2 * i_, nullptr, tid, nt);
+    op->team_gemm(wk.xs + p * h_, scratch, q - p, wk.gu + p * 2 * i_, 2 * i_, ptr(gate_up_bias_[ex]), tid, nt);
     bar.wait();  // the scratch is the next call's
   }
   int64_t e0, e1;  // this thread's elements of [T k, I]
   team_share(n * i_, tid, nt, e0, e1);
   for (int64_t p = e0 / i_; p < n && p * i_ < e1; ++p) {
     const int64_t b = std::max(e0, p * i_) - p * i_, e = std::min(e1, (p + 1) * i_) - p * i_;
-    silu_mul_f32(wk.gu + p * 2 * i_, wk.gu + p * 2 * i_ + i_, wk.act + p * i_, b, e);
+    act(wk.gu + p * 2 * i_, wk.act + p * i_, b, e);
   }
   bar.wait();
   for (int64_t p = 0, q; p < n; p = q) {  // down of every run: [m, I] -> [m, H]
     q = run_end(wk.order, ids, p, n, t);
-    const LinearOp* op = down_[size_t(ids[wk.order[p]])];
+    const size_t ex = size_t(ids[wk.order[p]]);
+    const LinearOp* op = down_[ex];
     op->team_prepare(wk.act + p * i_, q - p, scratch, tid, nt);
     bar.wait();
-    op->team_gemm(wk.act + p * i_, scratch, q - p, wk.out + p * h_, h_, nullptr, tid, nt);
+    op->team_gemm(wk.act + p * i_, scratch, q - p, wk.out + p * h_, h_, ptr(down_bias_[ex]), tid, nt);
     bar.wait();
   }
   int64_t c0, c1;  // this thread's columns of y
@@ -236,13 +269,14 @@ void ExpertGroup::team_forward(const float* x, int64_t t, const int64_t* ids, co
 void ExpertGroup::solo(const float* x, const int64_t* ids, int64_t k, const Work& wk, int tid, int nt) const {
   char* mine = wk.solo + tid * align64(scratch1_);
   for (int64_t j = tid * k / nt; j < (tid + 1) * k / nt; ++j) {
-    const LinearOp* gu = gate_up_[size_t(ids[j])];
-    const LinearOp* down = down_[size_t(ids[j])];
+    const size_t ex = size_t(ids[j]);
+    const LinearOp* gu = gate_up_[ex];
+    const LinearOp* down = down_[ex];
     gu->team_prepare(x, 1, mine, 0, 1);
-    gu->team_gemm(x, mine, 1, wk.gu + j * 2 * i_, 2 * i_, nullptr, 0, 1);
-    silu_mul_f32(wk.gu + j * 2 * i_, wk.gu + j * 2 * i_ + i_, wk.act + j * i_, 0, i_);
+    gu->team_gemm(x, mine, 1, wk.gu + j * 2 * i_, 2 * i_, ptr(gate_up_bias_[ex]), 0, 1);
+    act(wk.gu + j * 2 * i_, wk.act + j * i_, 0, i_);
     down->team_prepare(wk.act + j * i_, 1, mine, 0, 1);
-    down->team_gemm(wk.act + j * i_, mine, 1, wk.out + j * h_, h_, nullptr, 0, 1);
+    down->team_gemm(wk.act + j * i_, mine, 1, wk.out + j * h_, h_, ptr(down_bias_[ex]), 0, 1);
   }
 }
 
@@ -258,9 +292,11 @@ void ExpertGroup::ops_forward(const float* x, int64_t t, const int64_t* ids, con
     q = run_end(wk.order, ids, p, n, t);
     const size_t e = size_t(ids[wk.order[p]]);
     const at::Tensor xin = at::from_blob(wk.xs + p * h_, {q - p, h_}, f32);
-    const at::Tensor gu = gate_up_[e]->run(xin, std::nullopt);  // [m, 2I]
-    const at::Tensor o = down_[e]->run(silu_mul(gu.narrow(1, 0, i_), gu.narrow(1, i_, i_)), std::nullopt);
-    std::copy(o.data_ptr<float>(), o.data_ptr<float>() + (q - p) * h_, wk.out + p * h_);  // [m, H]
+    const at::Tensor gu = gate_up_[e]->run(xin, opt(gate_up_bias_[e])).contiguous();  // [m, 2I]
+    for (int64_t r = 0; r < q - p; ++r) act(gu.data_ptr<float>() + r * 2 * i_, wk.act + (p + r) * i_, 0, i_);
+    const at::Tensor a = at::from_blob(wk.act + p * i_, {q - p, i_}, f32);
+    const at::Tensor o = down_[e]->run(a, opt(down_bias_[e])).contiguous();  // [m, H]
+    std::copy(o.data_ptr<float>(), o.data_ptr<float>() + (q - p) * h_, wk.out + p * h_);
   }
   combine(wk, w, t, k, y, 0, h_);
 }
@@ -325,9 +361,11 @@ std::tuple<at::Tensor, at::Tensor> route_tokens(const at::Tensor& logits, int64_
 void register_moe(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<ExpertGroup>(m, "ExpertGroup")
-      .def(py::init<int64_t, int64_t>(), py::arg("hidden"), py::arg("intermediate"))
+      .def(py::init<int64_t, int64_t, const std::string&, double, double>(), py::arg("hidden"),
+           py::arg("intermediate"), py::arg("activation") = "silu", py::arg("alpha") = 0.0, py::arg("limit") = 0.0)
       // the group holds the linears' Python objects (their C++ ops are borrowed, not copied)
-      .def("add_expert", &ExpertGroup::add_expert, py::arg("gate_up"), py::arg("down"), py::keep_alive<1, 2>(),
+      .def("add_expert", &ExpertGroup::add_expert, py::arg("gate_up"), py::arg("down"),
+           py::arg("gate_up_bias") = std::nullopt, py::arg("down_bias") = std::nullopt, py::keep_alive<1, 2>(),
            py::keep_alive<1, 3>())
       .def_property_readonly("num_experts", &ExpertGroup::num_experts)
       .def("forward", &ExpertGroup::forward, py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("team") = true,

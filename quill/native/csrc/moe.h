@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -22,13 +24,17 @@ void route_token(const float* logits, int64_t e, int64_t k, bool renormalize, in
 // logits float32 [T, E] -> (weights float32 [T, k], ids int64 [T, k]), route_token per token
 std::tuple<at::Tensor, at::Tensor> route_tokens(const at::Tensor& logits, int64_t k, bool renormalize);
 
-// y = sum_j w_j * down_j(silu(gate_j x) * up_j x) over each token's routed experts, gate and up
-// stacked into one [2I, H] linear per expert.  The linears are borrowed (the Python object holds
-// their owners).
+// y = sum_j w_j * down_j(act(gate_j x, up_j x)) over each token's routed experts, gate and up
+// stacked into one [2I, H] linear per expert, each linear with its bias or none.  act: "silu",
+// silu(gate) * up; or "swiglu_clamped" (gpt-oss), gate clamped above at `limit`, up to [-limit, limit],
+// (up + 1) * gate * sigmoid(alpha * gate).  The linears are borrowed (the Python object holds their owners).
 class ExpertGroup {
  public:
-  ExpertGroup(int64_t hidden, int64_t intermediate);
-  void add_expert(LinearOp* gate_up, LinearOp* down);
+  ExpertGroup(int64_t hidden, int64_t intermediate, const std::string& act = "silu", double alpha = 0,
+              double limit = 0);
+  // gate_up_bias [2I], down_bias [H] (any float dtype, held as float32), or none
+  void add_expert(LinearOp* gate_up, LinearOp* down, const std::optional<at::Tensor>& gate_up_bias = std::nullopt,
+                  const std::optional<at::Tensor>& down_bias = std::nullopt);
   int64_t num_experts() const { return int64_t(gate_up_.size()); }
   int64_t hidden() const { return h_; }
   int64_t threads() const { return threads_; }
@@ -56,9 +62,15 @@ class ExpertGroup {
   void combine(const Work& wk, const float* w, int64_t t, int64_t k, float* y, int64_t c0, int64_t c1) const;
   void ops_forward(const float* x, int64_t t, const int64_t* ids, const float* w, int64_t k, float* y,
                    char* work) const;
+  // y[b, e) = act(gate, up) of one position's gu row [2I] (gate [0, I), up [I, 2I)), elements b..e of I
+  void act(const float* gu, float* y, int64_t b, int64_t e) const;
+  static const float* ptr(const at::Tensor& bias) { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
 
   int64_t h_, i_;
+  bool clamped_ = false;  // the activation: swiglu_clamped(alpha_, limit_), else silu
+  float alpha_ = 0, limit_ = 0;
   std::vector<LinearOp*> gate_up_, down_;
+  std::vector<at::Tensor> gate_up_bias_, down_bias_;  // float32 [2I] / [H] per expert, undefined: none
   int64_t scratch1_ = 0;  // team scratch of one token
   int64_t threads_ = 1;
 };

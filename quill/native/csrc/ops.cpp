@@ -6,7 +6,8 @@
 // thousand elements.  Each op performs the arithmetic of its torch spelling in
 // quill/kernels/fused.py, rounding to the tensor's dtype where torch rounds, so
 // float32 results match torch up to summation order (RMSNorm) or exactly
-// (rope), and 16-bit results round the same intermediate values.  Rows are split
+// (rope), and 16-bit results round the same intermediate values (gpt-oss's clamped SwiGLU: float32,
+// its own arithmetic, within rounding of its torch spelling in quill/moe/config.py).  Rows are split
 // across torch's pool only when there are many of them (prefill).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -157,6 +158,18 @@ void gelu_tanh_mul_range(const T* g, const T* u, T* y, int64_t i0, int64_t i1) {
   }
 }
 
+// ---- clamped SwiGLU (gpt-oss's experts): y = (clamp(u, -L, L) + 1) * (g' * sigmoid(alpha g')), g' = min(g, L) ----
+// float32 only (the expert group's); NaN passes through the clamps as torch's clamp passes it.
+
+void swiglu_clamped_range(const float* g, const float* u, float* y, float alpha, float limit, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float gc = g[i] > limit ? limit : g[i];
+    const float uc = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+    const float s = 1.0f / (1.0f + std::exp(-(gc * alpha)));
+    y[i] = (uc + 1.0f) * (gc * s);
+  }
+}
+
 template <class F>
 void dispatch(at::ScalarType t, const F& f) {
   switch (t) {
@@ -189,6 +202,10 @@ void silu_mul_f32(const float* g, const float* u, float* y, int64_t i0, int64_t 
 
 void gelu_tanh_mul_f32(const float* g, const float* u, float* y, int64_t i0, int64_t i1) {
   gelu_tanh_mul_range(g, u, y, i0, i1);
+}
+
+void swiglu_clamped_f32(const float* g, const float* u, float* y, float alpha, float limit, int64_t i0, int64_t i1) {
+  swiglu_clamped_range(g, u, y, alpha, limit, i0, i1);
 }
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {

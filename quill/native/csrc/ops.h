@@ -41,6 +41,8 @@ void rope_f32(float* x, const float* cos, const float* sin, int64_t heads, int64
 void sigmoid_f32(const float* x, float* y, int64_t i0, int64_t i1);                 // elements [i0, i1)
 void silu_mul_f32(const float* g, const float* u, float* y, int64_t i0, int64_t i1);  // elements [i0, i1)
 void gelu_tanh_mul_f32(const float* g, const float* u, float* y, int64_t i0, int64_t i1);  // elements [i0, i1)
+// gpt-oss: (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha g'), g' = min(g, limit); elements [i0, i1)
+void swiglu_clamped_f32(const float* g, const float* u, float* y, float alpha, float limit, int64_t i0, int64_t i1);
 // attention.cpp: q [B, H, 1, D] float32 through a paged pool's slot tables [B, S] -> [B, H, 1, D]
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& slots, const at::Tensor& lens, double scale, const std::string& isa,

@@ -9,6 +9,8 @@
 // rotary over the first rotary_dim channels, an MoE layer's sigmoid-gated shared expert, and in
 // place of attention in most layers a Gated DeltaNet mixer (step_recurrent.h) over each sequence's
 // rows of the engine's state pools.
+// gpt-oss: q/k/v/o biases, each query head's sink logit in its attention softmax, a biased router and
+// routed experts with biases and a clamped SwiGLU (step_moe.h: the Python path's ExpertGroup).
 //
 // Why: a decode step of a small model spent more time in Python module calls and torch op
 // dispatch around the kernels than in the kernels (default model: ~4 ms of a 12 ms token).
@@ -46,6 +48,7 @@
 #include "moe.h"
 #include "ops.h"
 #include "step_layers.h"
+#include "step_moe.h"
 #include "step_recurrent.h"
 #include "step_team.h"
 #include "team.h"
@@ -74,7 +77,7 @@ class DecoderStep {
                  const std::vector<LinearOp*>& shared_gate_up,
                  const std::vector<std::optional<at::Tensor>>& shared_gate_up_bias, LinearOp* shared_down,
                  std::optional<at::Tensor> shared_down_bias, LinearOp* shared_gate, int64_t shared_intermediate,
-                 const DeltaNetMixer* mixer) {
+                 const DeltaNetMixer* mixer, std::optional<at::Tensor> sinks, std::optional<at::Tensor> router_bias) {
     if (window < 0) step_fail("window ", window, ": expected 0 (global) or a positive number of positions");
     if (rope < 0) step_fail("rope table ", rope, ": expected an index >= 0 into forward's tables");
     if (rotary_dim < 0 || rotary_dim > d_ || rotary_dim % 2)
@@ -83,6 +86,9 @@ class DecoderStep {
     expect_f32(ln2, {e_}, "post_attention_layernorm");
     if (q_norm.has_value() != k_norm.has_value()) step_fail("q_norm and k_norm come together");
     if (q_norm) expect_f32(*q_norm, {d_}, "q_norm");
+    if (sinks && mixer != nullptr) step_fail("a recurrent layer takes no attention sinks");
+    if (sinks) expect_f32(*sinks, {h_}, "sinks");  // [H] float32 (the Python path's Vector slot)
+    if (router_bias && experts == nullptr) step_fail("a router bias without routed experts");
     if (k_norm) expect_f32(*k_norm, {d_}, "k_norm");
     if (mixer != nullptr && (!qkv.empty() || mixer->hidden() != e_))
       step_fail("a recurrent layer takes its mixer's in-projections from hidden size ", e_, " and no q/k/v; found ",
@@ -112,12 +118,7 @@ class DecoderStep {
       l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d_, e_);
     }
     if (experts != nullptr) {
-      if (!gate_up.empty() || router == nullptr || experts->hidden() != e_ || top_k < 1 || top_k > experts->num_experts())
-        step_fail("an MoE layer takes a router, experts of hidden size ", e_, " and top_k in [1, ", experts->num_experts(),
-             "], no gate/up; found ", gate_up.size(), " gate/up linears, experts of hidden size ", experts->hidden(),
-             ", top_k ", top_k);
-      l.router = make_proj(router, std::nullopt, "router", e_, experts->num_experts());
-      l.experts = experts, l.top_k = top_k, l.renormalize = renormalize;
+      set_moe(l, e_, gate_up.size(), router, std::move(router_bias), experts, top_k, renormalize);
       if (shared_down != nullptr)
         set_shared_expert(l, e_, shared_gate_up, shared_gate_up_bias, shared_down, std::move(shared_down_bias),
                           shared_gate, shared_intermediate);
@@ -130,6 +131,7 @@ class DecoderStep {
       pool_rows_ = pool_rows_ < 0 ? k_pool.size(0) : std::min(pool_rows_, k_pool.size(0));
       kv_type_ = pool_type(k_pool);
       l.k_pool = std::move(k_pool), l.v_pool = std::move(v_pool);
+      if (sinks) l.sinks = std::move(*sinks);
     }
     layers_.push_back(std::move(l));
   }
@@ -231,8 +233,9 @@ class DecoderStep {
       backend_->kv_store(pool_row(l.k_pool, slots[i]), kr + i * row, row, kv_type_);
       backend_->kv_store(pool_row(l.v_pool, slots[i]), vr + i * v.stride(0), row, kv_type_);
     }
+    const std::optional<at::Tensor> sinks = l.sinks.defined() ? std::optional<at::Tensor>(l.sinks) : std::nullopt;
     const at::Tensor out = paged_decode_attention(q.view({t, h_, 1, d_}), l.k_pool, l.v_pool, ctx_slots, lens,
-                                                  scale_, isa_, l.window);  // [T, H, 1, D]
+                                                  scale_, isa_, l.window, sinks);  // [T, H, 1, D]
     if (!l.gated) return l.o(out.view({t, h_ * d_}));
     return l.o(at::mul(out.view({t, h_ * d_}), sigmoid(qg.narrow(3, d_, d_).reshape({t, h_ * d_}))));
   }
@@ -241,13 +244,7 @@ class DecoderStep {
 
   // x [T, E] -> [T, E]
   at::Tensor mlp(const Layer& l, const at::Tensor& x) const {
-    if (l.experts) {
-      const auto [w, ids] = route_tokens(l.router(x), l.top_k, l.renormalize);  // [T, k] each
-      const at::Tensor routed = l.experts->forward(x, ids, w, false);  // [T, E]
-      if (!l.shared_down.op) return routed;
-      std::vector<at::Tensor> gu = outputs(l.shared_gate_up, x, {l.si, l.si}, "shared gate/up");
-      return at::add(routed, at::mul(sigmoid(l.shared_gate(x)), l.shared_down(silu_mul(gu[0], gu[1]))));
-    }
+    if (l.experts) return moe_ops(l, x);  // step_moe.h
     std::vector<at::Tensor> gu = outputs(l.gate_up, x, {i_, i_}, "gate/up");
     return l.down(l.act == Act::GeluTanh ? gelu_tanh_mul(gu[0], gu[1]) : silu_mul(gu[0], gu[1]));
   }
@@ -306,7 +303,8 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
   int threads = 1;
   for (const Layer& l : layers_) threads = std::max<int>(threads, int(l.o.op->threads()));
   threads = std::max(1, std::min(threads, at::get_num_threads()));
-  const int64_t g = h_ / hkv_, attn_floats = std::max(align64(g * (s + d_) * 4) / 4, dn_scratch);  // per thread
+  // per thread: a (sequence, KV head) call's G (S + D) floats, + G sink weights (attention.h)
+  const int64_t g = h_ / hkv_, attn_floats = std::max(align64(g * (s + d_ + 1) * 4) / 4, dn_scratch);
   // [T, E] h, xn, o; [T, wqkv] proj; [T, H D] q, attn; [T, Hkv D] k; [T, 2 I] gu; [T, I] act; [T, H D] output
   // gate; [T, E] shared expert; [T] its gate; [T, C] DeltaNet conv output; attention / DeltaNet scratch
   const int64_t sizes[] = {t * e_, t * e_, t * wqkv, t * hd, t * kvd, t * attn_w, t * e_, 2 * t * imax, t * imax,
@@ -325,21 +323,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
   float* attn_scratch = at_;
   const TeamBufs bu{parts[0], parts[1], parts[2], parts[3],  parts[4],  parts[5], parts[6],
                     parts[7], parts[8], parts[9], parts[10], parts[11], parts[12]};
-  // MoE layers: router logits [T, experts], routing weights [T, k] and ids [T, k], the experts' work memory
-  int64_t most_experts = 0, most_k = 0, most_work = 0;
-  for (const Layer& l : layers_)
-    if (l.experts) {
-      most_experts = std::max(most_experts, l.experts->num_experts()), most_k = std::max(most_k, l.top_k);
-      most_work = std::max(most_work, l.experts->work_bytes(t, l.top_k, threads));
-    }
-  at::Tensor moe_mem;  // (dense models: none)
-  if (most_experts)
-    moe_mem = at::empty({align64(t * most_experts * 4) + 2 * align64(t * most_k * 8) + most_work},
-                        h_in.options().dtype(at::kByte));
-  float* logits = moe_mem.defined() ? reinterpret_cast<float*>(moe_mem.data_ptr()) : nullptr;
-  float* route_w = logits + align64(t * most_experts * 4) / 4;
-  int64_t* route_ids = reinterpret_cast<int64_t*>(route_w + align64(t * most_k * 8) / 4);
-  char* moe_work = reinterpret_cast<char*>(route_ids) + align64(t * most_k * 8);
+  const MoeMem moe = moe_memory(layers_, t, threads, h_in.options());  // (dense models: none)
   std::copy(h_in.data_ptr<float>(), h_in.data_ptr<float>() + t * e_, bu.h);
   char* scratch = static_cast<char*>(scratch_mem.data_ptr());
   std::vector<const float*> cp, sp;  // each table [T, rotary dim]
@@ -403,6 +387,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
         AttnArgs la = a;
         set_pools(la, l.k_pool, l.v_pool);
         la.window = l.window;
+        la.sinks = l.sinks.defined() ? l.sinks.data_ptr<float>() : nullptr;
         int64_t q0, q1;  // this thread's query heads of [T, H], in (token, KV head, query head) order
         team_share(t * h_, tid, nt, q0, q1);
         for (int64_t p = q0 / g; p * g < q1; ++p) {  // (token, KV head) pairs, each for its share of heads
@@ -427,25 +412,8 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
         rms_norm_f32(bu.h, l.ln2.data_ptr<float>(), bu.xn, e_, float(l.eps2), r, r + 1);
       }
       bar.wait();
-      if (l.experts) {  // router logits, each token's top-k, the routed experts into bu.o (ends with a barrier)
-        const int64_t ne = l.experts->num_experts(), k = l.top_k;
-        team_linears(&l.router, 1, bu.xn, t, logits, ne, scratch, tid, nt, bar);
-        for (int64_t r = r0; r < r1; ++r)
-          route_token(logits + r * ne, ne, k, l.renormalize, route_ids + r * k, route_w + r * k);
-        bar.wait();
-        l.experts->team_forward(bu.xn, t, route_ids, route_w, k, bu.o, moe_work, scratch, tid, nt, bar);
-        if (!l.shared_down.op) continue;
-        // the shared expert into bu.sh, its gate logit into bu.sg; o += sigmoid(gate) * shared, this thread's tokens
-        team_linears(l.shared_gate_up.data(), l.shared_gate_up.size(), bu.xn, t, bu.gu, 2 * l.si, scratch, tid, nt, bar);
-        team_act(Act::Silu, bu.gu, bu.act, t, l.si, tid, nt);
-        bar.wait();
-        team_linears(&l.shared_down, 1, bu.act, t, bu.sh, e_, scratch, tid, nt, bar);
-        team_linears(&l.shared_gate, 1, bu.xn, t, bu.sg, 1, scratch, tid, nt, bar);
-        for (int64_t r = r0; r < r1; ++r) {
-          float sg;
-          sigmoid_f32(bu.sg + r, &sg, 0, 1);
-          for (int64_t i = 0; i < e_; ++i) bu.o[r * e_ + i] += sg * bu.sh[r * e_ + i];
-        }
+      if (l.experts) {  // router, each token's top-k, the routed experts (+ the shared expert) into bu.o
+        moe_team(l, bu, moe, t, e_, r0, r1, scratch, tid, nt, bar);
         continue;
       }
       team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * i_, scratch, tid, nt, bar);
@@ -484,7 +452,8 @@ void register_step(pybind11::module_& m) {
            py::arg("shared_gate_up") = std::vector<LinearOp*>{},
            py::arg("shared_gate_up_bias") = std::vector<std::optional<at::Tensor>>{}, py::arg("shared_down") = nullptr,
            py::arg("shared_down_bias") = std::nullopt, py::arg("shared_gate") = nullptr,
-           py::arg("shared_intermediate") = 0, py::arg("mixer") = nullptr,
+           py::arg("shared_intermediate") = 0, py::arg("mixer") = nullptr, py::arg("sinks") = std::nullopt,
+           py::arg("router_bias") = std::nullopt,
            py::keep_alive<1, 20>(), py::keep_alive<1, 38>())  // the step holds the experts' and mixer's objects
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
       .def("forward", &DecoderStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slots"),

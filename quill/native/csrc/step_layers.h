@@ -98,13 +98,14 @@ struct Layer {
   Proj o;                     // [T, H D] -> [T, E]
   std::vector<Proj> gate_up;  // one merged [T, 2 I], or gate, up
   Proj down;                  // [T, I] -> [T, E]
-  Proj router;                       // MoE layers: [T, E] -> [T, experts] router logits, no bias
+  Proj router;                       // MoE layers: [T, E] -> [T, experts] router logits (its bias: gpt-oss)
   const ExpertGroup* experts = nullptr;  // MoE layers: the routed experts (no gate_up / down then)
   int64_t top_k = 0;
   bool renormalize = false;
   std::optional<at::Tensor> q_norm, k_norm;  // [D] (Qwen3)
   double qk_eps = 0;
   int64_t window = 0;  // a local layer's sliding window (attention.h AttnArgs), 0: global
+  at::Tensor sinks;    // gpt-oss: float32 [H], one logit per query head in its softmax's denominator; undefined: none
   at::Tensor k_pool, v_pool;  // [N, Hkv, D]
 };
 
@@ -146,18 +147,6 @@ std::vector<at::Tensor> outputs(const std::vector<Proj>& ps, const at::Tensor& x
       step_fail(what, ": linear ", i, " gave ", out.back().sizes(), ", expected [T, ", widths[i], "]");
   }
   return out;
-}
-
-// An MoE layer's shared expert (every token, scaled by sigmoid(shared_gate(x))) from hidden size e.
-void set_shared_expert(Layer& l, int64_t e, const std::vector<LinearOp*>& gate_up,
-                       const std::vector<std::optional<at::Tensor>>& gate_up_bias, LinearOp* down,
-                       std::optional<at::Tensor> down_bias, LinearOp* gate, int64_t intermediate) {
-  if (gate == nullptr || intermediate < 1)
-    step_fail("a shared expert takes its gate linear and a positive intermediate size, found ", intermediate);
-  l.si = intermediate;
-  l.shared_gate_up = projs(gate_up, gate_up_bias, e, {l.si, l.si}, "shared gate/up");
-  l.shared_down = make_proj(down, std::move(down_bias), "shared down_proj", l.si, e);
-  l.shared_gate = make_proj(gate, std::nullopt, "shared expert gate", e, 1);
 }
 
 }  // namespace
