@@ -44,3 +44,20 @@ def scored(llm, prompt: list[int], chunk: int = 256, **cfg) -> torch.Tensor:
         for o in c.step():
             got = o.scores.token_logprobs if o.scores is not None else got
     return got
+
+
+def staggered(c: EngineCore, prompts: list[list[int]], params, arrivals: dict[int, list[int]]) -> dict:
+    """request -> (tokens, sorted top log-probabilities per token): prompt ``i`` added at the step ``arrivals``
+    names for it (indices past ``prompts`` skipped), the engine stepped until every request ends."""
+    out: dict[str, tuple[list, list]] = {}
+    arrivals, step = dict(arrivals), 0
+    while c.has_unfinished_requests() or arrivals:
+        for i in arrivals.pop(step, []):
+            if i < len(prompts):
+                c.add_request(str(i), prompts[i], params)
+        for o in c.step():
+            toks, lps = out.setdefault(o.request_id, ([], []))
+            toks.extend(o.new_token_ids)
+            lps.extend(sorted((k, v.logprob) for k, v in d.items()) for d in o.logprobs)
+        step += 1
+    return out

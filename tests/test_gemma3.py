@@ -16,7 +16,7 @@ import quill
 from quill.cli.inspect import report
 from quill.engine.core import EngineConfig, EngineCore
 from quill.models.base import ForwardContext
-from tests.engine_util import engine_core, greedy, hf_logprobs, scored
+from tests.engine_util import engine_core, greedy, hf_logprobs, scored, staggered
 from tests.model_util import save_hf_dir
 
 WINDOW = 16
@@ -120,17 +120,7 @@ def step_run(llm, native_step: bool, isa: str, team: bool = True) -> dict:
     if native_step:
         c.native_step.team = team
     params = quill.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
-    out: dict[str, tuple[list, list]] = {}
-    arrivals, step = {0: [0, 1], 3: [2]}, 0
-    while c.has_unfinished_requests() or arrivals:
-        for i in arrivals.pop(step, []):
-            c.add_request(str(i), PROMPT[i * 7:i * 7 + 5 + 6 * i], params)
-        for o in c.step():
-            toks, lps = out.setdefault(o.request_id, ([], []))
-            toks.extend(o.new_token_ids)
-            lps.extend(sorted((k, v.logprob) for k, v in d.items()) for d in o.logprobs)
-        step += 1
-    return out
+    return staggered(c, [PROMPT[i * 7:i * 7 + 5 + 6 * i] for i in range(3)], params, {0: [0, 1], 3: [2]})
 
 
 @pytest.mark.parametrize("isa", ["native", "scalar"])

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import quill
-from quill.engine.scoring import ScoreSpec
 from quill.formats.gguf.checkpoint import GGUFCheckpoint
+from tests.engine_util import scored
 from tests.llamacpp_util import convert, quantize, save_smollm2_tokenizer
 from tests.model_util import save_hf_dir
-from tests.test_gemma3 import WINDOW, core, hf_gemma3
+from tests.test_gemma3 import WINDOW, hf_gemma3
 
 GGUF_VOCAB = 49152  # the SmolLM2 tokenizer the converter recognises
 # what a GGUF file can say: the query scale is 1 / sqrt(head_dim), local layers every layer but each 6th,
@@ -54,11 +54,6 @@ def test_gguf_matches_transformers_on_its_weights(converted, qtype):
     ids = torch.randint(4, GGUF_VOCAB, (1, 60), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = torch.log_softmax(reference(hf, files[qtype])(ids).logits.float(), -1)[0]
-    c = core(llm, max_num_batched_tokens=24)
-    c.add_request("s", ids[0].tolist(), quill.SamplingParams(max_tokens=1), score=ScoreSpec())
-    got = None
-    while c.has_unfinished_requests():
-        for o in c.step():
-            got = o.scores.token_logprobs if o.scores is not None else got
+    got = scored(llm, ids[0].tolist(), 24, block_size=8)
     ref = want[:-1].gather(1, ids[0, 1:, None])[:, 0]
     assert (got - ref).abs().max() < 1e-3

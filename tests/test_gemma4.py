@@ -18,7 +18,6 @@ from safetensors.torch import load_file, save_file
 
 import quill
 from quill.cli.inspect import report
-from quill.engine.scoring import ScoreSpec
 from quill.errors import CheckpointError, ModelError
 from quill.models.base import ForwardContext
 from tests.engine_util import engine_core, greedy, hf_logprobs, scored
@@ -146,12 +145,7 @@ def test_values_from_their_own_projection(tmp_path):
     d = save_hf_dir(hf, tmp_path / "plain", tokenizer=False)
     llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
     assert llm.model.kv_layer_shapes() == [(2, 16), (2, 24)] * 3
-    c = core(llm, max_num_batched_tokens=40)
-    c.add_request("s", PROMPT, quill.SamplingParams(max_tokens=1), score=ScoreSpec())
-    got = None
-    while c.has_unfinished_requests():
-        for o in c.step():
-            got = o.scores.token_logprobs if o.scores is not None else got
+    got = scored(llm, PROMPT, 40, block_size=8)
     assert (got - hf_logprobs(hf, PROMPT)).abs().max() < 1e-3
 
 
@@ -260,12 +254,7 @@ def test_the_moe_variant_matches_transformers(tmp_path):
     llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
     assert all(layer.moe is not None for layer in llm.model.model.layers)
     assert "routed experts" in llm.engine.native_step_reason
-    c = core(llm, max_num_batched_tokens=24)
-    c.add_request("s", PROMPT, quill.SamplingParams(max_tokens=1), score=ScoreSpec())
-    got = None
-    while c.has_unfinished_requests():
-        for o in c.step():
-            got = o.scores.token_logprobs if o.scores is not None else got
+    got = scored(llm, PROMPT, 24, block_size=8)
     assert (got - hf_logprobs(hf, PROMPT)).abs().max() < 1e-3
     prompts = {str(i): PROMPT[i * 9:i * 9 + 30] for i in range(2)}
     with torch.no_grad():

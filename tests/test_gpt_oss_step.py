@@ -21,6 +21,7 @@ from quill.errors import KernelError
 from quill.moe import DenseWeight, build_fused_moe
 from quill.moe.config import swiglu_clamped_name
 from quill.platform import detect
+from tests.engine_util import staggered
 from tests.model_util import save_hf_dir
 from tests.moe_util import FORMATS, make_experts, selectors
 from tests.test_gpt_oss import PROMPT, hf_gpt_oss, mxfp4_checkpoint
@@ -42,17 +43,7 @@ def step_run(llm, native_step: bool, isa: str, team: bool = True, prompts=None) 
         c.native_step.team = team
     prompts = prompts or [PROMPT[i * 7:i * 7 + 5 + 6 * i] for i in range(3)]
     params = quill.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
-    out: dict[str, tuple[list, list]] = {}
-    arrivals, step = {0: [0, 1], 3: [2]}, 0
-    while c.has_unfinished_requests() or arrivals:
-        for i in arrivals.pop(step, []):
-            c.add_request(str(i), prompts[i], params)
-        for o in c.step():
-            toks, lps = out.setdefault(o.request_id, ([], []))
-            toks.extend(o.new_token_ids)
-            lps.extend(sorted((k, v.logprob) for k, v in d.items()) for d in o.logprobs)
-        step += 1
-    return out
+    return staggered(c, prompts, params, {0: [0, 1], 3: [2]})
 
 
 def same_bits(llm, isa: str) -> None:

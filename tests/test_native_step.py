@@ -16,6 +16,7 @@ from quill.engine.core import EngineConfig, EngineCore
 from quill.errors import KernelError
 from quill.options import DtypeNotOfferedWarning
 from quill.platform import detect
+from tests.engine_util import staggered
 from tests.fixture_util import fixture_path
 from tests.llamacpp_util import quantize
 from tests.test_fixture_models import DENSE
@@ -39,18 +40,7 @@ def run(llm, native_step: bool, max_tokens: int = 10, prompts=PROMPTS, team: boo
     if native_step:
         core.native_step.team = team
     params = quill.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=3)
-    out: dict[str, tuple[list, list]] = {}
-    arrivals, step = dict(ARRIVALS), 0
-    while core.has_unfinished_requests() or arrivals:
-        for i in arrivals.pop(step, []):
-            if i < len(prompts):
-                core.add_request(str(i), prompts[i], params)
-        for o in core.step():
-            toks, lps = out.setdefault(o.request_id, ([], []))
-            toks.extend(o.new_token_ids)
-            lps.extend(sorted((k, v.logprob) for k, v in d.items()) for d in o.logprobs)
-        step += 1
-    return out
+    return staggered(core, prompts, params, ARRIVALS)
 
 
 @pytest.mark.parametrize("name", DENSE)

@@ -19,6 +19,7 @@ from quill.engine.state_cache import StatePool
 from quill.errors import CheckpointError, GenerationError
 from quill.layers.deltanet import StateSpec
 from quill.models.base import ForwardContext
+from tests.engine_util import staggered
 from tests.model_util import save_hf_dir
 from tests.qwen3_5_util import VOCAB, hf_qwen3_5
 
@@ -184,17 +185,7 @@ def step_run(llm, native_step: bool, isa: str, team: bool = True) -> dict:
     if native_step:
         c.native_step.team = team
     params = quill.SamplingParams(max_tokens=16, logprobs=3, **GREEDY)
-    out: dict[str, tuple[list, list]] = {}
-    arrivals, step = {0: [0, 1], 3: [2]}, 0
-    while c.has_unfinished_requests() or arrivals:
-        for i in arrivals.pop(step, []):
-            c.add_request(str(i), prompt(5 + 7 * i, 10 + i), params)
-        for o in c.step():
-            toks, lps = out.setdefault(o.request_id, ([], []))
-            toks.extend(o.new_token_ids)
-            lps.extend(sorted((k, v.logprob) for k, v in d.items()) for d in o.logprobs)
-        step += 1
-    return out
+    return staggered(c, [prompt(5 + 7 * i, 10 + i) for i in range(3)], params, {0: [0, 1], 3: [2]})
 
 
 @pytest.fixture(scope="module", params=["dense", "moe", "dense-hybrid", "moe-hybrid"])

@@ -12,11 +12,10 @@ import torch
 
 import quill
 from quill import native
-from quill.engine.scoring import ScoreSpec
 from quill.kernels import fused
 from quill.platform import detect
 from tests.engine_util import engine_core as core
-from tests.engine_util import greedy, hf_logprobs
+from tests.engine_util import greedy, hf_logprobs, scored
 from tests.model_util import hf_model, save_hf_dir
 
 WINDOW = 16
@@ -55,12 +54,7 @@ def test_layers_describe_their_windows(pair):
 @pytest.mark.parametrize("chunk", [256, 24])  # the whole prompt in one step; chunks of 24 over a cached prefix
 def test_logprobs_match_transformers_at_every_position(pair, chunk):
     hf, llm = pair
-    c = core(llm, max_num_batched_tokens=chunk, block_size=8)
-    c.add_request("s", PROMPT, quill.SamplingParams(max_tokens=1), score=ScoreSpec())
-    got = None
-    while c.has_unfinished_requests():
-        for o in c.step():
-            got = o.scores.token_logprobs if o.scores is not None else got
+    got = scored(llm, PROMPT, chunk, block_size=8)
     ref = hf_logprobs(hf, PROMPT)
     assert got.shape == ref.shape
     assert (got - ref).abs().max() < 1e-3
