@@ -73,12 +73,17 @@ def _stream_problem(text: str) -> str | None:
         return "the stream does not end with data: [DONE]"
     for event in events[:-1]:
         try:
-            body = json.loads(event)
+            body = json.loads(event, parse_constant=_not_json)
         except ValueError:
             return f"an event is not JSON: {event[:200]}"
         if "error" in body and (why := _error_schema_problem(body)):
             return f"an error event is not OpenAI's schema ({why}): {event[:300]}"
     return None
+
+
+def _not_json(constant: str):
+    """json.loads takes NaN / Infinity, which are not JSON (a client's parser refuses them)."""
+    raise ValueError(f"{constant} is not JSON")
 
 
 def _problem(response: httpx.Response) -> str | None:
@@ -325,6 +330,11 @@ FIXED = {  # name -> (path, body or raw bytes)
                                "top_logprobs": 21}),
     "stream with n 4 and logprobs": (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 4,
                                             "stream": True, "logprobs": True, "top_logprobs": 20}),
+    # a grammar leaves the tokens it rules out at log-prob -inf, which JSON cannot carry
+    "regex with top_logprobs": (CHAT, {"messages": [{"role": "user", "content": "Hello"}], "max_completion_tokens": 3,
+                                       "logprobs": True, "top_logprobs": 2, "structured_outputs": {"regex": "1"}}),
+    "regex with logprobs, streamed": (COMPLETION, {"prompt": "Hi", "max_tokens": 3, "logprobs": 3, "stream": True,
+                                                   "structured_outputs": {"regex": "1"}}),
     "assistant prefill only": (CHAT, {"messages": [{"role": "assistant", "content": "Sure"}], "max_tokens": 2,
                                       "add_generation_prompt": False}),
 }

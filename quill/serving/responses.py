@@ -81,6 +81,15 @@ def _token_text(lps: dict[int, Logprob], token: int) -> str:
     return text if text is not None else str(token)
 
 
+# JSON has no -inf: a token the request's grammar or logit_bias rules out has log-prob -inf, sent as vLLM
+# sends it (its OpenAI server clamps at this floor too)
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(entry: Logprob) -> float:
+    return max(entry.logprob, LOGPROB_FLOOR)
+
+
 def _top(lps: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The k best-ranked entries (the sampled token's own entry is there only if it ranks within k)."""
     ranked = sorted(((t, lp) for t, lp in lps.items() if lp.rank is not None and lp.rank <= k),
@@ -100,8 +109,8 @@ def completion_logprobs(entries: list[tuple[int, dict[int, Logprob] | None]], of
             text, lp, top = decode(token), None, None
         else:
             text = _token_text(lps, token)
-            lp = lps[token].logprob
-            top = {_token_text(lps, t): e.logprob for t, e in _top(lps, k)}
+            lp = _lp(lps[token])
+            top = {_token_text(lps, t): _lp(e) for t, e in _top(lps, k)}
             top.setdefault(text, lp)  # OpenAI: the sampled token is always there (up to k + 1 entries)
         out["tokens"].append(text)
         out["token_logprobs"].append(lp)
@@ -130,9 +139,9 @@ def chat_logprobs(entries: list[tuple[int, dict[int, Logprob]]], k: int) -> dict
     content = []
     for token, lps in entries:
         text = _token_text(lps, token)
-        top = [{"token": _token_text(lps, t), "logprob": e.logprob,
+        top = [{"token": _token_text(lps, t), "logprob": _lp(e),
                 "bytes": list(_token_text(lps, t).encode())} for t, e in _top(lps, k)]
-        content.append({"token": text, "logprob": lps[token].logprob, "bytes": list(text.encode()),
+        content.append({"token": text, "logprob": _lp(lps[token]), "bytes": list(text.encode()),
                         "top_logprobs": top})
     return {"content": content}
 
