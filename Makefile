@@ -28,8 +28,13 @@ $(RUNTIME): pyproject.toml Makefile
 # The test extras; zen (zentorch, ~28 MB, no other torch) so the tests exercise that kernel, ray
 # (Ray Serve) so the replica tests run rather than skip.  After the runtime: pyproject.toml or
 # Makefile edits redo both, and `make demo` then `make test` adds only these.
+# Then everything is compiled to bytecode once: uv does not (pip does), and where PYTHONDONTWRITEBYTECODE is
+# set (CI machines) each of the suite's hundreds of processes (servers, CLI runs, Ray workers) would compile
+# torch, transformers and Ray from source again (measured: about a third of a fresh clone's test time).  One
+# file of torch's own tests is Python 3.12 syntax, hence the ignored status.
 $(STAMP): $(RUNTIME)
 	$(call UV_PIP,$(VENV)) torch==2.13.0 -e '.[test,zen,ray]'
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib quill tests > /dev/null || true
 	touch $@
 
 # The native kernels (quill/native/csrc) are compiled outside pip, incrementally, for the ISA
@@ -51,6 +56,7 @@ $(LLAMA_VENV)/.installed: | $(RUNTIME)
 	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
 	$(call UV_PIP,$(LLAMA_VENV)) numpy diskcache jinja2 typing_extensions
 	$(call UV_PIP,$(LLAMA_VENV)) --no-deps $(LLAMA_WHEEL)
+	$(LLAMA_VENV)/bin/python -m compileall -qq -j 0 $(LLAMA_VENV)/lib > /dev/null || true  # as above
 	touch $@
 
 llamacpp: $(LLAMA_VENV)/.installed
