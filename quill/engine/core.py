@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from quill.engine.block_manager import BlockManager
-from quill.engine.kv_cache import StepLayout
 from quill.engine.draft import DraftModelProposer
+from quill.engine.kv_cache import StepLayout
 from quill.engine.limits import PromptLimits
 from quill.engine.pools import build_pools
 from quill.engine.sampling import Logprob, SamplingParams, process_logits, sample_token, token_logprobs
