@@ -179,7 +179,7 @@ class EngineCore:
         if spec is None:
             return None
         proposer = None if self.draft is None else DraftModelProposer(self.draft, self.draft_cache,
-                                                                      self.config.max_num_batched_tokens)
+                                                                      self.config.max_num_batched_tokens, self.vocab)
         return Speculator(spec, self.context_length, proposer)
 
     # ---- requests --------------------------------------------------------------

@@ -109,10 +109,12 @@ def _common(a: list[int], b: list[int]) -> int:
 class DraftModelProposer:
     """Greedy drafts from a draft model for many sequences at once (``propose_many``)."""
 
-    def __init__(self, model: nn.Module, cache: PagedKVCache, max_tokens: int):
+    def __init__(self, model: nn.Module, cache: PagedKVCache, max_tokens: int, vocab: int):
         """``cache``: the draft's pools (quill.engine.pools); ``max_tokens``: a catch-up forward's tokens at most
-        (the engine's step budget: a long prompt is caught up in chunks)."""
-        self.model, self.kv, self.max_tokens = model, DraftKV(cache), max_tokens
+        (the engine's step budget: a long prompt is caught up in chunks); ``vocab``: the target's vocabulary
+        size (a draft whose embedding is padded wider never proposes a token past it)."""
+        self.model, self.kv, self.max_tokens, self.vocab = model, DraftKV(cache), max_tokens, vocab
+        self.context_length = model.args.context_length  # no position past the draft's own window
         self.native_step, _ = model.native_decode_step(cache, None)
         self.states: dict[Sequence, DraftState] = {}
 
@@ -121,6 +123,9 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in items]
         pieces, ks, budget = [], [], self.max_tokens
         for i, (seq, k) in enumerate(items):
+            k = min(k, self.context_length - seq.num_tokens)
+            if k < 1:
+                continue
             st = self.states.setdefault(seq, DraftState())
             self.rollback(seq)
             todo = seq.tokens[len(st.tokens):]
@@ -180,4 +185,4 @@ class DraftModelProposer:
         logits = self.model(torch.tensor([tokens]), ctx)[0]
         for st, _, new in pieces:
             st.tokens += new
-        return logits.argmax(-1).tolist()
+        return logits[:, :self.vocab].argmax(-1).tolist()
