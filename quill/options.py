@@ -121,7 +121,8 @@ class RunOptions:
     speculative_config: dict | None = _opt(
         None, "--speculative-config", "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 1, \"prompt_lookup_max\": 3}' (n-gram prompt "
-        "lookup; draft_model is not implemented yet)", kind="json")
+        "lookup) or '{\"method\": \"draft_model\", \"model\": \"draft.gguf\", \"num_speculative_tokens\": 4}' "
+        "(a draft model with the target's tokenizer)", kind="json")
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)

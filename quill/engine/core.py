@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from quill.engine.block_manager import BlockManager
+from quill.engine.draft import DraftModelProposer
 from quill.engine.kv_cache import StepLayout
 from quill.engine.limits import PromptLimits
 from quill.engine.pools import build_pools
@@ -129,15 +130,23 @@ class EngineCore:
 
     def __init__(self, model: nn.Module, eos_token_ids: Seq[int], context_length: int,
                  config: EngineConfig | None = None, seed: int = 0, isa: str | None = None,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, draft: nn.Module | None = None):
         """``isa``: the native variant chosen at load (``LoadContext.native_isa``) that decode attention
         runs; None runs it in torch.  ``grammars``: compiles structured-output specs for this model's
-        tokenizer (None: such requests are refused)."""
+        tokenizer (None: such requests are refused).  ``draft``: the loaded draft model when
+        ``config.speculative`` is a draft_model one (its KV blocks come from the same budget)."""
         self.model, self.config = model, config or EngineConfig()
         self.eos = frozenset(eos_token_ids)
         self.context_length = context_length
         self.vocab = model.args.vocab_size
-        self.cache, self.states, num_blocks = build_pools(model, self.config, context_length, isa)
+        spec = self.config.speculative
+        if (spec is not None and spec.method == "draft_model") != (draft is not None):
+            raise GenerationError(f"EngineCore: a draft model is given exactly when speculative_config's method is "
+                                  f"draft_model; found method {spec and spec.method!r} and "
+                                  f"draft {type(draft).__name__ if draft is not None else None}")
+        self.cache, self.states, num_blocks, self.draft_cache = build_pools(model, self.config, context_length, isa,
+                                                                            draft)
+        self.draft = draft
         self.kv_cache_dtype = str(self.cache.keys[0].dtype).removeprefix("torch.")  # what the pools hold
         self.native_step, self.native_step_reason = (
             model.native_decode_step(self.cache, self.states) if self.config.native_step else (None, "disabled"))
@@ -167,7 +176,11 @@ class EngineCore:
             # a recurrent state that has seen a rejected draft cannot be undone
             log.info("speculative decoding: off (the model keeps per-sequence recurrent state)")
             return None
-        return None if spec is None else Speculator(spec, self.context_length)
+        if spec is None:
+            return None
+        proposer = None if self.draft is None else DraftModelProposer(self.draft, self.draft_cache,
+                                                                      self.config.max_num_batched_tokens, self.vocab)
+        return Speculator(spec, self.context_length, proposer)
 
     # ---- requests --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

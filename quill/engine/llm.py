@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from quill.engine.core import EngineConfig, EngineCore
+from quill.engine.draft import check_same_tokenizer
 from quill.engine.hub import resolve_model
 from quill.engine.loader import LoadedModel
 from quill.engine.memory import keep_step_memory
@@ -127,7 +128,9 @@ class LLM:
         cache_dir: where (default ``$QUILL_CACHE_DIR``, else ``~/.cache/quill``).
         speculative_config: speculative decoding, vLLM's dict or its JSON text:
             ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}``
-            (``quill.engine.spec_config``; n-gram prompt lookup; "draft_model" is not implemented yet).
+            or ``{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 4}``
+            (``quill.engine.spec_config``: n-gram prompt lookup, or a draft model sharing the target's tokenizer,
+            loaded with these same options, its KV blocks out of the same budget).
             Greedy output is the same tokens as without it; sampled output has the same distribution.
 
     These keywords (all but model, skip_tokenizer_init, seed, progress, platform and engine_config) are
@@ -162,6 +165,11 @@ class LLM:
         # prompts, norms on the torch path) only read the process-wide pool size
         torch.set_num_threads(self.threads)
         self.path = resolve_model(model, offline)
+        spec = SpeculativeConfig.parse(self.options.speculative_config)
+        draft_path = None
+        if spec is not None and spec.method == "draft_model":  # its tokenizer checked before anything loads
+            draft_path = resolve_model(spec.model, offline)
+            check_same_tokenizer(self.path, draft_path)
         if progress is None:
             progress = _stderr_is_tty()
         # "auto" made concrete for this file: GGUF runs llama.cpp's arithmetic, the HF formats float
@@ -181,6 +189,9 @@ class LLM:
             raise
         self.loaded: LoadedModel = started.loaded
         self.cache_hit = started.cache_hit
+        # the draft runs with the target's options (kernels, threads, activations, prepacked cache)
+        self.draft = None if draft_path is None else load_model(draft_path, ctx, tokenizer=False, progress=progress,
+                                                                 cache=self.cache).loaded.model
         self.model = self.loaded.model
         self.tokenizer = None if started.tokenizer is None else Tokenizer(started.tokenizer)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
@@ -192,7 +203,7 @@ class LLM:
         grammars = None if self.tokenizer is None else GrammarCompiler(self.tokenizer, self.model.args.vocab_size,
                                                                         self.eos_token_ids)
         self.engine = EngineCore(self.model, self.eos_token_ids, self.context_length, engine_config, seed,
-                                 isa=ctx.native_isa, grammars=grammars)
+                                 isa=ctx.native_isa, grammars=grammars, draft=self.draft)
         self.arithmetic = self._arithmetic(engine_config)
         keep_step_memory()  # steps reuse their intermediates' pages instead of faulting them in again
         self.processor = OutputProcessor(self.engine, self.tokenizer)
@@ -210,6 +221,10 @@ class LLM:
         if spec is not None:  # said only when asked for: on, or why not
             out["speculation"] = spec.describe() if self.engine.speculator is not None else (
                 "off: the model keeps per-sequence recurrent state, which a rejected draft would corrupt")
+            if self.engine.draft_cache is not None:
+                e = self.engine
+                out["speculation"] += (f"; KV budget split by bytes per token: target {e.cache.nbytes() >> 20} MiB, "
+                                       f"draft {e.draft_cache.nbytes() >> 20} MiB ({e.blocks.num_blocks} blocks each)")
         return out
 
     @property

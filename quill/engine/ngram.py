@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from quill.engine.sequence import Sequence
 from quill.engine.spec_config import SpeculativeConfig
 
 
@@ -30,8 +31,8 @@ def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
 
 
 class NgramProposer:
-    """Drafts for one sequence from its prompt and output tokens (``propose``); keeps no state, so a
-    second proposer (a draft model) can stand beside it behind the same ``propose``."""
+    """Drafts for one sequence from its prompt and output tokens (``propose``); keeps no state.  Beside it
+    behind the same ``propose_many`` / ``rollback`` / ``release``: ``quill.engine.draft.DraftModelProposer``."""
 
     def __init__(self, config: SpeculativeConfig):
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
@@ -40,3 +41,12 @@ class NgramProposer:
         if k < 1 or len(tokens) <= self.n_min:
             return []
         return lookup(np.asarray(tokens, dtype=np.int64), k, self.n_min, self.n_max)
+
+    def propose_many(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [self.propose(seq.tokens, k) for seq, k in items]
+
+    def rollback(self, seq: Sequence) -> None:  # nothing kept per sequence
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass

@@ -77,16 +77,23 @@ class Scheduler:
 
     def _speculate(self, batch: list[tuple[Sequence, int]], budget: int) -> int:
         """Give decoding sequences their drafts, after every decode has its token: a draft's blocks come from
-        free ones only (a decode that needed one would otherwise preempt someone), within the budget."""
+        free ones only (a decode that needed one would otherwise preempt someone), within the budget.  The
+        proposer sees every sequence that wants drafts at once (a draft model runs them batched)."""
+        wanted: list[tuple[int, Sequence, int]] = []  # (place in the batch, sequence, k)
         for i, (seq, _) in enumerate(batch):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted by a later decode of this step
                 continue
-            drafts = self.speculator.propose(seq, budget)
-            seq.drafts = drafts[:self.blocks.reserve_ahead(seq, len(drafts))] if drafts else []
+            k = self.speculator.wants(seq, budget)
+            if k:
+                wanted.append((i, seq, k))
+                budget -= k
+        drafts = self.speculator.propose_many([(seq, k) for _, seq, k in wanted])
+        for (i, seq, k), d in zip(wanted, drafts):
+            seq.drafts = d[:self.blocks.reserve_ahead(seq, len(d))] if d else []
             batch[i] = (seq, 1 + len(seq.drafts))
-            budget -= len(seq.drafts)
+            budget += k - len(seq.drafts)
         return budget
 
     def _make_room(self, seq: Sequence) -> bool:
@@ -101,6 +108,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first: it recomputes its tokens when readmitted."""
         self.blocks.free_blocks(seq)
+        self._release_drafts(seq)
         self.running.remove(seq)
         seq.restart()
         self.waiting.appendleft(seq)
@@ -111,6 +119,11 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.blocks.free_blocks(seq)
+            self._release_drafts(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+
+    def _release_drafts(self, seq: Sequence) -> None:
+        if self.speculator is not None:
+            self.speculator.release(seq)

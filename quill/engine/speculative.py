@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quill.engine.draft import DraftModelProposer
 from quill.engine.ngram import NgramProposer
 from quill.engine.sampling import SamplingParams, sample_token, sampling_probs
 from quill.engine.sequence import Sequence
@@ -68,31 +69,48 @@ class SpecCounters:
 class Speculator:
     """Proposes drafts for the scheduler and verifies them for the core."""
 
-    def __init__(self, config: SpeculativeConfig, context_length: int):
+    def __init__(self, config: SpeculativeConfig, context_length: int,
+                 proposer: "NgramProposer | DraftModelProposer | None" = None):
+        """``proposer``: what drafts (default: n-gram lookup; the engine builds a DraftModelProposer)."""
         self.config, self.context_length = config, context_length
-        self.proposer = NgramProposer(config)  # the one method so far; a draft model would sit beside it
+        self.proposer = proposer or NgramProposer(config)
         self.counters = SpecCounters()
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Drafts for ``seq``'s next step (at most ``budget``; none when they cannot pay)."""
+        """Drafts for ``seq`` alone (``propose_many`` for a step's sequences at once)."""
+        k = self.wants(seq, budget)
+        return self.proposer.propose_many([(seq, k)])[0] if k else []
+
+    def propose_many(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Drafts for each (sequence, k) from ``wants``, in one go (a draft model runs them batched)."""
+        return self.proposer.propose_many(items) if items else []
+
+    def wants(self, seq: Sequence, budget: int) -> int:
+        """How many drafts ``seq``'s next step should have (at most ``budget``; 0 when they cannot pay)."""
         if seq.grammar is not None or seq.scorer is not None or seq.params.structured_outputs is not None:
-            return []
+            return 0
         state = seq.spec
         if state is None:
             state = seq.spec = SpecState(self.config.num_speculative_tokens)
         if state.paused:
             state.paused -= 1
-            return []
+            return 0
         k = min(state.k, budget, self.context_length - seq.num_tokens - 1)
         if seq.params.max_tokens is not None:  # the step's last token is the correction or bonus
             k = min(k, seq.params.max_tokens - len(seq.output) - 1)
-        return self.proposer.propose(seq.tokens, k) if k > 0 else []
+        return max(0, k)
 
     def record(self, seq: Sequence, drafted: int, kept: int) -> None:
+        """After ``seq``'s verification: the counters, its adaptive k, and the proposer's rollback."""
         self.counters.num_drafts += 1
         self.counters.num_draft_tokens += drafted
         self.counters.num_accepted_tokens += kept
         seq.spec.update(drafted, kept, self.config.num_speculative_tokens)
+        self.proposer.rollback(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` left the running set (finished, aborted, preempted): what the proposer holds for it goes."""
+        self.proposer.release(seq)
 
 
 def verify_token(processed: torch.Tensor, params: SamplingParams, draft: int, generator: torch.Generator) -> int:
