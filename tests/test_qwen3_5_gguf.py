@@ -109,3 +109,31 @@ def test_gguf_decodes_through_the_engine_as_the_full_forward(converted):
             logits = llm.model(torch.tensor([seq]), ForwardContext.causal(1, len(seq)), all_logits=False)
             seq.append(int(logits[0, -1].argmax()))
     assert list(got) == seq[len(ids):]
+
+
+def test_bench_writer_matches_the_converter(converted, tmp_path):
+    """quill.bench.qwen35's random-weight files have the converter's metadata (the tokenizer's keys aside: the
+    writer copies the default model's), tensor names, order, types and shapes for the same configuration."""
+    from quill.bench.qwen35 import Qwen35Shape, write_qwen35_gguf
+    from quill.engine.hub import default_model
+    from quill.formats.gguf.file import GGUFFile
+    from tests.qwen3_5_util import MOE
+
+    hf, files = converted
+    c = hf.config
+    moe = dict(experts=MOE["num_experts"], experts_used=MOE["num_experts_per_tok"],
+               expert_ffn=MOE["moe_intermediate_size"], shared_ffn=MOE["shared_expert_intermediate_size"])
+    shape = Qwen35Shape("x", hidden=c.hidden_size, layers=c.num_hidden_layers, ffn=c.intermediate_size,
+                        heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                        lin_k_heads=c.linear_num_key_heads, lin_v_heads=c.linear_num_value_heads,
+                        lin_k_dim=c.linear_key_head_dim, lin_v_dim=c.linear_value_head_dim, vocab=VOCAB, tied=False,
+                        rope_theta=10000.0, context=c.max_position_embeddings, **(moe if "moe" in c.model_type else {}))
+    want, got = (GGUFFile(p) for p in (files["F32"], write_qwen35_gguf(tmp_path, shape, default_model(), f32=True)))
+
+    def meta(f):  # quill's reader: a fraction of gguf-py's time on a 49k-token vocabulary
+        return {k: (f.value_types[k], v) for k, v in f.metadata.items()
+                if not k.startswith("tokenizer.") and k != "general.name"}
+
+    assert list(meta(got).items()) == list(meta(want).items())  # keys in the same order too
+    assert [(i.name, i.ggml_type, i.shape) for i in got.tensors.values()] == \
+        [(i.name, i.ggml_type, i.shape) for i in want.tensors.values()]

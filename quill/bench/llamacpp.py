@@ -207,7 +207,8 @@ ENGINES = (*QUILL_MODES, "llama.cpp")
 
 
 def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: int, probe, log,
-            platform=None, lib: Path | None = None, kv_cache_dtype: str = "auto") -> dict:
+            platform=None, lib: Path | None = None, kv_cache_dtype: str = "auto", modes: dict | None = None) -> dict:
+    """``modes``: the quill engines to run (a subset of ``QUILL_MODES``; default all)."""
     import quill
     from quill.bench import settled
     from quill.engine.core import EngineConfig
@@ -216,22 +217,23 @@ def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: 
     # (llama.cpp starts each run in a fresh process)
     cfg = EngineConfig(enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     llms = {e: settled(quill.LLM(str(path), threads=threads, progress=False, activation_quant=aq, platform=platform,
-                                 engine_config=cfg)) for e, aq in QUILL_MODES.items()}
-    held, stored = quill_linear_bytes(llms["quill w4a16"]), file_linear_bytes(path)
+                                 engine_config=cfg)) for e, aq in (modes or QUILL_MODES).items()}
+    engines = (*llms, "llama.cpp")
+    held, stored = quill_linear_bytes(next(iter(llms.values()))), file_linear_bytes(path)
     log(f"  weights read per token: quill {held / 1e6:.2f} MB, file {stored / 1e6:.2f} MB ({held / stored:.3f}x)")
     for llm in llms.values():
         run_quill(llm, 8, 4)  # warm-up
-    rows: dict[str, list] = {e: [] for e in ENGINES} | {"dram_gbs": []}
+    rows: dict[str, list] = {e: [] for e in engines} | {"dram_gbs": []}
     for r in range(runs):
         rows["dram_gbs"].append(probe.read_gbs())
         for e, llm in llms.items():
             rows[e].append(run_quill(llm, prompt, gen))
         rows["llama.cpp"].append(run_llamacpp(python, path, prompt, gen, threads, lib))
         log(f"  run {r + 1}/{runs}: DRAM {rows['dram_gbs'][-1]:.1f} GB/s; decode tok/s: "
-            + ", ".join(f"{e} {rows[e][-1]['decode_tps']:.1f}" for e in ENGINES))
+            + ", ".join(f"{e} {rows[e][-1]['decode_tps']:.1f}" for e in engines))
     del llms
     med = {e: {k: statistics.median(r[k] for r in rows[e]) for k in ("prefill_tps", "decode_tps")}
-           for e in ENGINES}
+           for e in engines}
     return {"file": str(path), "prompt": prompt, "gen": gen, "threads": threads, "kv_cache_dtype": kv_cache_dtype,
             "runs": rows, "median": med,
             "quill_weight_bytes_per_token": held, "file_weight_bytes": stored}
