@@ -28,13 +28,8 @@ $(RUNTIME): pyproject.toml Makefile
 # The test extras; zen (zentorch, ~28 MB, no other torch) so the tests exercise that kernel, ray
 # (Ray Serve) so the replica tests run rather than skip.  After the runtime: pyproject.toml or
 # Makefile edits redo both, and `make demo` then `make test` adds only these.
-# Then everything is compiled to bytecode once: uv does not (pip does), and where PYTHONDONTWRITEBYTECODE is
-# set (CI machines) each of the suite's hundreds of processes (servers, CLI runs, Ray workers) would compile
-# torch, transformers and Ray from source again (measured: about a third of a fresh clone's test time).  One
-# file of torch's own tests is Python 3.12 syntax, hence the ignored status.
 $(STAMP): $(RUNTIME)
 	$(call UV_PIP,$(VENV)) torch==2.13.0 -e '.[test,zen,ray]'
-	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib quill tests > /dev/null || true
 	touch $@
 
 # The native kernels (quill/native/csrc) are compiled outside pip, incrementally, for the ISA
@@ -56,14 +51,19 @@ $(LLAMA_VENV)/.installed: | $(RUNTIME)
 	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
 	$(call UV_PIP,$(LLAMA_VENV)) numpy diskcache jinja2 typing_extensions
 	$(call UV_PIP,$(LLAMA_VENV)) --no-deps $(LLAMA_WHEEL)
-	$(LLAMA_VENV)/bin/python -m compileall -qq -j 0 $(LLAMA_VENV)/lib > /dev/null || true  # as above
 	touch $@
 
 llamacpp: $(LLAMA_VENV)/.installed
 
+# Bytecode is written while the tests run even where PYTHONDONTWRITEBYTECODE is set (CI machines): uv installs
+# none (pip would), and each of the suite's hundreds of processes (servers, CLI runs, Ray workers) would
+# otherwise compile torch, transformers and Ray from source again (a fresh clone's Ray module: 618 s, 277 s
+# compiled).  One worker more than cores: the tests spend much of their time waiting on servers and Ray,
+# and the extra worker fills it (2 cores: 12 min 54 s with 3 workers, compiled).
+XDIST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: install llamacpp
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(XDIST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Ask the default model a question through its chat template (greedy, streamed): runtime only.
 demo: $(RUNTIME) native
