@@ -292,20 +292,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{f.name}: prompt {args.prompt}, {args.gen} decoded, {threads} threads", flush=True)
         results.append(compare(f, args.llama_python, args.prompt, args.gen, args.runs, threads, probe, print,
                                platform, args.llama_lib, args.kv_cache_dtype))
-    print(f"\n{'file':<32} {'engine':<12} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs llama.cpp':>14}")
+    report(results, args, platform, threads, "python -m quill.bench.llamacpp", argv)
+    return 0
+
+
+def report(results: list[dict], args, platform, threads: int, command: str, argv: list[str] | None) -> None:
+    """The table of medians against llama.cpp; the JSON (``{"meta", "results"}``) when ``args.json`` is set."""
+    print(f"\n{'file':<34} {'engine':<12} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs llama.cpp':>14}")
     for res in results:
         lc = res["median"]["llama.cpp"]
         for e, m in res["median"].items():
-            print(f"{Path(res['file']).name:<32} {e:<12} {m['prefill_tps']:13.1f} {m['decode_tps']:12.1f} "
+            print(f"{Path(res['file']).name:<34} {e:<12} {m['prefill_tps']:13.1f} {m['decode_tps']:12.1f} "
                   f"{m['prefill_tps'] / lc['prefill_tps']:6.2f}x {m['decode_tps'] / lc['decode_tps']:6.2f}x")
     if args.json:
         from quill.bench.meta import run_metadata
 
         meta = run_metadata(platform, threads, llama_python=args.llama_python, llama_lib=args.llama_lib,
-                            command=" ".join(["python -m quill.bench.llamacpp", *(argv or sys.argv[1:])]))
+                            command=" ".join([command, *(argv if argv is not None else sys.argv[1:])]))
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"wrote {args.json}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ Qwen3_5TextConfig defaults are the 9B's; the dense one's size agrees with the pu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quill.bench.llamacpp import QUILL_MODES, compare, quantize_with_llamacpp
+from quill.bench.llamacpp import QUILL_MODES, compare, quantize_with_llamacpp, report
 
 QWEN35_VOCAB = 248320
 MROPE_SECTIONS = [11, 11, 10, 0]  # the converter's default for Qwen3.5 (_Qwen35MRopeMixin)
@@ -326,19 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         res = compare(f, args.llama_python, args.prompt, args.gen, args.runs, threads, probe, print, platform,
                       args.llama_lib, args.kv_cache_dtype, modes=modes)
         results.append({**res, "shape": asdict(shape), **counts})
-    print(f"\n{'file':<34} {'engine':<12} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs llama.cpp':>14}")
-    for res in results:
-        lc = res["median"]["llama.cpp"]
-        for e, m in res["median"].items():
-            print(f"{Path(res['file']).name:<34} {e:<12} {m['prefill_tps']:13.1f} {m['decode_tps']:12.1f} "
-                  f"{m['prefill_tps'] / lc['prefill_tps']:6.2f}x {m['decode_tps'] / lc['decode_tps']:6.2f}x")
-    if args.json:
-        from quill.bench.meta import run_metadata
-
-        meta = run_metadata(platform, threads, llama_python=args.llama_python, llama_lib=args.llama_lib,
-                            command=" ".join(["python -m quill.bench.qwen35", *(argv or sys.argv[1:])]))
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-        print(f"wrote {args.json}")
+    report(results, args, platform, threads, "python -m quill.bench.qwen35", argv)
     return 0
 
 
