@@ -316,6 +316,14 @@ def test_a_cut_stream_is_aborted_on_its_replica(cluster, server):
     def total(name: str) -> float:
         return sum(cluster.metrics(name).values())
 
+    def idle() -> bool:
+        running, used = cluster.metrics("quill_num_requests_running"), cluster.metrics("quill_kv_cache_blocks_used")
+        return not any(running.values()) and not any(used.values())
+
+    deadline = time.monotonic() + 60  # an earlier test's aborts counted first (exported with its idle gauges)
+    while not idle():
+        assert time.monotonic() < deadline, "the replicas never went idle before the test"
+        time.sleep(1)
     aborted, generated = total("quill_requests_aborted"), total("quill_generation_tokens")
     body = {"prompt": "Count slowly:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True,
             "user": "cut-stream"}
@@ -324,11 +332,8 @@ def test_a_cut_stream_is_aborted_on_its_replica(cluster, server):
             if i > 5:
                 break
     deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
-    while True:
-        running, used = cluster.metrics("quill_num_requests_running"), cluster.metrics("quill_kv_cache_blocks_used")
-        if total("quill_requests_aborted") == aborted + 1 and not any(running.values()) and not any(used.values()):
-            break
-        assert time.monotonic() < deadline, (total("quill_requests_aborted"), aborted, running, used)
+    while not (total("quill_requests_aborted") == aborted + 1 and idle()):
+        assert time.monotonic() < deadline, (total("quill_requests_aborted"), aborted)
         time.sleep(1)
     assert total("quill_generation_tokens") - generated < 500
 

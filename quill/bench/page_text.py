@@ -6,21 +6,16 @@ DASH = "—"
 
 HEAD = """# Benchmarks
 
-quill against llama.cpp on the same GGUF file, and `quill serve` against llama.cpp's `llama-server`,
-on the CPUs measured so far. This page is generated from the raw JSON in [docs/bench/](bench/) by
-`python -m quill.bench.page` (the files are named in `docs/bench/page.json`); a test checks that the
-committed page is what the command makes of the committed JSON. Every run, what changed between them
-and what was tried and dropped: [the lab notebook]({nb}).
-
-quill runs GGUF files in one of two arithmetics, and the tables show both:
+quill against llama.cpp on the same GGUF file, and `quill serve` against `llama-server`, on the CPUs
+measured so far; generated from the JSON in [docs/bench/](bench/) (named in `docs/bench/page.json`) by
+`python -m quill.bench.page`, and a test checks the committed page against it. Every run and what was
+tried and dropped: [the lab notebook]({nb}). quill runs GGUF in two arithmetics, both shown:
 
 * **int8-group** (the default for GGUF; `--act-quant int8-group`): activations quantized to int8 with
-  one scale per token and weight group, which is what llama.cpp's own matmuls do. Same accuracy as
-  llama.cpp: mean KL 0.003 from the float32 forward on the default model
-  ([ACCURACY.md](ACCURACY.md)).
-* **float activations** (`--act-quant none`): float activations against the quantized weights, within
-  1e-5 KL of the float32 forward, and slower where a run is compute-bound (prefill, and decode of
-  larger models on AVX2).
+  one scale per token and weight group, as llama.cpp's own matmuls do; llama.cpp's accuracy (mean KL
+  0.003 from the float32 forward on the default model, [ACCURACY.md](ACCURACY.md)).
+* **float activations** (`--act-quant none`): within 1e-5 KL of the float32 forward, slower where a run
+  is compute-bound (prefill, and decode of larger models on AVX2).
 
 Cells are tok/s, with quill's ratio to llama.cpp in the same run in brackets (above 1: quill faster).
 "—" means not measured or, in a machine's first table, not recorded in that machine's JSON.
