@@ -8,7 +8,7 @@ import pytest
 from quill.cli import COMMANDS
 
 
-def _imported_torch(args: list[str]) -> tuple[str, bool]:
+def imported_torch(args: list[str]) -> tuple[str, bool]:
     """(help text, whether torch was imported) of `python -X importtime -m quill <args>` in a fresh process."""
     p = subprocess.run([sys.executable, "-X", "importtime", "-m", "quill", *args], capture_output=True, text=True,
                        timeout=300)
@@ -20,13 +20,13 @@ def _imported_torch(args: list[str]) -> tuple[str, bool]:
 
 
 def test_top_level_help_does_not_import_torch():
-    out, torch_loaded = _imported_torch(["--help"])
+    out, torch_loaded = imported_torch(["--help"])
     assert out.startswith("usage: quill") and "serve" in out and "bench" in out
     assert not torch_loaded
 
 
 @pytest.mark.parametrize("command", [m.rpartition(".")[2] for m in COMMANDS])
 def test_subcommand_help_does_not_import_torch(command):
-    out, torch_loaded = _imported_torch([command, "--help"])
+    out, torch_loaded = imported_torch([command, "--help"])
     assert out.startswith(f"usage: quill {command}")
     assert not torch_loaded

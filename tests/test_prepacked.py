@@ -22,11 +22,13 @@ from pathlib import Path
 import pytest
 from fixture_util import fixture_path
 from llamacpp_util import quantize
+from test_cli_startup import imported_torch
 
 import quill
 from quill.default_model import default_model_path
+from quill.formats.safetensors_io import DTYPES
 from quill.platform import detect
-from quill.prepacked.file import read_header
+from quill.prepacked.header import DTYPE_SIZES, read_header
 from quill.prepacked.store import SUFFIX, PrepackedCache
 
 PROMPT = [1, 50, 345, 28, 464, 31, 216, 19, 356, 30, 378, 7]  # within every fixture's vocabulary (512)
@@ -278,15 +280,20 @@ def test_two_processes_loading_at_once_leave_one_whole_file(small, tmp_path):
 
 
 def test_quill_cache_list_and_clear(tmp_path):
+    """Each command a fresh process, which reads headers only and never imports torch."""
     _load(default_model_path(), tmp_path)
-    cli = [sys.executable, "-m", "quill", "cache"]
-    out = subprocess.run(cli + ["list", "--cache-dir", str(tmp_path)], capture_output=True, text=True, check=True)
-    assert "1 file(s)" in out.stdout and "SmolLM2-135M-Instruct.Q4_1.gguf" in out.stdout
-    assert "native_w4a" in out.stdout  # native_w4a16, or native_w4a8 where GGUF runs int8 activations
-    out = subprocess.run(cli + ["clear", "--cache-dir", str(tmp_path)], capture_output=True, text=True, check=True)
-    assert "removed" in out.stdout and _files(tmp_path) == []
-    out = subprocess.run(cli + ["list", "--cache-dir", str(tmp_path)], capture_output=True, text=True, check=True)
-    assert "0 file(s)" in out.stdout
+    out, torch_loaded = imported_torch(["cache", "list", "--cache-dir", str(tmp_path)])
+    assert "1 file(s)" in out and "SmolLM2-135M-Instruct.Q4_1.gguf" in out and not torch_loaded
+    assert "native_w4a" in out  # native_w4a16, or native_w4a8 where GGUF runs int8 activations
+    out, torch_loaded = imported_torch(["cache", "clear", "--cache-dir", str(tmp_path)])
+    assert "removed" in out and _files(tmp_path) == [] and not torch_loaded
+    out, torch_loaded = imported_torch(["cache", "list", "--cache-dir", str(tmp_path)])
+    assert "0 file(s)" in out and not torch_loaded
+
+
+def test_the_header_reader_knows_every_dtype_size():
+    """quill.prepacked.header sizes tensors without torch: its table must agree with torch's."""
+    assert DTYPE_SIZES == {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 def test_the_cli_reads_and_writes_the_cache_unless_told_not_to(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from quill.default_model import default_model_path
-from quill.prepacked.file import read_header
+from quill.prepacked.header import read_header
 from quill.prepacked.store import SUFFIX, PrepackedCache
 from tests.test_prepacked import _answer, _files, _flip, _load
 

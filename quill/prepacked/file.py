@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import mmap
 import os
 import struct
@@ -28,18 +27,13 @@ import xxhash
 
 from quill.errors import CacheError
 from quill.formats.safetensors_io import DTYPES
+from quill.prepacked.header import HEADER_SUM, SUM_AT, SUM_LEN, UNSET, Header, header_digest
 from quill.prepacked.leftovers import temp_path
 
 ALIGN = 64
 _CHUNK = 64 << 20  # bytes per read/write call
-_MAX_HEADER = 256 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h (the mmap module does not name it everywhere)
 DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}  # safetensors' names, the readers' table
-HEADER_SUM = "header_checksum"
-_START = f'{{"__metadata__":{{"{HEADER_SUM}":"'.encode()  # how every checked header begins
-_SUM_AT = len(_START)  # where the checksum's 32 hex digits start in the header JSON
-_SUM_LEN = 32
-_UNSET = b"0" * _SUM_LEN
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -73,20 +67,12 @@ def _header(order: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> 
         n = t.numel() * t.element_size()
         entries[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
-    text = json.dumps({"__metadata__": {HEADER_SUM: _UNSET.decode(), **metadata}, **entries},
+    text = json.dumps({"__metadata__": {HEADER_SUM: UNSET.decode(), **metadata}, **entries},
                       separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % ALIGN)  # safetensors allows trailing spaces in the header
     head = struct.pack("<Q", len(text)) + text
-    digest = _header_digest(head)
-    return head[:8 + _SUM_AT] + digest + head[8 + _SUM_AT + _SUM_LEN:]
-
-
-def _header_digest(head: bytes) -> bytes:
-    """XXH3-128 (hex) of the length prefix and header ``head``, its checksum's digits counted as zeros."""
-    h = xxhash.xxh3_128(head[:8 + _SUM_AT])
-    h.update(_UNSET)
-    h.update(head[8 + _SUM_AT + _SUM_LEN:])
-    return h.hexdigest().encode()
+    digest = header_digest(head)
+    return head[:8 + SUM_AT] + digest + head[8 + SUM_AT + SUM_LEN:]
 
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], facts: dict) -> int:
@@ -115,65 +101,6 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str,
         return size
     finally:
         tmp.unlink(missing_ok=True)
-
-
-@dataclass
-class Header:
-    """A cache file's header: quill's facts, the other metadata, and where each tensor lies."""
-
-    facts: dict
-    metadata: dict[str, str]
-    entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]  # name -> (dtype, shape, begin, end)
-    data_start: int
-    data_len: int
-
-
-def read_header(path: Path, verify: bool = True) -> Header:
-    """Parse and check ``path``'s header against its checksum and size (a CacheError names what is wrong).
-
-    ``verify=False`` skips the checksum and accepts older files without one: only to decide which files a
-    new one supersedes, never to load one."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CacheError(f"{path}: truncated ({size} bytes)")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CacheError(f"{path}: truncated or corrupt: header of {n} bytes, file of {size}")
-        raw = f.read(n)
-        if verify:
-            _check_header(path, prefix + raw)
-        try:
-            header = json.loads(raw)
-            metadata = header.pop("__metadata__")
-            facts = json.loads(metadata["quill"])
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-            raise CacheError(f"{path}: header is not a prepacked cache header ({type(e).__name__}: {e})") from None
-    entries, end_max = {}, 0
-    for name, e in header.items():
-        try:
-            dtype, shape, (b, end) = DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CacheError(f"{path}: tensor '{name}' has a malformed entry {e}") from None
-        if end - b != math.prod(shape) * dtype.itemsize or b < 0:
-            raise CacheError(f"{path}: tensor '{name}': offsets [{b}, {end}] do not fit {e['dtype']} {list(shape)}")
-        entries[name] = (dtype, shape, b, end)
-        end_max = max(end_max, end)
-    if 8 + n + end_max != size:
-        raise CacheError(f"{path}: truncated or corrupt: data ends at byte {8 + n + end_max}, file has {size}")
-    return Header(facts, metadata, entries, 8 + n, end_max)
-
-
-def _check_header(path: Path, head: bytes) -> None:
-    """A CacheError unless ``head`` (length prefix and header) carries its checksum and matches it."""
-    stored = head[8 + _SUM_AT:8 + _SUM_AT + _SUM_LEN]
-    if head[8:8 + _SUM_AT] != _START or len(stored) != _SUM_LEN or head[8 + _SUM_AT + _SUM_LEN:][:1] != b'"':
-        raise CacheError(f"{path}: corrupt, or not written by this quill: the header does not begin with its "
-                         f"'{HEADER_SUM}'")
-    if _header_digest(head) != stored:
-        raise CacheError(f"{path}: corrupt: the header's checksum differs from the one written "
-                         f"({stored.decode(errors='replace')})")
 
 
 @dataclass
@@ -206,7 +133,7 @@ def map_data(path: Path, header: Header) -> MappedData:
     the file).  Mapping and hashing release the GIL: callers may run this on a thread.
     """
     if header.data_len == 0:
-        return MappedData({name: torch.empty(shape, dtype=dtype)
+        return MappedData({name: torch.empty(shape, dtype=DTYPES[dtype])
                            for name, (dtype, shape, _, _) in header.entries.items()}, None)
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -222,5 +149,6 @@ def map_data(path: Path, header: Header) -> MappedData:
     finally:
         view.release()
     buf = torch.frombuffer(mm, dtype=torch.uint8, offset=header.data_start, count=header.data_len)
-    tensors = {name: buf[b:e].view(dtype).view(shape) for name, (dtype, shape, b, e) in header.entries.items()}
+    tensors = {name: buf[b:e].view(DTYPES[dtype]).view(shape)
+               for name, (dtype, shape, b, e) in header.entries.items()}
     return MappedData(tensors, mm, buf.data_ptr() - header.data_start)

@@ -26,14 +26,19 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from quill.errors import CacheError
 from quill.prepacked import digest as digests
-from quill.prepacked.file import Header, MappedData, map_data, read_header, write_file
+from quill.prepacked.header import Header, read_header
 from quill.prepacked.leftovers import Leftover, find_leftovers, remove_stale
+
+if TYPE_CHECKING:
+    import torch
+
+    from quill.prepacked.file import MappedData
 
 log = logging.getLogger("quill.prepacked")
 
@@ -101,6 +106,7 @@ class PendingRead:
     """A cache file whose header is read and whose data is being mapped and checked on a thread."""
 
     def __init__(self, path: Path, header: Header):
+        from quill.prepacked.file import map_data  # torch: only a load maps data (`quill cache list` reads headers)
         self.path, self.header = path, header
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="quill-cache-read")
         self._future: Future = self._pool.submit(map_data, path, header)
@@ -185,6 +191,7 @@ class PrepackedCache:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # a thread's own nice value (Linux)
         except OSError as e:  # elsewhere the write runs at the process's priority
             log.debug("prepacked cache: writer priority unchanged: %s", e)
+        from quill.prepacked.file import write_file  # torch: only a load writes (`quill cache` commands do not)
         try:
             size = write_file(path, tensors, metadata, facts)
             log.info("prepacked cache: wrote %s (%.1f MB)", path, size / 1e6)
