@@ -1,7 +1,9 @@
 """quill bench: the kernel benchmark runs end to end (tiny shapes) and the model-benchmark checkpoint reads back."""
 
 import json
+import sys
 
+import pytest
 import torch
 
 from quill.bench.checkpoint import LlamaShape, write_llama_w4
@@ -124,3 +126,14 @@ def test_bench_load_against_llamacpp(tmp_path, capsys):
     for r in gen.values():
         assert 0 < r["first_s"] <= r["exit_s"] and r["peak_mb"] > 0
     assert main(["bench", "load", "--model", str(tmp_path / "nope.gguf")]) == 2
+
+
+def test_peer_specs_are_checked_before_any_run():
+    from quill.bench.peers import Peer
+    from quill.errors import ConfigError
+
+    for spec, message in (("ik_llama.cpp", "expected NAME=PATH"), ("ik=", "expected NAME=PATH"),
+                          ("ik=/nonexistent/llama-bench -rtr 1", "no llama-bench at '/nonexistent/llama-bench'"),
+                          (f"ik={sys.executable} -c pass", "is not a llama-bench")):
+        with pytest.raises(ConfigError, match=message):
+            Peer.parse(spec)

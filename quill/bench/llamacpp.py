@@ -207,8 +207,10 @@ ENGINES = (*QUILL_MODES, "llama.cpp")
 
 
 def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: int, probe, log,
-            platform=None, lib: Path | None = None, kv_cache_dtype: str = "auto", modes: dict | None = None) -> dict:
-    """``modes``: the quill engines to run (a subset of ``QUILL_MODES``; default all)."""
+            platform=None, lib: Path | None = None, kv_cache_dtype: str = "auto", modes: dict | None = None,
+            peers: tuple = ()) -> dict:
+    """``modes``: the quill engines to run (a subset of ``QUILL_MODES``; default all); ``peers``: more engines
+    run through their own llama-bench (quill.bench.peers.Peer), in the same rounds."""
     import quill
     from quill.bench import settled
     from quill.engine.core import EngineConfig
@@ -218,7 +220,7 @@ def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: 
     cfg = EngineConfig(enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     llms = {e: settled(quill.LLM(str(path), threads=threads, progress=False, activation_quant=aq, platform=platform,
                                  engine_config=cfg)) for e, aq in (modes or QUILL_MODES).items()}
-    engines = (*llms, "llama.cpp")
+    engines = (*llms, "llama.cpp", *(p.name for p in peers))
     held, stored = quill_linear_bytes(next(iter(llms.values()))), file_linear_bytes(path)
     log(f"  weights read per token: quill {held / 1e6:.2f} MB, file {stored / 1e6:.2f} MB ({held / stored:.3f}x)")
     for llm in llms.values():
@@ -229,6 +231,8 @@ def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: 
         for e, llm in llms.items():
             rows[e].append(run_quill(llm, prompt, gen))
         rows["llama.cpp"].append(run_llamacpp(python, path, prompt, gen, threads, lib))
+        for peer in peers:
+            rows[peer.name].append(peer.run(path, prompt, gen, threads))
         log(f"  run {r + 1}/{runs}: DRAM {rows['dram_gbs'][-1]:.1f} GB/s; decode tok/s: "
             + ", ".join(f"{e} {rows[e][-1]['decode_tps']:.1f}" for e in engines))
     del llms
@@ -260,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-lib", type=Path, default=None, help="directory of a native libllama.so to run")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
                     help="quill's KV cache type (llama.cpp's is float16)")
+    ap.add_argument("--peer", action="append", default=[], metavar="NAME=LLAMA_BENCH [FLAGS]",
+                    help="also run this llama-bench binary in every round (repeatable), e.g. "
+                         "'ik_llama.cpp=/path/llama-bench -rtr 1' (quill.bench.peers)")
     args = ap.parse_args(argv)
     if args.isa == "avx2":  # before torch is imported
         os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
@@ -283,7 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         files = [quantize_with_llamacpp(args.llama_python, f, args.out / f"{f.stem}.{t.upper()}.gguf", t)
                  for f in files for t in args.types.split(",")]
+    from quill.bench.peers import Peer
+
+    peers = tuple(Peer.parse(spec) for spec in args.peer)
     probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
+    for peer in peers:
+        print(f"peer {peer.describe()}")
     print(f"CPU: {platform.summary()}; quill ISA {args.isa}; llama.cpp from "
           f"{args.llama_lib or 'the llama-cpp-python wheel'}; quill KV cache {args.kv_cache_dtype}, llama.cpp's "
           f"float16", flush=True)
@@ -291,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in files:
         print(f"{f.name}: prompt {args.prompt}, {args.gen} decoded, {threads} threads", flush=True)
         results.append(compare(f, args.llama_python, args.prompt, args.gen, args.runs, threads, probe, print,
-                               platform, args.llama_lib, args.kv_cache_dtype))
+                               platform, args.llama_lib, args.kv_cache_dtype, peers=peers))
     report(results, args, platform, threads, "python -m quill.bench.llamacpp", argv)
     return 0
 
@@ -309,6 +321,8 @@ def report(results: list[dict], args, platform, threads: int, command: str, argv
 
         meta = run_metadata(platform, threads, llama_python=args.llama_python, llama_lib=args.llama_lib,
                             command=" ".join([command, *(argv if argv is not None else sys.argv[1:])]))
+        if getattr(args, "peer", None):
+            meta["peers"] = list(args.peer)  # each round's row names the peer's build commit
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"wrote {args.json}")
 
