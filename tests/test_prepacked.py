@@ -107,8 +107,8 @@ def test_hit_gives_the_outputs_of_a_load_from_the_checkpoint(case, q4_k_m, tmp_p
 
 
 def test_writing_the_cache_never_holds_up_the_first_answer(tmp_path, monkeypatch):
-    import quill.prepacked.store as store
-    gate, real = threading.Event(), store.write_file
+    import quill.prepacked.file as cache_file  # the writer thread imports write_file from here when it starts
+    gate, real = threading.Event(), cache_file.write_file
 
     niceness = []
 
@@ -116,7 +116,7 @@ def test_writing_the_cache_never_holds_up_the_first_answer(tmp_path, monkeypatch
         niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         assert gate.wait(120), "the test never released the writer"
         return real(*args, **kw)
-    monkeypatch.setattr(store, "write_file", held_write)
+    monkeypatch.setattr(cache_file, "write_file", held_write)
     llm = quill.LLM(str(default_model_path()), threads=2, progress=False, cache=True, cache_dir=tmp_path)
     answer = _answer(llm)  # answered while the cache file is still being written
     assert _files(tmp_path) == []
