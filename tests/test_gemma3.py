@@ -17,16 +17,9 @@ from quill.cli.inspect import report
 from quill.engine.core import EngineConfig, EngineCore
 from quill.models.base import ForwardContext
 from tests.engine_util import engine_core, greedy, hf_logprobs, scored, staggered
+from tests.gemma3_util import TEXT, WINDOW, hf_gemma3, randomized  # noqa: F401
 from tests.model_util import save_hf_dir
 
-WINDOW = 16
-# odd sizes; layers 0 and 2 local, 1 and 3 global; their own rope bases, linear scaling on the global ones
-TEXT = dict(vocab_size=320, hidden_size=72, intermediate_size=100, num_hidden_layers=4, num_attention_heads=6,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=WINDOW,
-            query_pre_attn_scalar=20, final_logit_softcapping=30.0,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
 PROMPT = [int(t) for t in torch.randint(4, 320, (100,), generator=torch.Generator().manual_seed(11))]
 GEMMA_TEMPLATE = (  # google/gemma-3-*-it's chat template (tokenizer_config.json), system turn folded in
     "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + "
@@ -36,27 +29,6 @@ GEMMA_TEMPLATE = (  # google/gemma-3-*-it's chat template (tokenizer_config.json
     "{%- set role = message['role'] -%}{%- endif -%}{{ '<start_of_turn>' + role + '\n' + "
     "(first_user_prefix if loop.first else \"\") }}{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
     "{%- endfor -%}{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}")
-
-
-def randomized(model):
-    """``model`` with larger bfloat16-valued weights (far from uniform logits; what the native dense kernels
-    hold) and norms away from their 0 init, so the (1 + w) offsets are exercised."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-            else:
-                p.add_(torch.randn_like(p) * 0.1)
-            p.copy_(p.bfloat16().float())
-    return model.eval()
-
-
-def hf_gemma3(seed: int = 0, **overrides):
-    import transformers
-    cfg = transformers.Gemma3TextConfig(**{**TEXT, **overrides})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    return randomized(transformers.Gemma3ForCausalLM(cfg))
 
 
 def core(llm, **cfg) -> EngineCore:
