@@ -156,13 +156,23 @@ def test_the_rejection_rule_gives_the_target_distribution():
 
 def test_sampled_tokens_keep_the_non_speculative_distribution(llm):
     """On the model: with a draft on the table, the token at the verified position must follow the
-    distribution ordinary sampling draws from there (computed exactly, from the logits a non-speculative
-    request sees), over many seeds.  Accepting every draft fails it by far (chi-square ~100 against ~20)."""
+    distribution ordinary sampling draws from there, over many seeds.  Accepting every draft fails it by
+    far (chi-square ~100 against ~20)."""
     prompt = llm.tokenizer.encode("Count again: one two three four five six seven eight nine ten, one two three four "
                                   "five six seven eight nine ten, one two three four five six seven eight")
-    assert len(prompt) % 16 == 1  # all but the last token from the prefix cache: one prefill row a request
-    temperature, n = 1.5, 160
+    n = 160
     spec = core(llm, True, max_num_seqs=n, max_num_batched_tokens=4 * n)
+    counted = assert_sampled_like_plain(spec, core(llm, False), prompt, n, temperature=1.5)
+    assert spec.stats().spec_decode_num_draft_tokens >= counted  # each had a draft on the table
+
+
+def assert_sampled_like_plain(spec: EngineCore, plain: EngineCore, prompt: list[int], n: int,
+                              temperature: float) -> int:
+    """``n`` requests (seeds 0 .. n - 1) sample 3 tokens after ``prompt`` on ``spec``; among those whose first
+    token is the commonest, the second (a verified position when a draft was on the table) must follow the
+    distribution ordinary sampling draws from there, computed exactly from ``plain``'s log-probs (a
+    chi-square test, p = 1e-3).  How many second tokens it counted."""
+    assert len(prompt) % 16 == 1  # all but the last token from the prefix cache: one prefill row a request
     spec.add_request("warm", prompt, SamplingParams(temperature=0, max_tokens=1))  # the prompt's blocks cached
     list(_drain(spec))
     for i in range(n):
@@ -173,9 +183,7 @@ def test_sampled_tokens_keep_the_non_speculative_distribution(llm):
     firsts = [s[0] for s in seqs.values()]
     first = max(set(firsts), key=firsts.count)
     second = [s[1] for s in seqs.values() if s[0] == first]
-    assert spec.stats().spec_decode_num_draft_tokens >= len(second)  # each had a draft on the table
     # what a non-speculative request samples from after prompt + first: from the raw log-probs of every token
-    plain = core(llm, False)
     plain.add_request("x", prompt + [first], SamplingParams(temperature=0, max_tokens=1, logprobs=-1))
     lps = next(_drain(plain)).logprobs[0]
     p = sampling_probs(torch.tensor([lps[t].logprob for t in range(len(lps))]),
@@ -187,6 +195,7 @@ def test_sampled_tokens_keep_the_non_speculative_distribution(llm):
     expected = torch.cat([expected[big], expected[~big].sum().view(1)])
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < chi2_critical(int(big.sum()), z=3.09), (chi2, observed.tolist(), expected.tolist())  # p 1e-3
+    return len(second)
 
 
 def chi2_critical(df: int, z: float) -> float:

@@ -1,14 +1,19 @@
 """Speculative decoding with a draft model: the default model drafting for itself (every draft kept) and
 for a Q8_0 copy of itself written by llama.cpp's quantizer; greedy output is the non-speculative output
-token for token (alone, in a mixed batch of 16, under preemption), the draft's blocks all come back, and
-bad configurations are named before anything loads."""
+token for token (alone, in a mixed batch of 16, under preemption, through quill serve), sampled output
+keeps the non-speculative distribution, a draft run ends at EOS or a stop token, a draft whose forward
+fails costs no request anything, the draft's blocks all come back, and bad configurations are named
+before anything loads."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
+import openai
 import pytest
 
 import quill
@@ -18,10 +23,12 @@ from quill.engine.core import EngineConfig, EngineCore
 from quill.engine.draft import vocabulary
 from quill.engine.sampling import SamplingParams
 from quill.engine.spec_config import SpeculativeConfig
+from quill.engine.speculative import PROPOSER_FAULTS
 from quill.errors import ConfigError
 from quill.options import RunOptions
 from tests.llamacpp_util import quantize
-from tests.test_speculative import COPY, FREE, _mixed, chat, run
+from tests.server_util import ServerProcess
+from tests.test_speculative import COPY, FREE, _mixed, assert_sampled_like_plain, chat, run
 
 SMOL = str(default_model.default_model_path())
 
@@ -43,10 +50,29 @@ def q8(tmp_path_factory) -> quill.LLM:
     return quill.LLM(str(path), speculative_config=draft_config(), progress=False)
 
 
-def core(llm, spec: bool, **cfg) -> EngineCore:
+def core(llm, spec: bool, draft=None, **cfg) -> EngineCore:
+    """An engine on ``llm``'s model, drafting with ``draft`` (default: ``llm``'s own) when ``spec``."""
     config = EngineConfig(speculative=SpeculativeConfig.parse(draft_config()) if spec else None, **cfg)
     return EngineCore(llm.model, llm.eos_token_ids, llm.context_length, config, isa=llm.engine.cache.isa,
-                      grammars=llm.engine.grammars, draft=llm.draft if spec else None)
+                      grammars=llm.engine.grammars, draft=(llm.draft if draft is None else draft) if spec else None)
+
+
+class ProbedDraft:
+    """The real draft model behind a fault-injection hook: its forward raises on the calls ``fail(n)`` picks
+    (n counts from 1); everything else is the model's own.  Counts the forwards and the tokens they ran."""
+
+    def __init__(self, model, fail: Callable[[int], bool] = lambda n: False):
+        self.model, self.fail, self.calls, self.tokens = model, fail, 0, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, tokens, ctx):
+        self.calls += 1
+        if self.fail(self.calls):
+            raise RuntimeError(f"injected draft fault on call {self.calls}")
+        self.tokens += tokens.shape[1]
+        return self.model(tokens, ctx)
 
 
 def draft_blocks_used(c: EngineCore) -> int:
@@ -116,6 +142,80 @@ def test_an_aborted_request_gives_its_draft_blocks_back(llm):
     assert draft_blocks_used(spec) == 0 and spec.stats().kv_blocks_used == 0
 
 
+# ---- a draft that fails ---------------------------------------------------------------------------------------
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "quill.engine" and r.levelno == logging.WARNING]
+
+
+def test_a_failing_draft_forward_ends_speculation_not_the_requests(llm, caplog):
+    """The draft's 5th forward raises (step 3's first fed-back draft, mid-run: its catch-up already ran): the
+    two requests it drafted for go on without drafts, token for token as without speculation, one warning
+    names the error, the draft's blocks all come back, and a later request speculates again."""
+    prompts = [chat(llm, FREE[2]), chat(llm, COPY[0])]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2
+    want = run(core(llm, False), llm, prompts, params)
+    draft = ProbedDraft(llm.draft, fail=lambda n: n == 5)
+    spec = core(llm, True, draft)
+    with caplog.at_level(logging.WARNING, logger="quill.engine"):
+        assert run(spec, llm, prompts, params) == want
+    [warning] = _warnings(caplog)
+    assert "draft_model proposer failed (RuntimeError: injected draft fault on call 5); request r0, " \
+           "request r1 go on without drafts" in warning
+    s = spec.stats()
+    assert draft.calls == 5  # step 2: catch-up and two fed-back drafts; step 3 failed; none since
+    assert s.spec_decode_num_drafts == 2 and s.spec_decode_num_accepted_tokens == s.spec_decode_num_draft_tokens == 6
+    assert draft_blocks_used(spec) == 0 and s.kv_blocks_used == 0
+    assert run(spec, llm, prompts[:1], params[:1]) == want[:1]  # a new request: drafts again
+    assert draft.calls > 5 and spec.stats().spec_decode_num_drafts > 2
+
+
+def test_a_draft_that_keeps_failing_is_switched_off(llm, caplog):
+    """Every draft forward raises: each request still answers as without speculation; after PROPOSER_FAULTS
+    failures in a row the engine stops drafting (no forward wasted on each new request), and says so."""
+    prompt, params = [chat(llm, FREE[0])], [SamplingParams(temperature=0, max_tokens=6)]
+    want = run(core(llm, False), llm, prompt, params)
+    draft = ProbedDraft(llm.draft, fail=lambda n: True)
+    spec = core(llm, True, draft)
+    with caplog.at_level(logging.WARNING, logger="quill.engine"):
+        for _ in range(PROPOSER_FAULTS + 1):
+            assert run(spec, llm, prompt, params) == want
+    warnings = _warnings(caplog)
+    assert draft.calls == len(warnings) == PROPOSER_FAULTS  # one failed forward a request, then none
+    assert "speculation is now off for this engine (3 failures in a row)" in warnings[-1]
+    assert "now off" not in warnings[0] and spec.stats().spec_decode_num_drafts == 0
+
+
+# ---- a draft run ends where the request would -------------------------------------------------------------------
+def test_a_draft_run_ends_at_eos_or_a_stop_token(llm):
+    """A draft after a token that finishes the request is never kept: drafting for itself without ignore_eos,
+    the default model keeps every token it drafts (it would not if runs went on past EOS / the stop token)."""
+    prompts = [chat(llm, FREE[1]), chat(llm, FREE[0])]
+    free = run(core(llm, False), llm, prompts[1:], [SamplingParams(temperature=0, max_tokens=40)])[0][0]
+    stop = next(t for i, t in enumerate(free) if i >= 6 and t not in free[:i])  # a token first seen mid-answer
+    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=40,
+                                                                           stop_token_ids=[stop])]
+    want = run(core(llm, False), llm, prompts, params)
+    assert [w[2] for w in want] == ["stop", "stop"] and want[1][3] == stop  # EOS, then the stop token
+    draft = ProbedDraft(llm.draft)
+    spec = core(llm, True, draft)
+    assert run(spec, llm, prompts, params) == want
+    s = spec.stats()
+    assert s.spec_decode_num_accepted_tokens == s.spec_decode_num_draft_tokens > 10
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------------
+def test_sampled_tokens_keep_the_non_speculative_distribution(llm):
+    """Temperature > 0: the token at a position the draft model drafted follows the distribution ordinary
+    sampling draws from there (tests.test_speculative's chi-square test over 100 seeds).  A one-token prompt:
+    the draft prefills every request's prompt itself, and after it the model's second token is spread
+    (its favourite ~0.3), so accepting every draft fails the test by far (chi-square 121 against 11.2 at p = 1e-3)."""
+    prompt = llm.tokenizer.encode("Recipe")
+    n = 100
+    spec = core(llm, True, max_num_seqs=n, max_num_batched_tokens=4 * n)
+    assert_sampled_like_plain(spec, core(llm, False), prompt, n, temperature=1.0)
+    assert spec.stats().spec_decode_num_draft_tokens == n  # every request had a draft at its second token
+
+
 # ---- configuration ------------------------------------------------------------------------------------------
 def _other_vocab(tmp_path: Path) -> Path:
     """A directory whose tokenizer.json is the default model's vocabulary with token 300 changed."""
@@ -157,3 +257,28 @@ def test_the_flag_reaches_the_check(capsys):
     config = {"method": "draft_model", "model": "/nonexistent/draft.gguf"}
     assert main(["generate", "--max-tokens", "2", "--speculative-config", json.dumps(config), "hi"]) == 2
     assert "speculative_config.model: /nonexistent/draft.gguf: no such file" in capsys.readouterr().err
+
+
+# ---- through quill serve --------------------------------------------------------------------------------------
+def test_serve_with_a_draft_model_answers_the_same_and_reports_it(llm):
+    """One server drafting with the default model for itself: greedy completions (streamed and not) and a
+    streamed chat answer as an engine without speculation does; /metrics counts drafted and accepted tokens
+    under vLLM's names (every draft kept: the draft is the target, and a run ends at EOS)."""
+    prompt, question = COPY[1], FREE[2]
+    greedy = [SamplingParams(temperature=0, max_tokens=24)]
+    want = run(core(llm, False), llm, [llm.tokenizer.encode(prompt)], greedy)[0][1]
+    want_chat = run(core(llm, False), llm, [chat(llm, question)], greedy)[0][1]
+    with ServerProcess("--speculative-config", json.dumps(draft_config()), "--max-num-seqs", "4") as s:
+        assert any(f"speculation: draft_model {SMOL}" in line for line in s.lines)  # the load line
+        client = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=120)
+        got = client.completions.create(model=s.name, prompt=prompt, max_tokens=24, temperature=0)
+        streamed = client.completions.create(model=s.name, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        chat_stream = client.chat.completions.create(model=s.name, messages=[{"role": "user", "content": question}],
+                                                     max_tokens=24, temperature=0, stream=True)
+        assert got.choices[0].text == want
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+        assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices) == want_chat
+        m = s.metrics()
+    assert m["vllm:spec_decode_num_drafts_total"] > 0
+    assert m["vllm:spec_decode_num_accepted_tokens_total"] == m["vllm:spec_decode_num_draft_tokens_total"] > 10
+    assert m["vllm:spec_decode_draft_acceptance_rate"] == 1.0 and m["quill_spec_decode_mean_acceptance_length"] > 2

@@ -178,8 +178,8 @@ class EngineCore:
             return None
         if spec is None:
             return None
-        proposer = None if self.draft is None else DraftModelProposer(self.draft, self.draft_cache,
-                                                                      self.config.max_num_batched_tokens, self.vocab)
+        proposer = None if self.draft is None else DraftModelProposer(
+            self.draft, self.draft_cache, self.config.max_num_batched_tokens, self.vocab, self.eos)
         return Speculator(spec, self.context_length, proposer)
 
     # ---- requests --------------------------------------------------------------

@@ -5,7 +5,8 @@ The draft keeps its own paged KV blocks (``DraftKV``, out of the engine's budget
 per sequence, which of the sequence's tokens they hold.  Each step, for every sequence that proposes at
 once: one forward catches the draft up on the tokens it has not seen (the prompt, chunked like any
 prefill, and the tokens the last verification kept) and gives each its first draft; then one forward per
-further draft position feeds the previous draft back.  After verification the draft's tokens are cut back
+further draft position feeds the previous draft back, until a run's k tokens or a token that would finish the
+request (EOS, a stop token: nothing after it can be kept).  After verification the draft's tokens are cut back
 to the common prefix with the sequence's (rolled back; blocks past it freed).  A draft is one-hot (its
 argmax), so the target's rejection rule (``verify_token``) keeps the output distribution exact.
 """
@@ -109,11 +110,14 @@ def _common(a: list[int], b: list[int]) -> int:
 class DraftModelProposer:
     """Greedy drafts from a draft model for many sequences at once (``propose_many``)."""
 
-    def __init__(self, model: nn.Module, cache: PagedKVCache, max_tokens: int, vocab: int):
+    def __init__(self, model: nn.Module, cache: PagedKVCache, max_tokens: int, vocab: int,
+                 eos: frozenset[int] = frozenset()):
         """``cache``: the draft's pools (quill.engine.pools); ``max_tokens``: a catch-up forward's tokens at most
         (the engine's step budget: a long prompt is caught up in chunks); ``vocab``: the target's vocabulary
-        size (a draft whose embedding is padded wider never proposes a token past it)."""
+        size (a draft whose embedding is padded wider never proposes a token past it); ``eos``: the target's
+        EOS tokens (a draft run ends at one, as at a request's stop token)."""
         self.model, self.kv, self.max_tokens, self.vocab = model, DraftKV(cache), max_tokens, vocab
+        self.eos = eos
         self.context_length = model.args.context_length  # no position past the draft's own window
         self.native_step, _ = model.native_decode_step(cache, None)
         self.states: dict[Sequence, DraftState] = {}
@@ -147,12 +151,21 @@ class DraftModelProposer:
             if k > 0:
                 drafts[i].append(first)
                 live.append((i, st, p, k))
-        for j in range(1, max((k for *_, k in live), default=0)):
-            step = [(i, st, p) for i, st, p, k in live if k > j]
+        while True:  # one forward per further draft position, for the runs not done
+            step = [(i, st, p) for i, st, p, k in live
+                    if len(drafts[i]) < k and not self._ends(items[i][0], drafts[i][-1])]
+            if not step:
+                return drafts
             nxt = self._forward([(st, p, [drafts[i][-1]]) for i, st, p in step])
             for (i, _, _), d in zip(step, nxt):
                 drafts[i].append(d)
-        return drafts
+
+    def _ends(self, seq: Sequence, token: int) -> bool:
+        """Whether ``token`` ends ``seq``'s draft run: a draft after it is never kept (the target stops there
+        if it keeps the token, and a rejected token rejects what follows), so drafting on wastes a forward.
+        The set of tokens that finish a request, or that min_tokens masks (the same set)."""
+        p = seq.params
+        return token in p.stop_token_ids or (token in self.eos and not p.ignore_eos)
 
     def rollback(self, seq: Sequence) -> None:
         """Cut the draft's tokens back to what ``seq`` still holds (at least its last token is fed again)."""

@@ -24,6 +24,7 @@ recurrent state (their state after a rejected token cannot be undone).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,9 @@ from quill.engine.sequence import Sequence
 from quill.engine.spec_config import SpeculativeConfig
 
 PAUSE_MAX = 32  # decode steps a sequence whose drafts keep failing waits at most before proposing again
+PROPOSER_FAULTS = 3  # proposer failures in a row (no success between) before the engine stops speculating
+
+log = logging.getLogger("quill.engine")
 
 
 @dataclass
@@ -44,6 +48,7 @@ class SpecState:
     k: int  # drafts to ask for next (1 .. num_speculative_tokens)
     misses: int = 0  # verifications in a row that kept no draft
     paused: int = 0  # decode steps left without proposing
+    off: bool = False  # the proposer failed while drafting for it: plain decoding from then on
 
     def update(self, drafted: int, kept: int, k_max: int) -> None:
         """After a verification: grow k back while drafts are kept, halve it and pause (doubling the pause)
@@ -75,23 +80,54 @@ class Speculator:
         self.config, self.context_length = config, context_length
         self.proposer = proposer or NgramProposer(config)
         self.counters = SpecCounters()
+        self.faults = 0  # proposer failures in a row
+        self.off = False  # PROPOSER_FAULTS of them: no sequence speculates any more
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """Drafts for ``seq`` alone (``propose_many`` for a step's sequences at once)."""
         k = self.wants(seq, budget)
-        return self.proposer.propose_many([(seq, k)])[0] if k else []
+        return self.propose_many([(seq, k)])[0] if k else []
 
     def propose_many(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
-        """Drafts for each (sequence, k) from ``wants``, in one go (a draft model runs them batched)."""
-        return self.proposer.propose_many(items) if items else []
+        """Drafts for each (sequence, k) from ``wants``, in one go (a draft model runs them batched).
+
+        Drafts only ever save time, so a proposer that raises (a draft model's forward, say) costs no
+        request anything: the sequences it drafted for go on decoding plainly (the same output), and it is
+        logged once per failure."""
+        if not items:
+            return []
+        try:
+            drafts = self.proposer.propose_many(items)
+        except Exception as e:  # any failure of an optional speed-up; the engine's own errors are elsewhere
+            self._proposer_failed([seq for seq, _ in items], e)
+            return [[] for _ in items]
+        self.faults = 0
+        return drafts
+
+    def _proposer_failed(self, seqs: list[Sequence], error: Exception) -> None:
+        """``seqs`` stop speculating (what the proposer holds for them goes back); after PROPOSER_FAULTS failures
+        in a row the engine does (a proposer that always fails would cost a forward per new request)."""
+        self.faults += 1
+        for seq in seqs:
+            seq.spec.off = True
+            self.proposer.release(seq)
+        self.off = self.faults >= PROPOSER_FAULTS
+        log.warning("speculative decoding: the %s proposer failed (%s: %s); %s go on without drafts%s",
+                    self.config.method, type(error).__name__, error,
+                    ", ".join(f"request {seq.request_id}" for seq in seqs),
+                    f"; speculation is now off for this engine ({self.faults} failures in a row)" if self.off else "",
+                    exc_info=error)
 
     def wants(self, seq: Sequence, budget: int) -> int:
         """How many drafts ``seq``'s next step should have (at most ``budget``; 0 when they cannot pay)."""
-        if seq.grammar is not None or seq.scorer is not None or seq.params.structured_outputs is not None:
+        if (self.off or seq.grammar is not None or seq.scorer is not None
+                or seq.params.structured_outputs is not None):
             return 0
         state = seq.spec
         if state is None:
             state = seq.spec = SpecState(self.config.num_speculative_tokens)
+        if state.off:
+            return 0
         if state.paused:
             state.paused -= 1
             return 0
