@@ -92,6 +92,28 @@ def test_block_allocation_and_free():
     assert bm.num_used == 0 and a.block_table == []
 
 
+def test_a_batched_decode_preempted_by_a_later_one_leaves_the_step():
+    """Preemption takes the newest by arrival, which need not come last in ``running`` (a readmitted sequence keeps
+    its arrival and goes to the back): the decode loop may preempt one it already batched, which must leave the
+    step (its blocks are gone)."""
+    from quill.engine.scheduler import Scheduler
+    from quill.engine.sequence import Status
+
+    bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    newer, older = seq(range(3), "newer"), seq(range(4), "older")
+    newer.arrival, older.arrival = 5, 3
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    for s in (newer, older):
+        bm.allocate(s)
+        s.status = Status.RUNNING
+        sched.running.append(s)
+    newer.num_computed = 2  # decoding token 2: its block has room
+    older.num_computed, older.output = 4, [9]  # decoding token 4: needs a second block, and none is free
+    batch = sched.schedule()
+    assert newer.status is Status.WAITING and newer.block_table == [] and sched.num_preemptions == 1
+    assert batch == [(older, 1)]
+
+
 def test_prefix_hits_misses_and_lru_eviction():
     bm = BlockManager(num_blocks=6, block_size=4)
     a = seq(range(12), "a")

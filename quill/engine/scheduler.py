@@ -55,6 +55,11 @@ class Scheduler:
             self.blocks.append_slot(seq)
             batch.append((seq, 1))
             budget -= 1
+        # A later decode's room may have preempted one already batched: the newest by arrival need not come last
+        # in ``running`` (a readmitted sequence keeps its arrival).  Its blocks are gone: it leaves the step.
+        kept = [(seq, n) for seq, n in batch if seq.status is Status.RUNNING]
+        budget += len(batch) - len(kept)
+        batch = kept
         if self.speculator is not None:
             budget = self._speculate(batch, budget)
         for seq in self.running:  # prefills under way: their next chunk
