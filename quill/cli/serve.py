@@ -178,7 +178,8 @@ def run(args) -> int:
     stats = llm.engine.stats()
     host, port = sock.getsockname()[:2]
     print(f"quill serve: '{config.model_name or default_model_name(llm.path)}' at http://{_url_host(host)}:{port}/v1 "
-          f"({stats.kv_blocks_total} KV blocks of {engine_config.block_size} tokens in "
+          f"({stats.kv_blocks_total} KV blocks of {engine_config.block_size} tokens"
+          f"{f' (+ {stats.kv_local_blocks_total} for the sliding-window layers)' if stats.kv_local_blocks_total else ''} in "
           f"{llm.engine.kv_cache_dtype}, up to {args.max_num_seqs} "
           f"sequences at once)", file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=False,
