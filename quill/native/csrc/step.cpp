@@ -170,13 +170,13 @@ class DecoderStep {
       expect_f32(cos[l.rope], {1, t, l.rd}, "cos");
       expect_f32(sin[l.rope], {1, t, l.rd}, "sin");
     }
-    const int64_t* sl = checked_slots(slots, t, pool_rows_[0], "slots");
+    const int64_t* sl = checked_slots(slots, t, pool_rows_[0], false);
     const int64_t* lsl = nullptr;
     if (pool_rows_[1] >= 0) {  // layers in the local block group
       if (!local_slots || !local_ctx_slots)
         step_fail("the sliding-window layers' pools are a block group of their own: forward needs 'local_slots' "
                   "and 'local_ctx_slots'");
-      lsl = checked_slots(*local_slots, t, pool_rows_[1], "local_slots");
+      lsl = checked_slots(*local_slots, t, pool_rows_[1], true);
       if (local_ctx_slots->scalar_type() != at::kLong || local_ctx_slots->sizes() != ctx_slots.sizes() ||
           !local_ctx_slots->is_contiguous())
         step_fail("'local_ctx_slots' should be contiguous int64 ", ctx_slots.sizes(), " (as ctx_slots), found ",
@@ -200,13 +200,15 @@ class DecoderStep {
 
  private:
   // slots (int64 [t], contiguous) checked against a group's pool rows (none: no layer of that group)
-  static const int64_t* checked_slots(const at::Tensor& slots, int64_t t, int64_t pool_rows, const char* name) {
+  static const int64_t* checked_slots(const at::Tensor& slots, int64_t t, int64_t pool_rows, bool local) {
+    const char* name = local ? "local_slots" : "slots";
     if (slots.scalar_type() != at::kLong || slots.sizes() != at::IntArrayRef({t}) || !slots.is_contiguous())
       step_fail("'", name, "' should be contiguous int64 [", t, "], found ", slots.dtype(), " ", slots.sizes());
     const int64_t* sl = slots.data_ptr<int64_t>();
     for (int64_t i = 0; pool_rows >= 0 && i < t; ++i)  // against the smallest pool of the group's layers
       if (sl[i] < 0 || sl[i] >= pool_rows)
-        step_fail("token ", i, " writes pool row ", sl[i], " (", name, "); the pool has ", pool_rows);
+        step_fail("token ", i, " writes pool row ", sl[i], "; the pool has ", pool_rows,
+                  local ? " (local_slots: the sliding-window layers' block group)" : "");
     return sl;
   }
 
@@ -334,8 +336,8 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
       const int64_t* tab = g ? lcs : cs;
       for (int64_t i = 0; pool_rows_[g] >= 0 && i < ln[b]; ++i)
         if (tab[b * s + i] < 0 || tab[b * s + i] >= pool_rows_[g])
-          step_fail("sequence ", b, " position ", i, " names pool row ", tab[b * s + i], " (block group ", g,
-                    "); the pool has ", pool_rows_[g]);
+          step_fail("sequence ", b, " position ", i, " names pool row ", tab[b * s + i], "; the pool has ",
+                    pool_rows_[g], g ? " (local_ctx_slots: the sliding-window layers' block group)" : "");
     }
   }
   const AttnHead head = backend_->attn_head;
