@@ -177,8 +177,10 @@ def run(args) -> int:
     app = create_app(llm, config, executor)
     stats = llm.engine.stats()
     host, port = sock.getsockname()[:2]
+    local = stats.kv_local_blocks_total  # the sliding-window layers' own group
     print(f"quill serve: '{config.model_name or default_model_name(llm.path)}' at http://{_url_host(host)}:{port}/v1 "
-          f"({stats.kv_blocks_total} KV blocks of {engine_config.block_size} tokens in "
+          f"({stats.kv_blocks_total} KV blocks of {engine_config.block_size} tokens"
+          f"{f' (+ {local} for the sliding-window layers)' if local else ''} in "
           f"{llm.engine.kv_cache_dtype}, up to {args.max_num_seqs} "
           f"sequences at once)", file=sys.stderr, flush=True)
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=False,

@@ -6,6 +6,10 @@ KV has been computed is keyed by a hash of its tokens and of everything before i
 those blocks.  Blocks whose reference count drops to zero go to the back of the free
 list with their content and hash kept: a later request may still hit them, and
 allocation takes from the front, so the least recently used content is evicted first.
+
+A model with sliding-window layers keeps their blocks in a second group (``window_blocks.WindowBlocks``,
+``window``): lazily taken for the positions a step computes (``cover_window``) and given back as the window
+slides past them; this manager's tables and counts stay the global layers' (and decide admission).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
 from quill.engine.sequence import Sequence
+from quill.engine.window_blocks import WindowBlocks
 from quill.errors import GenerationError
 
 
@@ -28,9 +33,11 @@ def block_hash(parent: bytes, tokens: Seq[int]) -> bytes:
 class BlockManager:
     """The block pool's bookkeeping (the KV tensors themselves live in ``kv_cache.PagedKVCache``)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, states=None):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, states=None,
+                 window: WindowBlocks | None = None):
         """``states``: a ``quill.engine.state_cache.StatePool`` whose slot each sequence holds beside its
-        blocks (models with recurrent layers), or None."""
+        blocks (models with recurrent layers), or None; ``window``: the sliding-window layers' block group
+        (models with local layers), or None."""
         if num_blocks < 1 or block_size < 1:
             raise GenerationError(f"a KV cache needs at least one block of one token, found {num_blocks} "
                                   f"blocks of {block_size}")
@@ -44,6 +51,7 @@ class BlockManager:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.states = states
+        self.window = window
 
     # ---- facts ---------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -76,6 +84,8 @@ class BlockManager:
             del self.by_key[self.key[block]]
             self.key[block] = None
             self._cached_free -= 1
+            if self.window is not None:  # its local twin is unreachable now
+                self.window.forget(block)
         return block
 
     def _use(self, block: int) -> None:
@@ -94,6 +104,8 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
+        if self.window is not None:  # only as far as the local layers still hold what the first query's window reads
+            hits = hits[:self.window.reusable(hits)]
         return hits
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -114,6 +126,8 @@ class BlockManager:
             self.ref[b] = 1
         seq.block_table = hits + new
         seq.num_hashed = len(hits)
+        if self.window is not None:
+            self.window.take_hits(seq, hits)
         if self.states is not None:
             seq.state_slot = self.states.take(seq.request_id)
         seq.num_computed = len(hits) * self.block_size
@@ -130,6 +144,11 @@ class BlockManager:
         """Make room for token ``seq.num_tokens`` (the one about to be computed)."""
         if self.blocks_for(seq.num_tokens) > len(seq.block_table):
             self._grow(seq)
+
+    def cover_window(self, seq: Sequence, n: int) -> None:
+        """Local blocks for the ``n`` positions ``seq`` computes this step (no-op without local layers)."""
+        if self.window is not None:
+            self.window.cover(seq, seq.num_computed + n)
 
     def _grow(self, seq: Sequence) -> None:
         """One free block onto the end of ``seq``'s table."""
@@ -161,9 +180,17 @@ class BlockManager:
         keep = max(self.blocks_for(seq.num_computed), seq.num_hashed)
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop(), reuse_first=True)
+        if self.window is not None:
+            self.window.trim(seq, self.blocks_for(seq.num_computed))
 
     def register_computed(self, seq: Sequence) -> None:
-        """Key every full block whose KV is now computed, so later prompts can reuse it."""
+        """Key every full block whose KV is now computed, so later prompts can reuse it; then give back the
+        local blocks the window has passed (after keying: a block keyed here may have its local twin freed)."""
+        self._register(seq)
+        if self.window is not None:
+            self.window.slide(seq)
+
+    def _register(self, seq: Sequence) -> None:
         if not self.prefix_caching:
             return
         full = seq.num_computed // self.block_size
@@ -175,6 +202,9 @@ class BlockManager:
             if key not in self.by_key and self.key[block] is None:
                 self.key[block] = key
                 self.by_key[key] = block
+            if self.window is not None and key in self.by_key:
+                # the cached block's local twin: this one, unless it has one (its own, still cached)
+                self.window.register(seq, i, self.by_key[key])
         seq.num_hashed = full
 
     def free_blocks(self, seq: Sequence) -> None:
@@ -183,6 +213,8 @@ class BlockManager:
             self._release(block)
         seq.block_table = []
         seq.num_hashed = 0
+        if self.window is not None:
+            self.window.free_all(seq)
         if seq.state_slot is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None

@@ -17,112 +17,30 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
 from quill.engine.block_manager import BlockManager
+from quill.engine.config import KV_CACHE_DTYPES, EngineConfig, EngineStats, StepOutput  # noqa: F401 (re-exported)
 from quill.engine.draft import DraftModelProposer
 from quill.engine.kv_cache import StepLayout
 from quill.engine.limits import PromptLimits
 from quill.engine.pools import build_pools
-from quill.engine.sampling import Logprob, SamplingParams, process_logits, sample_token, token_logprobs
+from quill.engine.sampling import SamplingParams, process_logits, sample_token, token_logprobs
 from quill.engine.scheduler import Scheduler
-from quill.engine.scoring import PromptScores, ScoreAccumulator, ScoreSpec
+from quill.engine.scoring import ScoreAccumulator, ScoreSpec
 from quill.engine.sequence import Sequence, Status
-from quill.engine.spec_config import SpeculativeConfig
 from quill.engine.speculative import Speculator, verify, verify_token
 from quill.engine.structured import GrammarCompiler, constrain
 from quill.errors import GenerationError
 from quill.models.base import ForwardContext
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPILE_WAIT = 0.005  # s an idle step waits for a grammar being compiled (a caller on an event loop steps again)
 LONE_FAULTS = 3  # one-request steps whose forward failed, in a row, before the engine is called broken
 
 log = logging.getLogger("quill.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How much the engine runs at once and how much KV memory it holds."""
-
-    max_num_seqs: int = 16  # running sequences at most
-    max_num_batched_tokens: int = 256  # tokens of one step (decodes + prefill chunks)
-    kv_cache_memory: int | None = None  # bytes of the KV block pool; None: a fraction of available RAM
-    kv_cache_fraction: float = 0.2  # used when kv_cache_memory is None
-    block_size: int = 16  # tokens per KV block
-    enable_prefix_caching: bool = True
-    # all-decode steps run every decoder layer in one native call when the model allows
-    # (the model's native_decode_step, built by quill.layers.native_step); False keeps the Python layers
-    # (the same bits, slower)
-    native_step: bool = True
-    # element type of the KV pools: "auto" (the default: float16, llama.cpp's default cache type),
-    # "float32" (exact), "float16" or "bfloat16": a 16-bit pool takes half the memory per cached token
-    # and half the bytes decode attention reads per token at long contexts; each k / v is rounded to
-    # nearest even as it is stored, attention still computes in float32
-    kv_cache_dtype: str = "auto"
-    # speculative decoding (quill.engine.speculative); None: off
-    speculative: SpeculativeConfig | None = None
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise GenerationError(f"EngineConfig.{name}: expected a positive integer, found {v!r}")
-        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
-            raise GenerationError(f"EngineConfig.kv_cache_memory: expected a positive number of bytes, "
-                                  f"found {self.kv_cache_memory!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise GenerationError(f"EngineConfig.kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, "
-                                  f"found {self.kv_cache_dtype!r}")
-        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
-            raise GenerationError(f"EngineConfig.speculative: expected a SpeculativeConfig, found "
-                                  f"{type(self.speculative).__name__}")
-        if not 0.0 < self.kv_cache_fraction <= 0.9:
-            raise GenerationError(f"EngineConfig.kv_cache_fraction: expected (0, 0.9], found {self.kv_cache_fraction}")
-
-
-@dataclass
-class StepOutput:
-    """What one step says about one request."""
-
-    request_id: str
-    new_token_ids: list[int]  # tokens sampled this step (0, 1, or more with speculative decoding)
-    logprobs: list[dict[int, Logprob]] | None  # one dict per new token when params.logprobs is set
-    prompt_logprobs: list[dict[int, Logprob] | None] | None  # once, with the first token, if asked
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error" at the end
-    stop_reason: int | None  # the stop token id that ended it, if any
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens taken from the prefix cache (not recomputed)
-    scores: PromptScores | None = None  # once, with the first token, for a scored request
-    error: str | None = None  # finish_reason "error": what failed ("ExceptionType: message")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_blocks_cached_free: int  # blocks holding only prefix-cache content (evictable)
-    prefix_cache_queried_tokens: int  # cumulative
-    prefix_cache_hit_tokens: int
-    prompt_tokens_total: int  # prompt tokens computed (cache hits excluded)
-    generation_tokens_total: int
-    num_preemptions: int
-    num_aborted: int = 0  # requests ended by their caller before they finished (cumulative)
-    num_failed: int = 0  # requests ended by an error of their own in the engine (cumulative)
-    prefix_caching: bool = True  # off for models with per-sequence recurrent state
-    state_slots_used: int = 0  # sequences holding recurrent state (hybrid models; 0 otherwise)
-    state_slots_total: int = 0
-    state_bytes: int = 0  # the recurrent-state pool, out of the same budget as the KV blocks
-    grammar_compiles: int = 0  # structured-output grammars compiled (a spec seen before is not; cumulative)
-    spec_decode_num_drafts: int = 0  # speculative verifications that had drafts (cumulative)
-    spec_decode_num_draft_tokens: int = 0  # draft tokens verified
-    spec_decode_num_accepted_tokens: int = 0  # of them kept
 
 
 class EngineCore:
@@ -144,14 +62,16 @@ class EngineCore:
             raise GenerationError(f"EngineCore: a draft model is given exactly when speculative_config's method is "
                                   f"draft_model; found method {spec and spec.method!r} and "
                                   f"draft {type(draft).__name__ if draft is not None else None}")
-        self.cache, self.states, num_blocks, self.draft_cache = build_pools(model, self.config, context_length, isa,
-                                                                            draft)
+        pools = build_pools(model, self.config, context_length, isa, draft)
+        self.cache, self.states, self.draft_cache = pools.cache, pools.states, pools.draft_cache
+        num_blocks = pools.num_blocks
         self.draft = draft
         self.kv_cache_dtype = str(self.cache.keys[0].dtype).removeprefix("torch.")  # what the pools hold
         self.native_step, self.native_step_reason = (
             model.native_decode_step(self.cache, self.states) if self.config.native_step else (None, "disabled"))
         self.blocks = BlockManager(num_blocks, self.config.block_size,
-                                   self.config.enable_prefix_caching and self.states is None, self.states)
+                                   self.config.enable_prefix_caching and self.states is None, self.states,
+                                   pools.window)
         if self.states is not None and self.config.enable_prefix_caching:
             # a cached block holds keys and values, not the recurrent state after it: reusing it is wrong
             log.info("prefix caching: off (the model keeps per-sequence recurrent state)")
@@ -254,7 +174,12 @@ class EngineCore:
                            b.queried_tokens, b.hit_tokens, self.prompt_tokens_total, self.generation_tokens_total,
                            s.num_preemptions, self.num_aborted, self.num_failed, b.prefix_caching,
                            st.num_used if st else 0, st.num_slots if st else 0, st.nbytes() if st else 0,
-                           self.grammars.compiles if self.grammars else 0, *self._spec_counts())
+                           self.grammars.compiles if self.grammars else 0, *self._spec_counts(),
+                           *self._window_counts())
+
+    def _window_counts(self) -> tuple[int, int, int]:
+        w = self.blocks.window
+        return (w.num_used, w.num_blocks, w.window) if w is not None else (0, 0, 0)
 
     def _spec_counts(self) -> tuple[int, int, int]:
         c = self.speculator.counters if self.speculator is not None else None
@@ -371,12 +296,13 @@ class EngineCore:
                           error=f"{type(error).__name__}: {error}")
 
     def _forward(self, batch: list[tuple[Sequence, int]], scored: dict[Sequence, range]) -> tuple[torch.Tensor, dict]:
-        tokens, positions, pieces, want, rows = [], [], [], [], {}
+        tokens, positions, pieces, local, want, rows = [], [], [], [], [], {}
         for seq, n in batch:
             start = len(tokens)
             tokens += seq.tokens[seq.num_computed:seq.num_computed + n - len(seq.drafts)] + seq.drafts
             positions += range(seq.num_computed, seq.num_computed + n)
             pieces.append((seq.block_table, seq.num_computed, n, len(seq.prompt)))
+            local.append((seq.window_table, seq.num_computed, n, len(seq.prompt)))
             picked = range(start, start + n) if seq.wants_prompt_logprobs or seq.drafts else (
                 [start + n - 1] if seq.num_computed + n == seq.num_tokens else [])
             if seq in scored:  # scored rows come before the sampled one
@@ -384,6 +310,8 @@ class EngineCore:
             rows[seq] = list(range(len(want), len(want) + len(picked)))
             want += picked
         layout = StepLayout.build(pieces, self.blocks.block_size)
+        if self.blocks.window is not None:  # the sliding-window layers' tables: the same positions, their group's rows
+            layout.local = StepLayout.build(local, self.blocks.block_size)
         if self.native_step is not None and (layout.one_row_per_sequence(len(batch)) or (
                 self.states is None and layout.all_decodes())):  # every token a decode
             # recurrent layers: each sequence's state slot (one row per sequence, in the batch's order)

@@ -14,6 +14,11 @@ token of a chunked prompt, or the one left after a prefix-cache hit), a generate
 through decode attention (even when a preempted sequence recomputes it inside a chunk).  The two
 kernels round differently, so this keeps greedy output the same however the prompt was chunked,
 cached or preempted.
+
+A model with sliding-window layers keeps those layers' pools in a block group of their own
+(``local_layers``, ``local_blocks``; quill.engine.window_blocks): a step then has a second layout over
+each sequence's local block table (``StepLayout.local``), the same positions in that group's rows, and
+the local layers read and write through it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from quill.errors import GenerationError
 from quill.layers import paged_decode_attention, paged_prefill_attention
 
 
@@ -37,6 +43,8 @@ class StepLayout:
     decode_slots: torch.Tensor  # int64 [Bd, Smax]: context slots of each decoding sequence (0-padded)
     decode_lens: torch.Tensor  # int64 [Bd]: context length of each decoding sequence
     prefills: list[tuple[int, int, torch.Tensor]]  # (start in the row, new tokens, context slots int64 [S])
+    # the same step in the sliding-window layers' block group (their tables), None: no such group
+    local: "StepLayout | None" = None
 
     @classmethod
     def build(cls, pieces: list[tuple[list[int], int, int, int]], block_size: int) -> "StepLayout":
@@ -137,18 +145,22 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, isa: str | None = None, kv_layers: list[bool] | None = None,
-                 layer_shapes: list[tuple[int, int] | None] | None = None):
+                 layer_shapes: list[tuple[int, int] | None] | None = None, local_layers: frozenset[int] = frozenset(),
+                 local_blocks: int = 0):
         """``kv_layers``: which layers keep keys and values (None: all); the others (recurrent layers) get
         empty pools, so the lists stay indexed by decoder layer.  ``layer_shapes``: per layer its own (kv heads,
         head dim), or None for a layer without a pool (Gemma 4: global layers wider than local ones, and
-        layers that read another layer's pool); it overrides ``kv_heads``, ``head_dim`` and ``kv_layers``."""
+        layers that read another layer's pool); it overrides ``kv_heads``, ``head_dim`` and ``kv_layers``.
+        ``local_layers``: the layers whose pools hold ``local_blocks`` blocks instead (the sliding-window block
+        group, its null block included), read and written through ``StepLayout.local``."""
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.local_layers, self.local_blocks = frozenset(local_layers), local_blocks
         self.isa = isa  # the native variant decode attention runs (chosen at load), None for torch
         if layer_shapes is None:
             kv = kv_layers or [True] * num_layers
             layer_shapes = [(kv_heads, head_dim) if kv[i] else None for i in range(num_layers)]
-        slots = num_blocks * block_size
-        shapes = [(slots, *s) if s is not None else (0, kv_heads, head_dim) for s in layer_shapes]
+        rows = [(local_blocks if i in self.local_layers else num_blocks) * block_size for i in range(num_layers)]
+        shapes = [(rows[i], *s) if s is not None else (0, kv_heads, head_dim) for i, s in enumerate(layer_shapes)]
         self.keys = [untouched_zeros(shape, dtype) for shape in shapes]
         self.values = [untouched_zeros(shape, dtype) for shape in shapes]
 
@@ -160,7 +172,11 @@ class PagedKVCache:
         return 2 * per_token * block_size * torch.empty(0, dtype=dtype).element_size()
 
     def views(self, layout: StepLayout) -> list["PagedLayerCache"]:
-        return [PagedLayerCache(self.keys[i], self.values[i], layout, self.isa) for i in range(len(self.keys))]
+        if self.local_layers and layout.local is None:
+            raise GenerationError("the sliding-window layers' pools are a block group of their own: the step's "
+                                  "layout needs its local part (StepLayout.local)")
+        return [PagedLayerCache(self.keys[i], self.values[i], layout.local if i in self.local_layers else layout,
+                                self.isa) for i in range(len(self.keys))]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for buf in (self.keys, self.values) for t in buf)

@@ -217,6 +217,10 @@ class LLM:
         acts = describe_activations(self.options.act_quant, self.activation, is_gguf(self.path), prescribed)
         kv = describe_kv_cache(engine_config.kv_cache_dtype if engine_config else None, self.engine.kv_cache_dtype)
         out = {"activations": acts, "KV cache": kv}
+        window = self.engine.blocks.window
+        if window is not None:  # sliding-window layers: their own block group, freed as the window slides
+            out["KV blocks"] = (f"{self.engine.blocks.num_blocks} for the global layers, {window.num_blocks} for "
+                                f"the sliding-window layers (window {window.window}: blocks out of it are freed)")
         spec = self.engine.config.speculative
         if spec is not None:  # said only when asked for: on, or why not
             out["speculation"] = spec.describe() if self.engine.speculator is not None else (

@@ -8,7 +8,10 @@ Every step (nano-vllm's scheduler, with chunked prefill):
    speculative decoding, each gets its drafts as far as free blocks and the budget allow;
 2. running sequences in the middle of a prefill get their next chunk;
 3. waiting sequences are admitted while there are sequence slots, KV blocks and token
-   budget, each with as much of its prompt as the budget allows.
+   budget, each with as much of its prompt as the budget allows;
+4. models with sliding-window layers: each scheduled sequence's local block group gets blocks for
+   the positions it computes this step (quill.engine.window_blocks; sized so it cannot run out, so
+   admission and preemption count the global group's blocks only).
 
 The step's token budget (``max_num_batched_tokens``) bounds a step's work, so a long
 prompt is split into chunks that share steps with the running decodes and never
@@ -78,6 +81,9 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             batch.append((seq, n))
             budget -= n
+        for seq, n in batch:  # sliding-window layers: blocks for just the positions computed (never runs out)
+            if seq.status is Status.RUNNING:
+                self.blocks.cover_window(seq, n)
         return batch
 
     def _speculate(self, batch: list[tuple[Sequence, int]], budget: int) -> int:

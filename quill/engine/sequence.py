@@ -56,6 +56,10 @@ class Sequence:
     admitted: bool = False
     block_table: list[int] = field(default_factory=list)
     num_hashed: int = 0  # leading full blocks registered in the prefix cache
+    # the sliding-window block group's table (models with local layers, quill.engine.window_blocks): logical
+    # blocks as block_table's, NULL (0) before the window; and how many leading entries were given back
+    window_table: list[int] = field(default_factory=list)
+    window_freed: int = 0
     state_slot: int | None = None  # its recurrent state's slot (models with recurrent layers), while running
     finish_reason: str | None = None
     stop_reason: int | None = None

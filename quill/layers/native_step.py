@@ -63,6 +63,8 @@ class KVPools(Protocol):
     isa: str | None  # the native variant decode attention runs, None when it runs in torch
     keys: list[torch.Tensor]  # per layer [slots, Hkv, D]
     values: list[torch.Tensor]
+    # layers whose pools are the sliding-window block group's (addressed through StepLayout.local)
+    local_layers: frozenset[int]
 
 
 class StatePools(Protocol):
@@ -77,6 +79,7 @@ class StepSlots(Protocol):
     slots: torch.Tensor  # int64 [T]
     decode_slots: torch.Tensor  # int64 [T, Smax]
     decode_lens: torch.Tensor  # int64 [T]
+    local: "StepSlots | None"  # the same in the sliding-window block group (None: no such group)
 
 
 class NativeDecodeStep:
@@ -101,15 +104,17 @@ class NativeDecodeStep:
             raise ValueError(f"native decode step: no rotary table {missing} (given {sorted(ropes)})")
         cos = [ropes[n][0].contiguous() for n in self.tables]
         sin = [ropes[n][1].contiguous() for n in self.tables]
+        local = getattr(layout, "local", None)  # the sliding-window layers' tables
+        tables = {} if local is None else {"local_slots": local.slots, "local_ctx_slots": local.decode_slots}
         if not self.states:
             return self.handle.forward(h[0].contiguous(), cos, sin, layout.slots, layout.decode_slots,
-                                       layout.decode_lens, self.team)[None]
+                                       layout.decode_lens, self.team, **tables)[None]
         # the step updates the sequences' state rows in place: a step that fails leaves them as they were
         # (the engine retries request by request from the states a sequence had, quill.engine.state_cache)
         before = [pool.index_select(0, state_rows) for pool in self.states]
         try:
             out = self.handle.forward(h[0].contiguous(), cos, sin, layout.slots, layout.decode_slots,
-                                      layout.decode_lens, self.team, state_rows)
+                                      layout.decode_lens, self.team, state_rows, **tables)
         except BaseException:
             for pool, rows in zip(self.states, before):
                 pool.index_copy_(0, state_rows, rows)
@@ -156,9 +161,10 @@ def _build(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dtype, pools: 
         return None, why
     tables = list(dict.fromkeys(s.rope for s in specs if isinstance(s.attention, AttentionSpec)))  # first use order
     step = ext.DecoderStep(*sizes, pools.isa)
+    local = getattr(pools, "local_layers", frozenset())
     for i, (p, spec) in enumerate(zip(parts, specs)):
         rope = tables.index(spec.rope) if isinstance(spec.attention, AttentionSpec) else 0
-        step.add_layer(**p, k_pool=pools.keys[i], v_pool=pools.values[i], rope=rope)
+        step.add_layer(**p, k_pool=pools.keys[i], v_pool=pools.values[i], rope=rope, local=i in local)
     return NativeDecodeStep(step, tables, held), None
 
 

@@ -26,6 +26,9 @@ ENGINE_GAUGES = (
     ("quill_kv_cache_blocks_used", "kv_blocks_used", "KV blocks held by running requests"),
     ("quill_kv_cache_blocks_total", "kv_blocks_total", "KV blocks in the pool"),
     ("quill_kv_cache_blocks_cached", "kv_blocks_cached_free", "Free KV blocks still holding prefix-cache content"),
+    ("quill_kv_cache_local_blocks_used", "kv_local_blocks_used", "KV blocks of sliding-window layers held by running "
+     "requests (their own block group, freed as the window slides; 0: no such layers)"),
+    ("quill_kv_cache_local_blocks_total", "kv_local_blocks_total", "KV blocks in the sliding-window layers' pool"),
     ("quill_prefix_caching_enabled", "prefix_caching", "1 when prefix caching is on (off for models with "
      "per-sequence recurrent state)"),
     ("quill_recurrent_state_slots_used", "state_slots_used", "Sequences holding recurrent state (hybrid models)"),

@@ -23,6 +23,10 @@
 // [1, T, D] per rotary table, the pool slot each token's k/v is written to [T], and each sequence's context
 // slots [T, S] and length [T] as the paged attention reads them.  float32 compute; the KV pools
 // float32, bfloat16 or float16 (rounded to nearest even as each k / v row is stored).
+// Layers added with `local` keep their pools in the engine's sliding-window block group (a pool of its own
+// size, blocks freed once out of every local layer's window): they write through local_slots [T] and read
+// through local_ctx_slots [T, S] (the same positions, that group's rows; out-of-window blocks name its null
+// block, never read).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -77,8 +81,11 @@ class DecoderStep {
                  const std::vector<LinearOp*>& shared_gate_up,
                  const std::vector<std::optional<at::Tensor>>& shared_gate_up_bias, LinearOp* shared_down,
                  std::optional<at::Tensor> shared_down_bias, LinearOp* shared_gate, int64_t shared_intermediate,
-                 const DeltaNetMixer* mixer, std::optional<at::Tensor> sinks, std::optional<at::Tensor> router_bias) {
+                 const DeltaNetMixer* mixer, std::optional<at::Tensor> sinks, std::optional<at::Tensor> router_bias,
+                 bool local) {
     if (window < 0) step_fail("window ", window, ": expected 0 (global) or a positive number of positions");
+    if (local && (mixer != nullptr || window == 0))
+      step_fail("only a sliding-window attention layer keeps its pools in the local block group");
     if (rope < 0) step_fail("rope table ", rope, ": expected an index >= 0 into forward's tables");
     if (rotary_dim < 0 || rotary_dim > d_ || rotary_dim % 2)
       step_fail("rotary_dim ", rotary_dim, ": expected 0 (all ", d_, " channels) or an even count up to it");
@@ -97,14 +104,14 @@ class DecoderStep {
       if (k_pool.dim() != 3 || k_pool.size(1) != hkv_)
         step_fail("'k_pool' should be [N, ", hkv_, ", ", d_, "], found ", k_pool.sizes());
       if (const std::string problem = pools_problem(k_pool, v_pool, d_); !problem.empty()) step_fail(problem);
-      if (pool_rows_ >= 0 && pool_type(k_pool) != kv_type_)
+      if ((pool_rows_[0] >= 0 || pool_rows_[1] >= 0) && pool_type(k_pool) != kv_type_)
         step_fail("layer ", layers_.size(), "'s pools are ", k_pool.dtype(), "; an earlier layer's differ",
                   " (one KV cache type for every layer)");
     }
     if (o == nullptr) step_fail("o_proj is required");
     if ((down == nullptr) != (experts != nullptr)) step_fail("a layer takes either down_proj or routed experts");
     Layer l;
-    l.ln1 = std::move(ln1), l.ln2 = std::move(ln2), l.eps1 = eps1, l.eps2 = eps2, l.window = window;
+    l.ln1 = std::move(ln1), l.ln2 = std::move(ln2), l.eps1 = eps1, l.eps2 = eps2, l.window = window, l.local = local;
     l.attn_out_norm = opt_norm(std::move(attn_out_norm), e_, "attention output norm"), l.eps_ao = attn_out_eps;
     l.ffn_out_norm = opt_norm(std::move(ffn_out_norm), e_, "feed-forward output norm"), l.eps_fo = ffn_out_eps;
     l.act = activation(act), l.rope = rope;
@@ -128,7 +135,8 @@ class DecoderStep {
     }
     l.q_norm = std::move(q_norm), l.k_norm = std::move(k_norm), l.qk_eps = qk_eps;
     if (!mixer) {
-      pool_rows_ = pool_rows_ < 0 ? k_pool.size(0) : std::min(pool_rows_, k_pool.size(0));
+      int64_t& rows = pool_rows_[local];
+      rows = rows < 0 ? k_pool.size(0) : std::min(rows, k_pool.size(0));
       kv_type_ = pool_type(k_pool);
       l.k_pool = std::move(k_pool), l.v_pool = std::move(v_pool);
       if (sinks) l.sinks = std::move(*sinks);
@@ -140,12 +148,14 @@ class DecoderStep {
 
   // h [T, E]; cos, sin: the rotary tables, each [1, T, D] (a layer turns by table `rope`); slots int64 [T];
   // ctx_slots int64 [T, S]; lens int64 [T]; state_rows int64 [T] (recurrent layers: each token's sequence's row
-  // of the state pools, updated in place) -> [T, E].
+  // of the state pools, updated in place); local_slots int64 [T], local_ctx_slots int64 [T, S]: the same for
+  // the layers of the sliding-window block group (required when there are such layers) -> [T, E].
   // team: run the step inside one parallel region (below); false, or when a linear cannot take T
   // tokens in one call, runs the ops one after another (each splitting its own work) -- the same bits.
   at::Tensor forward(const at::Tensor& h_in, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                      const at::Tensor& slots, const at::Tensor& ctx_slots, const at::Tensor& lens, bool team,
-                     const std::optional<at::Tensor>& state_rows) const {
+                     const std::optional<at::Tensor>& state_rows, const std::optional<at::Tensor>& local_slots,
+                     const std::optional<at::Tensor>& local_ctx_slots) const {
     if (h_in.dim() != 2) step_fail("'h' should be float32 [T, ", e_, "], found ", h_in.sizes());
     const int64_t t = h_in.size(0);
     expect_f32(h_in, {t, e_}, "h");
@@ -160,18 +170,27 @@ class DecoderStep {
       expect_f32(cos[l.rope], {1, t, l.rd}, "cos");
       expect_f32(sin[l.rope], {1, t, l.rd}, "sin");
     }
-    if (slots.scalar_type() != at::kLong || slots.sizes() != at::IntArrayRef({t}) || !slots.is_contiguous())
-      step_fail("'slots' should be contiguous int64 [", t, "], found ", slots.dtype(), " ", slots.sizes());
-    const int64_t* sl = slots.data_ptr<int64_t>();
-    for (int64_t i = 0; i < t; ++i)  // against the smallest pool of the layers
-      if (sl[i] < 0 || sl[i] >= pool_rows_) step_fail("token ", i, " writes pool row ", sl[i], "; the pool has ", pool_rows_);
+    const int64_t* sl = checked_slots(slots, t, pool_rows_[0], false);
+    const int64_t* lsl = nullptr;
+    if (pool_rows_[1] >= 0) {  // layers in the local block group
+      if (!local_slots || !local_ctx_slots)
+        step_fail("the sliding-window layers' pools are a block group of their own: forward needs 'local_slots' "
+                  "and 'local_ctx_slots'");
+      lsl = checked_slots(*local_slots, t, pool_rows_[1], true);
+      if (local_ctx_slots->scalar_type() != at::kLong || local_ctx_slots->sizes() != ctx_slots.sizes() ||
+          !local_ctx_slots->is_contiguous())
+        step_fail("'local_ctx_slots' should be contiguous int64 ", ctx_slots.sizes(), " (as ctx_slots), found ",
+                  local_ctx_slots->dtype(), " ", local_ctx_slots->sizes());
+    }
+    const at::Tensor& lctx = lsl ? *local_ctx_slots : ctx_slots;
     const int64_t* rows = state_rows ? state_rows->data_ptr<int64_t>() : nullptr;
-    if (team && team_scratch(t) >= 0) return forward_team(h_in, cos, sin, sl, ctx_slots, lens, rows);
+    if (team && team_scratch(t) >= 0) return forward_team(h_in, cos, sin, sl, ctx_slots, lens, rows, lsl, lctx);
     at::Tensor h = h_in;
     for (const Layer& l : layers_) {
       const at::Tensor x = rms_norm(h, l.ln1, l.eps1);
       const at::Tensor a = l.mixer ? recurrent(l, x, rows)
-                                   : attention(l, x, cos[l.rope], sin[l.rope], sl, ctx_slots, lens);
+                                   : l.local ? attention(l, x, cos[l.rope], sin[l.rope], lsl, lctx, lens)
+                                             : attention(l, x, cos[l.rope], sin[l.rope], sl, ctx_slots, lens);
       h = at::add(h, l.attn_out_norm ? rms_norm(a, *l.attn_out_norm, l.eps_ao) : a);
       const at::Tensor f = mlp(l, rms_norm(h, l.ln2, l.eps2));
       h = at::add(h, l.ffn_out_norm ? rms_norm(f, *l.ffn_out_norm, l.eps_fo) : f);
@@ -180,6 +199,19 @@ class DecoderStep {
   }
 
  private:
+  // slots (int64 [t], contiguous) checked against a group's pool rows (none: no layer of that group)
+  static const int64_t* checked_slots(const at::Tensor& slots, int64_t t, int64_t pool_rows, bool local) {
+    const char* name = local ? "local_slots" : "slots";
+    if (slots.scalar_type() != at::kLong || slots.sizes() != at::IntArrayRef({t}) || !slots.is_contiguous())
+      step_fail("'", name, "' should be contiguous int64 [", t, "], found ", slots.dtype(), " ", slots.sizes());
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; pool_rows >= 0 && i < t; ++i)  // against the smallest pool of the group's layers
+      if (sl[i] < 0 || sl[i] >= pool_rows)
+        step_fail("token ", i, " writes pool row ", sl[i], "; the pool has ", pool_rows,
+                  local ? " (local_slots: the sliding-window layers' block group)" : "");
+    return sl;
+  }
+
   // Scratch bytes every linear's team call of T tokens fits in, or -1 if one cannot take T at once.
   int64_t team_scratch(int64_t t) const {
     int64_t most = 0;
@@ -207,7 +239,8 @@ class DecoderStep {
 
   at::Tensor forward_team(const at::Tensor& h_in, const std::vector<at::Tensor>& cos,
                           const std::vector<at::Tensor>& sin, const int64_t* slots, const at::Tensor& ctx_slots,
-                          const at::Tensor& lens, const int64_t* state_rows) const;
+                          const at::Tensor& lens, const int64_t* state_rows, const int64_t* local_slots,
+                          const at::Tensor& local_ctx_slots) const;
 
   // x [T, E] -> [T, E]: the layer's DeltaNet mixer, state rows `rows` [T] (checked) updated in place
   at::Tensor recurrent(const Layer& l, const at::Tensor& x, const int64_t* rows) const {
@@ -253,7 +286,9 @@ class DecoderStep {
   double scale_;
   std::string isa_;
   std::vector<Layer> layers_;
-  int64_t pool_rows_ = -1;  // pool rows of the smallest layer pool (the tables are checked against it), -1: none
+  // per block group (0: global layers', 1: the local group's) the rows of its smallest layer pool (the tables
+  // are checked against it), -1: no layer of that group
+  int64_t pool_rows_[2] = {-1, -1};
   bool recurrent_ = false;  // a layer is recurrent: forward takes each token's state row
   int64_t tables_ = 1;  // rotary tables forward takes (one more than the largest layer's `rope`)
   KVType kv_type_ = KVType::F32;  // every layer's pools
@@ -273,7 +308,8 @@ class DecoderStep {
 at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<at::Tensor>& cos,
                                      const std::vector<at::Tensor>& sin, const int64_t* slots,
                                      const at::Tensor& ctx_slots, const at::Tensor& lens,
-                                     const int64_t* state_rows) const {
+                                     const int64_t* state_rows, const int64_t* local_slots,
+                                     const at::Tensor& local_ctx_slots) const {
   const int64_t t = h_in.size(0), kvd = hkv_ * d_, hd = h_ * d_;
   int64_t wqkv = hd + 2 * kvd, imax = i_;  // the widest q/k/v row (gated: 2 H D + 2 Hkv D), MLP (or shared expert)
   int64_t attn_w = hd, dn_c = 0, dn_scratch = 0;  // the mixer's output row ([T, H D], or [T, Hv dv]); DeltaNet conv
@@ -292,12 +328,17 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
     step_fail("'lens' should be contiguous int64 [", t, "], found ", lens.dtype(), " ", lens.sizes());
   const int64_t s = ctx_slots.size(1);
   const int64_t* cs = ctx_slots.data_ptr<int64_t>();
+  const int64_t* lcs = local_ctx_slots.data_ptr<int64_t>();  // (ctx_slots itself without a local group)
   const int64_t* ln = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < t; ++b) {
     if (ln[b] < 1 || ln[b] > s) step_fail("sequence ", b, " has length ", ln[b], "; expected 1..", s);
-    for (int64_t i = 0; i < ln[b]; ++i)
-      if (cs[b * s + i] < 0 || cs[b * s + i] >= pool_rows_)
-        step_fail("sequence ", b, " position ", i, " names pool row ", cs[b * s + i], "; the pool has ", pool_rows_);
+    for (int g = 0; g < 2; ++g) {
+      const int64_t* tab = g ? lcs : cs;
+      for (int64_t i = 0; pool_rows_[g] >= 0 && i < ln[b]; ++i)
+        if (tab[b * s + i] < 0 || tab[b * s + i] >= pool_rows_[g])
+          step_fail("sequence ", b, " position ", i, " names pool row ", tab[b * s + i], "; the pool has ",
+                    pool_rows_[g], g ? " (local_ctx_slots: the sliding-window layers' block group)" : "");
+    }
   }
   const AttnHead head = backend_->attn_head;
   int threads = 1;
@@ -380,13 +421,15 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
           }
           rope_f32(bu.q, cp[l.rope], sp[l.rope], h_, l.rd, d_, r, r + 1);
           rope_f32(bu.k, cp[l.rope], sp[l.rope], hkv_, l.rd, d_, r, r + 1);
-          backend_->kv_store(pool_row(l.k_pool, slots[r]), k, kvd, kv_type_);
-          backend_->kv_store(pool_row(l.v_pool, slots[r]), row + qw + kvd, kvd, kv_type_);
+          const int64_t slot = l.local ? local_slots[r] : slots[r];
+          backend_->kv_store(pool_row(l.k_pool, slot), k, kvd, kv_type_);
+          backend_->kv_store(pool_row(l.v_pool, slot), row + qw + kvd, kvd, kv_type_);
         }
         bar.wait();
         AttnArgs la = a;
         set_pools(la, l.k_pool, l.v_pool);
         la.window = l.window;
+        if (l.local) la.slots = lcs;
         la.sinks = l.sinks.defined() ? l.sinks.data_ptr<float>() : nullptr;
         int64_t q0, q1;  // this thread's query heads of [T, H], in (token, KV head, query head) order
         team_share(t * h_, tid, nt, q0, q1);
@@ -453,12 +496,13 @@ void register_step(pybind11::module_& m) {
            py::arg("shared_gate_up_bias") = std::vector<std::optional<at::Tensor>>{}, py::arg("shared_down") = nullptr,
            py::arg("shared_down_bias") = std::nullopt, py::arg("shared_gate") = nullptr,
            py::arg("shared_intermediate") = 0, py::arg("mixer") = nullptr, py::arg("sinks") = std::nullopt,
-           py::arg("router_bias") = std::nullopt,
+           py::arg("router_bias") = std::nullopt, py::arg("local") = false,
            py::keep_alive<1, 20>(), py::keep_alive<1, 38>())  // the step holds the experts' and mixer's objects
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
       .def("forward", &DecoderStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("ctx_slots"), py::arg("lens"), py::arg("team") = true,
-           py::arg("state_rows") = std::nullopt, py::call_guard<py::gil_scoped_release>());
+           py::arg("state_rows") = std::nullopt, py::arg("local_slots") = std::nullopt,
+           py::arg("local_ctx_slots") = std::nullopt, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill

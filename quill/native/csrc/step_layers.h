@@ -105,6 +105,8 @@ struct Layer {
   std::optional<at::Tensor> q_norm, k_norm;  // [D] (Qwen3)
   double qk_eps = 0;
   int64_t window = 0;  // a local layer's sliding window (attention.h AttnArgs), 0: global
+  // its pools are the engine's sliding-window block group: forward's local_slots / local_ctx_slots address them
+  bool local = false;
   at::Tensor sinks;    // gpt-oss: float32 [H], one logit per query head in its softmax's denominator; undefined: none
   at::Tensor k_pool, v_pool;  // [N, Hkv, D]
 };
