@@ -214,7 +214,22 @@ def _data(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nda
     x = rng.random(shape, dtype=np.float32)
     x -= np.float32(0.5)
     x *= np.float32(12 ** 0.5 * (1.0 if leaf.endswith("ssm_dt") else shape[-1] ** -0.5))
+    if leaf.endswith(ROUTERS):
+        x = bf16_values(x)
     return x
+
+
+# The MoE routers, F32 in the converter's output: a Qwen3.5 checkpoint is bfloat16, so they hold bfloat16 values,
+# which quill runs on its native 16-bit dense kernel.  Random float32 values there kept them on torch, and with
+# them every MoE decode off the native step, which no converted checkpoint does.
+ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")
+
+
+def bf16_values(x: np.ndarray) -> np.ndarray:
+    """float32 ``x`` rounded to the nearest bfloat16 values (ties to even, as torch's ``.to(torch.bfloat16)``)."""
+    u = x.astype(np.float32).view(np.uint32)
+    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return u.view(np.float32)
 
 
 def write_qwen35_gguf(out: Path, shape: Qwen35Shape, tokenizer_from: Path, seed: int = 0, f32: bool = False,
