@@ -8,7 +8,7 @@ prefill tokens/s: ``llamacpp.py``'s comparison on the hybrid Gated DeltaNet / ga
 Each model is written once into ``--out`` as llama.cpp's converter writes a Qwen3.5 checkpoint with
 ``--outtype f16`` (the same metadata keys, tensor names, layouts and float types: norms, ``ssm_a``,
 ``ssm_dt.bias``, ``ssm_conv1d`` and the routers in F32, every other matrix in F16; the norms already as the
-converter's ``1 + w``; tests/test_qwen3_5_gguf.py checks the writer against the converter's output for the
+converter's ``1 + w``; the routers holding bfloat16 values, as a converted bf16 checkpoint's do; tests/test_qwen3_5_gguf.py checks the writer against the converter's output for the
 same configuration), with seeded random weights, then quantized by llama.cpp's own quantizer into each
 ``--types`` (``<name>.Q4_0.gguf``, ...); the F16 source is deleted after that unless ``--keep-f16``.  The
 tokenizer is SmolLM2's (the default model's) with unused tokens up to Qwen3.5's 248,320-token vocabulary, so
