@@ -90,12 +90,14 @@ class _Handle:
 def profile_file(path: Path, act_quant: str, prompt: int, gen: int, threads: int) -> dict:
     import quill
     from quill import native
+    from quill.bench import settled
     from quill.bench.llamacpp import prompt_ids
     from quill.engine.core import EngineConfig
 
     ext = native.load().module
-    llm = quill.LLM(str(path), threads=threads, progress=False, activation_quant=act_quant,
-                    engine_config=EngineConfig(enable_prefix_caching=False))
+    # settled: a prepacked-cache miss writes the cache file on a thread, which a profile would measure too
+    llm = settled(quill.LLM(str(path), threads=threads, progress=False, activation_quant=act_quant,
+                            engine_config=EngineConfig(enable_prefix_caching=False)))
     eng, model = llm.engine, llm.model
     if eng.native_step is None:
         raise RuntimeError(f"{path.name}: no native decode step ({eng.native_step_reason})")
