@@ -19,6 +19,19 @@ def test_bench_shapes():
         assert s.lin_k_dim == s.lin_v_dim and s.layers % s.full_attention_interval == 0
 
 
+def test_the_routers_hold_bfloat16_values():
+    """As a converted bf16 checkpoint's F32 routers do (quill runs them on its native 16-bit dense kernel)."""
+    import numpy as np
+    import torch
+
+    x = qwen35._data(np.random.default_rng(0), "blk.0.ffn_gate_inp.weight", (8, 64))
+    assert torch.equal(torch.from_numpy(x).bfloat16().float(), torch.from_numpy(x))
+    y = np.random.default_rng(1).standard_normal(4096).astype(np.float32) * np.float32(1e3)
+    assert torch.equal(torch.from_numpy(qwen35.bf16_values(y)), torch.from_numpy(y).bfloat16().float())
+    z = qwen35._data(np.random.default_rng(0), "blk.0.ffn_up_exps.weight", (8, 64))  # the others: any float
+    assert not torch.equal(torch.from_numpy(z).bfloat16().float(), torch.from_numpy(z))
+
+
 def test_main_rejects_unknown_model(tmp_path, capsys):
     with pytest.raises(SystemExit):
         qwen35.main(["--llama-python", "x", "--out", str(tmp_path), "--models", "dense,nosuch"])

@@ -242,3 +242,30 @@ def test_the_step_checks_the_state_rows(attention_only):
         step.handle.forward(h, cos, cos, slots, ctx, lens, state_rows=torch.tensor([1, 1]))
     with pytest.raises(KernelError, match="sequence 1 names state row 99"):
         step.handle.forward(h, cos, cos, slots, ctx, lens, state_rows=torch.tensor([0, 99]))
+
+
+def test_a_refused_step_leaves_the_states_as_they_were(attention_only):
+    """The team path checks everything before it writes a state row, so its wrapper keeps no copies of them."""
+    from types import SimpleNamespace
+
+    from quill.errors import KernelError
+    _, llm = attention_only
+    core = EngineCore(llm.model, llm.eos_token_ids, llm.context_length, EngineConfig(kv_cache_dtype="float32"),
+                      isa=llm.engine.cache.isa)
+    step = core.native_step
+    if not step.states:
+        pytest.skip("no recurrent layers")
+    args, t = llm.model.args, 2
+    assert step.handle.all_or_nothing(t)
+    for pool in step.states:
+        pool.normal_()
+    before = [pool.clone() for pool in step.states]
+    h, cos = torch.ones(1, t, args.hidden_size), torch.zeros(1, t, args.rotary_dim)
+    layout = SimpleNamespace(slots=torch.zeros(t, dtype=torch.int64), decode_slots=torch.zeros(t, 1, dtype=torch.int64),
+                             decode_lens=torch.tensor([1, 0]))  # sequence 1: no context (refused)
+    with pytest.raises(KernelError, match="sequence 1 has length 0"):
+        step(layout, h, (cos, cos), state_rows=torch.tensor([0, 1]))
+    assert all(torch.equal(a, b) for a, b in zip(step.states, before))
+    layout.decode_lens = torch.tensor([1, 1])
+    step(layout, h, (cos, cos), state_rows=torch.tensor([0, 1]))  # and a step that runs writes them
+    assert not all(torch.equal(a, b) for a, b in zip(step.states, before))

@@ -8,8 +8,9 @@ prefill tokens/s: ``llamacpp.py``'s comparison on the hybrid Gated DeltaNet / ga
 Each model is written once into ``--out`` as llama.cpp's converter writes a Qwen3.5 checkpoint with
 ``--outtype f16`` (the same metadata keys, tensor names, layouts and float types: norms, ``ssm_a``,
 ``ssm_dt.bias``, ``ssm_conv1d`` and the routers in F32, every other matrix in F16; the norms already as the
-converter's ``1 + w``; tests/test_qwen3_5_gguf.py checks the writer against the converter's output for the
-same configuration), with seeded random weights, then quantized by llama.cpp's own quantizer into each
+converter's ``1 + w``; the routers holding bfloat16 values, as a converted bf16 checkpoint's do;
+tests/test_qwen3_5_gguf.py checks the writer against the converter's output for the same
+configuration), with seeded random weights, then quantized by llama.cpp's own quantizer into each
 ``--types`` (``<name>.Q4_0.gguf``, ...); the F16 source is deleted after that unless ``--keep-f16``.  The
 tokenizer is SmolLM2's (the default model's) with unused tokens up to Qwen3.5's 248,320-token vocabulary, so
 the embedding and the tied lm_head have the real size; the prompt is fixed token ids (``llamacpp.prompt_ids``).
@@ -214,7 +215,22 @@ def _data(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nda
     x = rng.random(shape, dtype=np.float32)
     x -= np.float32(0.5)
     x *= np.float32(12 ** 0.5 * (1.0 if leaf.endswith("ssm_dt") else shape[-1] ** -0.5))
+    if leaf.endswith(ROUTERS):
+        x = bf16_values(x)
     return x
+
+
+# The MoE routers, F32 in the converter's output: a Qwen3.5 checkpoint is bfloat16, so they hold bfloat16 values,
+# which quill runs on its native 16-bit dense kernel.  Random float32 values there kept them on torch, and with
+# them every MoE decode off the native step, which no converted checkpoint does.
+ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")
+
+
+def bf16_values(x: np.ndarray) -> np.ndarray:
+    """float32 ``x`` rounded to the nearest bfloat16 values (ties to even, as torch's ``.to(torch.bfloat16)``)."""
+    u = x.astype(np.float32).view(np.uint32)
+    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return u.view(np.float32)
 
 
 def write_qwen35_gguf(out: Path, shape: Qwen35Shape, tokenizer_from: Path, seed: int = 0, f32: bool = False,

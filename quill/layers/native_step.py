@@ -109,6 +109,11 @@ class NativeDecodeStep:
         if not self.states:
             return self.handle.forward(h[0].contiguous(), cos, sin, layout.slots, layout.decode_slots,
                                        layout.decode_lens, self.team, **tables)[None]
+        if self.team and self.handle.all_or_nothing(h.shape[1]):
+            # the team path checks everything before it writes a state row and cannot fail after: no copies
+            # (they were 2 x the states' bytes of memory traffic per step, ~48 MB for the Qwen3.5 MoE bench)
+            return self.handle.forward(h[0].contiguous(), cos, sin, layout.slots, layout.decode_slots,
+                                       layout.decode_lens, True, state_rows, **tables)[None]
         # the step updates the sequences' state rows in place: a step that fails leaves them as they were
         # (the engine retries request by request from the states a sequence had, quill.engine.state_cache)
         before = [pool.index_select(0, state_rows) for pool in self.states]

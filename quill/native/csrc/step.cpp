@@ -53,6 +53,7 @@
 #include "ops.h"
 #include "step_layers.h"
 #include "step_moe.h"
+#include "step_prof.h"
 #include "step_recurrent.h"
 #include "step_team.h"
 #include "team.h"
@@ -145,6 +146,11 @@ class DecoderStep {
   }
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
+
+  // Whether forward(team=true) of T tokens runs the team path, which makes every check and allocation
+  // before it writes a state row or KV slot and cannot fail after: its caller need not keep copies of the
+  // state rows to restore (native_step.py).  The ops path allocates between layers, so it can fail midway.
+  bool all_or_nothing(int64_t t) const { return team_scratch(t) >= 0; }
 
   // h [T, E]; cos, sin: the rotary tables, each [1, T, D] (a layer turns by table `rope`); slots int64 [T];
   // ctx_slots int64 [T, S]; lens int64 [T]; state_rows int64 [T] (recurrent layers: each token's sequence's row
@@ -310,6 +316,8 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
                                      const at::Tensor& ctx_slots, const at::Tensor& lens,
                                      const int64_t* state_rows, const int64_t* local_slots,
                                      const at::Tensor& local_ctx_slots) const {
+  StepProfile& prof = step_profile();
+  prof.start();
   const int64_t t = h_in.size(0), kvd = hkv_ * d_, hd = h_ * d_;
   int64_t wqkv = hd + 2 * kvd, imax = i_;  // the widest q/k/v row (gated: 2 H D + 2 Hkv D), MLP (or shared expert)
   int64_t attn_w = hd, dn_c = 0, dn_scratch = 0;  // the mixer's output row ([T, H D], or [T, Hv dv]); DeltaNet conv
@@ -377,6 +385,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
   a.scale = float(scale_);
 
   SpinBarrier bar;
+  prof.mark(0, StepOp::Setup);
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -392,17 +401,21 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
         rms_norm_f32(bu.h, l.ln1.data_ptr<float>(), bu.xn, e_, float(l.eps1), r, r + 1);
       }
       bar.wait();
+      prof.mark(tid, StepOp::Norm);
       if (l.mixer) {  // in-projections, then the DeltaNet update (conv pass, barrier, head pass) into bu.attn
         const DeltaNetMixer& m = *l.mixer;
-        team_linears(m.proj().data(), m.proj().size(), bu.xn, t, bu.proj, m.width(), scratch, tid, nt, bar);
+        team_linears(m.proj().data(), m.proj().size(), bu.xn, t, bu.proj, m.width(), scratch, tid, nt, bar,
+                     StepOp::DnProj);
         const DeltaNetArgs da = m.step(bu.proj, m.width(), t, state_rows, bu.dn_x, bu.attn);
         deltanet_conv_share(da, backend_->dn_conv, tid, nt);
         bar.wait();
+        prof.mark(tid, StepOp::DnConv);
         deltanet_head_share(da, backend_->dn_head, tid, nt, my_attn);
         bar.wait();
+        prof.mark(tid, StepOp::DnHeads);
       } else {
         const int64_t qw = q_width(l), lw = qw + 2 * kvd;  // this layer's q_proj and q/k/v row widths
-        team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, lw, scratch, tid, nt, bar);
+        team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, lw, scratch, tid, nt, bar, StepOp::AttnQkv);
         for (int64_t r = r0; r < r1; ++r) {  // q (, gate), k out of the projections (normed: Qwen3), rotated; k, v stored
           float* q = bu.q + r * hd;
           float* k = bu.k + r * kvd;
@@ -426,6 +439,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
           backend_->kv_store(pool_row(l.v_pool, slot), row + qw + kvd, kvd, kv_type_);
         }
         bar.wait();
+        prof.mark(tid, StepOp::AttnPrep);
         AttnArgs la = a;
         set_pools(la, l.k_pool, l.v_pool);
         la.window = l.window;
@@ -439,6 +453,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
           head(la, p / hkv_, p % hkv_, my_attn);
         }
         bar.wait();
+        prof.mark(tid, StepOp::Attn);
         if (l.gated) {  // attn * sigmoid(gate), this thread's tokens
           for (int64_t r = r0; r < r1; ++r) {
             float* gr = bu.gate + r * hd;
@@ -446,26 +461,32 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
             for (int64_t i = 0; i < hd; ++i) bu.attn[r * hd + i] *= gr[i];
           }
           bar.wait();
+          prof.mark(tid, StepOp::AttnGate);
         }
       }
-      team_linears(&l.o, 1, bu.attn, t, bu.o, e_, scratch, tid, nt, bar);
+      team_linears(&l.o, 1, bu.attn, t, bu.o, e_, scratch, tid, nt, bar, l.mixer ? StepOp::DnOut : StepOp::AttnOut);
       for (int64_t r = r0; r < r1; ++r) {  // the attention residual (its output normed: sandwich), the MLP's norm
         if (l.attn_out_norm) rms_norm_f32(bu.o, l.attn_out_norm->data_ptr<float>(), bu.o, e_, float(l.eps_ao), r, r + 1);
         for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
         rms_norm_f32(bu.h, l.ln2.data_ptr<float>(), bu.xn, e_, float(l.eps2), r, r + 1);
       }
       bar.wait();
+      prof.mark(tid, StepOp::Norm);
       if (l.experts) {  // router, each token's top-k, the routed experts (+ the shared expert) into bu.o
         moe_team(l, bu, moe, t, e_, r0, r1, scratch, tid, nt, bar);
         continue;
       }
-      team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * i_, scratch, tid, nt, bar);
+      team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * i_, scratch, tid, nt, bar,
+                   StepOp::MlpGateUp);
       team_act(l.act, bu.gu, bu.act, t, i_, tid, nt);
       bar.wait();
-      team_linears(&l.down, 1, bu.act, t, bu.o, e_, scratch, tid, nt, bar);
+      prof.mark(tid, StepOp::MlpAct);
+      team_linears(&l.down, 1, bu.act, t, bu.o, e_, scratch, tid, nt, bar, StepOp::MlpDown);
     }
     for (int64_t r = r0; r < r1; ++r) ffn_residual(layers_.back(), bu, r, e_);
   }
+  prof.mark(0, StepOp::Norm);  // the last residual (after the region: thread 0's join)
+  prof.steps += prof.on;
   return mem.narrow(0, 0, t * e_).view({t, e_});
 }
 
@@ -473,6 +494,16 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
 
 void register_step(pybind11::module_& m) {
   namespace py = pybind11;
+  // the team path's time per op kind (step_prof.h): seconds summed over the steps since the last reset
+  m.def("step_profile_enable", [](bool on) { step_profile().on = on; }, py::arg("on") = true);
+  m.def("step_profile", [](bool reset) {
+    StepProfile& p = step_profile();
+    py::dict d;
+    for (int i = 0; i < int(StepOp::Count); ++i) d[STEP_OP_NAMES[i]] = p.ns[i] * 1e-9;
+    d["steps"] = p.steps;
+    if (reset) p.reset();
+    return d;
+  }, py::arg("reset") = false);
   // the linears are borrowed (the caller keeps their Python objects alive), the tensors held
   py::class_<DeltaNetMixer>(m, "DeltaNetMixer")
       .def(py::init<const std::vector<LinearOp*>&, const std::vector<std::optional<at::Tensor>>&, at::Tensor,
@@ -499,6 +530,7 @@ void register_step(pybind11::module_& m) {
            py::arg("router_bias") = std::nullopt, py::arg("local") = false,
            py::keep_alive<1, 20>(), py::keep_alive<1, 38>())  // the step holds the experts' and mixer's objects
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
+      .def("all_or_nothing", &DecoderStep::all_or_nothing, py::arg("tokens"))
       .def("forward", &DecoderStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("ctx_slots"), py::arg("lens"), py::arg("team") = true,
            py::arg("state_rows") = std::nullopt, py::arg("local_slots") = std::nullopt,

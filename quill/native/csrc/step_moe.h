@@ -89,17 +89,21 @@ MoeMem moe_memory(const std::vector<Layer>& layers, int64_t t, int threads, cons
 void moe_team(const Layer& l, const TeamBufs& bu, const MoeMem& m, int64_t t, int64_t e, int64_t r0, int64_t r1,
               char* scratch, int tid, int nt, SpinBarrier& bar) {
   const int64_t ne = l.experts->num_experts(), k = l.top_k;
-  team_linears(&l.router, 1, bu.xn, t, m.logits, ne, scratch, tid, nt, bar);
+  team_linears(&l.router, 1, bu.xn, t, m.logits, ne, scratch, tid, nt, bar, StepOp::Router);
   for (int64_t r = r0; r < r1; ++r) route_token(m.logits + r * ne, ne, k, l.renormalize, m.ids + r * k, m.w + r * k);
   bar.wait();
+  step_profile().mark(tid, StepOp::Route);
   l.experts->team_forward(bu.xn, t, m.ids, m.w, k, bu.o, m.work, scratch, tid, nt, bar);  // (ends with a barrier)
+  step_profile().mark(tid, StepOp::Experts);
   if (!l.shared_down.op) return;
   // the shared expert into bu.sh, its gate logit into bu.sg; o += sigmoid(gate) * shared, this thread's tokens
-  team_linears(l.shared_gate_up.data(), l.shared_gate_up.size(), bu.xn, t, bu.gu, 2 * l.si, scratch, tid, nt, bar);
+  team_linears(l.shared_gate_up.data(), l.shared_gate_up.size(), bu.xn, t, bu.gu, 2 * l.si, scratch, tid, nt, bar,
+               StepOp::SharedGateUp);
   team_act(Act::Silu, bu.gu, bu.act, t, l.si, tid, nt);
   bar.wait();
-  team_linears(&l.shared_down, 1, bu.act, t, bu.sh, e, scratch, tid, nt, bar);
-  team_linears(&l.shared_gate, 1, bu.xn, t, bu.sg, 1, scratch, tid, nt, bar);
+  step_profile().mark(tid, StepOp::SharedAct);
+  team_linears(&l.shared_down, 1, bu.act, t, bu.sh, e, scratch, tid, nt, bar, StepOp::SharedDown);
+  team_linears(&l.shared_gate, 1, bu.xn, t, bu.sg, 1, scratch, tid, nt, bar, StepOp::SharedGate);
   for (int64_t r = r0; r < r1; ++r) {
     float sg;
     sigmoid_f32(bu.sg + r, &sg, 0, 1);

@@ -7,6 +7,7 @@
 
 #include "ops.h"
 #include "step_layers.h"
+#include "step_prof.h"
 #include "team.h"
 
 namespace quill {
@@ -17,16 +18,19 @@ struct TeamBufs {
   float *h, *xn, *proj, *q, *k, *attn, *o, *gu, *act, *gate, *sh, *sg, *dn_x;
 };
 
-// y [T, sum widths] (rows ldy apart) = the group's linears of x [T, K]; every thread calls it
+// y [T, sum widths] (rows ldy apart) = the group's linears of x [T, K]; every thread calls it.  kind: what
+// the step's profile (step_prof.h) counts the products as.
 void team_linears(const Proj* ps, size_t n, const float* x, int64_t t, float* y, int64_t ldy, char* scratch,
-                  int tid, int nt, SpinBarrier& bar) {
+                  int tid, int nt, SpinBarrier& bar, StepOp kind) {
   int64_t col = 0;
   for (size_t i = 0; i < n; ++i) {
     const Proj& p = ps[i];
     p.op->team_prepare(x, t, scratch, tid, nt);
     bar.wait();
+    step_profile().mark(tid, StepOp::Prepare);
     p.op->team_gemm(x, scratch, t, y + col, ldy, p.bias_ptr(), tid, nt);
     bar.wait();  // the scratch is the next call's
+    step_profile().mark(tid, kind);
     col += p.op->out_features();
   }
 }
