@@ -61,3 +61,30 @@ def staggered(c: EngineCore, prompts: list[list[int]], params, arrivals: dict[in
             lps.extend(sorted((k, v.logprob) for k, v in d.items()) for d in o.logprobs)
         step += 1
     return out
+
+
+# ---- a quantized checkpoint against transformers' float32 forward of the same weights -------------
+
+def assert_checkpoint_logprobs(d, prompt: list[int], want: torch.Tensor, kernel: str | None) -> None:
+    """quill's log-probabilities of every next token over the whole vocabulary at every position of ``prompt``
+    within 1e-3 of ``want`` [len(prompt) - 1, vocab] and the same argmax, on ``kernel`` (None: the native one)."""
+    llm = quill.LLM(str(d), kernel=kernel, skip_tokenizer_init=True, kv_cache_dtype="float32", progress=False)
+    n, vocab = len(prompt) - 1, llm.model.args.vocab_size
+    spec = ScoreSpec(first=1, gather_ids=torch.arange(vocab).expand(n, -1).contiguous())
+    got = llm.score([prompt], spec)[0].gathered
+    err = float((got - want).abs().max())
+    assert err <= 1e-3, (str(d), kernel, err)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    kernels = {i.kernel for i in llm.loaded.layers if i.kind == "quantized"}
+    assert kernels == ({"reference"} if kernel else {"native_w4a16"}), kernels
+
+
+def assert_checkpoint_greedy(d, hf, ids: list[int], native_step: bool = False) -> None:
+    """32 greedy tokens after ``ids`` equal transformers' ``generate``; ``native_step``: on the native decode step."""
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32", progress=False)
+    if native_step:
+        assert llm.engine.native_step is not None, llm.engine.native_step_reason
+    got = llm.generate([ids], quill.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0].token_ids
+    assert got == want

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import quill
-from quill.engine.scoring import ScoreSpec
 from quill.formats.checkpoint import open_checkpoint
+from tests.engine_util import assert_checkpoint_greedy, assert_checkpoint_logprobs
 from tests.qwen3_5_util import VOCAB
 
 DATA = Path(__file__).parent / "data" / "qwen3_5"
@@ -72,29 +71,12 @@ def test_every_quantized_linear_dequantizes_as_the_tool_does(fixture):
     assert n == (31 + 72 if "moe" in d.name else 31)  # the linears and the experts' (6 x 3 x 4 layers)
 
 
-def _score(d: Path, kernel: str | None) -> tuple[torch.Tensor, quill.LLM]:
-    llm = quill.LLM(str(d), kernel=kernel, skip_tokenizer_init=True, kv_cache_dtype="float32", progress=False)
-    n, vocab = len(PROMPT) - 1, llm.model.args.vocab_size
-    spec = ScoreSpec(first=1, gather_ids=torch.arange(vocab).expand(n, -1).contiguous())
-    return llm.score([PROMPT], spec)[0].gathered, llm
-
-
 @pytest.mark.parametrize("kernel", ["reference", None])
 def test_next_token_logprobs_match_transformers_at_every_position(fixture, kernel):
     d, _, want = fixture
-    got, llm = _score(d, kernel)
-    err = float((got - want).abs().max())
-    assert err <= 1e-3, (d.name, kernel, err)
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    kernels = {i.kernel for i in llm.loaded.layers if i.kind == "quantized"}
-    assert kernels == ({"reference"} if kernel else {"native_w4a16"}), kernels
+    assert_checkpoint_logprobs(d, PROMPT, want, kernel)
 
 
 def test_greedy_tokens_equal_transformers(fixture):
     d, hf, _ = fixture
-    ids = PROMPT[:40]
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
-    llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32", progress=False)
-    got = llm.generate([ids], quill.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0].token_ids
-    assert got == want
+    assert_checkpoint_greedy(d, hf, PROMPT[:40])

@@ -21,9 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import quill
-from quill.engine.scoring import ScoreSpec
 from quill.formats.checkpoint import open_checkpoint
+from tests.engine_util import assert_checkpoint_greedy, assert_checkpoint_logprobs
 
 DATA = Path(__file__).parent / "data" / "windowed"
 NAMES = ["ct-w4a16-g32-gemma3_text", "ct-w4a16-g32-gemma4_text", "ct-w4a16-g32-gpt_oss",
@@ -112,31 +111,13 @@ def test_every_quantized_linear_dequantizes_as_the_tool_does(fixture):
     assert len(names) == {"gpt_oss": 16 + 48, "gemma3_text": 28, "gemma4_text": 52}[d.name.rsplit("-", 1)[1]], names
 
 
-def _score(d: Path, kernel: str | None) -> tuple[torch.Tensor, quill.LLM]:
-    llm = quill.LLM(str(d), kernel=kernel, skip_tokenizer_init=True, kv_cache_dtype="float32", progress=False)
-    n = len(PROMPT) - 1
-    spec = ScoreSpec(first=1, gather_ids=torch.arange(VOCAB).expand(n, -1).contiguous())
-    return llm.score([PROMPT], spec)[0].gathered, llm
-
-
 @pytest.mark.parametrize("kernel", ["reference", None])
 def test_next_token_logprobs_match_transformers_at_every_position(fixture, kernel):
     d, _, _, want = fixture
-    got, llm = _score(d, kernel)
-    err = float((got - want).abs().max())
-    assert err <= 1e-3, (d.name, kernel, err)
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    kernels = {i.kernel for i in llm.loaded.layers if i.kind == "quantized"}
-    assert kernels == ({"reference"} if kernel else {"native_w4a16"}), kernels
+    assert_checkpoint_logprobs(d, PROMPT, want, kernel)
 
 
 def test_greedy_tokens_equal_transformers(fixture):
     d, _, hf, _ = fixture
-    ids = PROMPT[:40]
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
-    llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32", progress=False)
-    if "gemma4" not in d.name:  # Gemma 4 runs the Python layers (tests/test_gemma4.py: the step says why)
-        assert llm.engine.native_step is not None, llm.engine.native_step_reason
-    got = llm.generate([ids], quill.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0].token_ids
-    assert got == want
+    # Gemma 4 runs the Python layers (tests/test_gemma4.py: the step says why); the others the native step
+    assert_checkpoint_greedy(d, hf, PROMPT[:40], native_step="gemma4" not in d.name)
