@@ -94,8 +94,6 @@ class Scheduler:
         for i, (seq, _) in enumerate(batch):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted by a later decode of this step
-                continue
             k = self.speculator.wants(seq, budget)
             if k:
                 wanted.append((i, seq, k))
