@@ -72,6 +72,22 @@ def test_page_shows_recorded_fields_and_dashes_for_the_rest(bench_dir):
     assert "recorded by m/new.json only" in text
 
 
+def test_an_ik_llama_cpp_peer_gets_its_own_column_with_quills_ratio(bench_dir):
+    data = json.loads((bench_dir / "m/new.json").read_text())
+    data["results"][0]["median"]["ik_llama.cpp 8337e4c"] = {"decode_tps": 64.0, "prefill_tps": 500.0}
+    write(bench_dir, "m/new.json", data)
+    lines = page.render(bench_dir).splitlines()
+    assert any("| llama.cpp | ik_llama.cpp (-rtr 1), quill int8-group's ratio |" in line for line in lines)
+    row = next(line for line in lines if line.startswith("| A | AVX-512"))
+    assert "| 64.0 / 500 (quill 1.25x / 0.80x) |" in row  # quill int8-group 80 / 400 against ik's 64 / 500
+    old = next(line for line in lines if line.startswith("| A old | AVX2"))
+    assert "| 20.0 / 100 | — |" in old  # no ik run beside that one
+    data["results"][0]["median"]["ik_llama.cpp other"] = {"decode_tps": 1.0, "prefill_tps": 1.0}
+    write(bench_dir, "m/new.json", data)
+    with pytest.raises(ConfigError, match="more than one ik_llama.cpp peer"):
+        page.render(bench_dir)
+
+
 def test_page_refuses_a_missing_file_or_an_ambiguous_one(bench_dir):
     manifest = json.loads((bench_dir / "page.json").read_text())
     manifest["machines"][0]["llamacpp"][1].pop("gguf")

@@ -28,6 +28,7 @@ NOTEBOOK = "lab/BENCHMARKS-notebook.md"  # relative to docs/
 
 # the JSON's engine names -> the arithmetic they ran
 ENGINES = {"int8-group": "quill w4a8g", "float": "quill w4a16", "llama.cpp": "llama.cpp"}
+IK = "ik_llama.cpp"  # a --peer whose name starts so (its commit follows): the fork's own llama-bench
 META_FIELDS = ("cpu", "cpu_family", "cores", "threads", "date", "commit", "torch", "llama_cpp")
 DASH = "—"
 
@@ -93,6 +94,11 @@ def read_llamacpp_row(spec: dict, bench_dir: Path) -> tuple[Run, dict]:
                           f"(the file holds {names}); name it with \"gguf\" in page.json")
     r = picked[0]
     medians = {a: r["median"][e] for a, e in ENGINES.items() if e in r["median"]}
+    iks = [e for e in r["median"] if e.startswith(IK)]
+    if len(iks) > 1:
+        raise ConfigError(f"{spec['file']}: more than one {IK} peer ({', '.join(iks)}); the page shows one")
+    if iks:
+        medians[IK] = r["median"][iks[0]]
     probes = r.get("runs", {}).get("dram_gbs") or []
     run = Run(spec["model"], spec["isa"], spec["file"], medians, r.get("prompt"), r.get("gen"),
               max(probes) if probes else None)

@@ -100,18 +100,30 @@ def cell(run, arith: str) -> str:
             f"{tps(m['prefill_tps'], 0)} ({m['prefill_tps'] / lc['prefill_tps']:.2f}x)")
 
 
+def ik_cell(run) -> str:
+    """ik_llama.cpp's 'decode / prefill' and quill int8-group's ratio to it, or a dash (not run beside quill)."""
+    ik, q = run.medians.get("ik_llama.cpp"), run.medians.get("int8-group")
+    if ik is None or q is None:
+        return DASH
+    return (f"{tps(ik['decode_tps'], 1)} / {tps(ik['prefill_tps'], 0)} (quill {q['decode_tps'] / ik['decode_tps']:.2f}x"
+            f" / {q['prefill_tps'] / ik['prefill_tps']:.2f}x)")
+
+
 def llamacpp_table(machine) -> list[str]:
-    out = ["| model | ISA | tokens (prompt + decoded) | quill, int8-group (default for GGUF) | "
-           "quill, float activations | llama.cpp | best probe GB/s | JSON |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ik = any("ik_llama.cpp" in r.medians for r in machine.runs)
+    peer = ["ik_llama.cpp (-rtr 1), quill int8-group's ratio"] if ik else []
+    head = ["model", "ISA", "tokens (prompt + decoded)", "quill, int8-group (default for GGUF)",
+            "quill, float activations", "llama.cpp", *peer, "best probe GB/s", "JSON"]
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in machine.runs:
         if r.file is None:
-            missing = " | ".join(["not measured"] * 3)
+            missing = " | ".join(["not measured"] * (4 if ik else 3))
             out.append(f"| {r.model} | {r.isa} | {DASH} | {missing} | {DASH} | {DASH} |")
             continue
         probe = DASH if r.best_probe is None else f"{r.best_probe:.0f}"
+        peer = f" {ik_cell(r)} |" if ik else ""
         out.append(f"| {r.model} | {r.isa} | {r.prompt} + {r.gen} | {cell(r, 'int8-group')} | {cell(r, 'float')} | "
-                   f"{cell(r, 'llama.cpp')} | {probe} | [{r.file}](bench/{r.file}) |")
+                   f"{cell(r, 'llama.cpp')} |{peer} {probe} | [{r.file}](bench/{r.file}) |")
     return out
 
 
