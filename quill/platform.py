@@ -135,6 +135,7 @@ _INTEL_FAMILY6 = {
     0x97: "alder_lake", 0x9A: "alder_lake", 0xB7: "raptor_lake", 0xBA: "raptor_lake", 0xBF: "raptor_lake",
     0xAA: "meteor_lake", 0xAC: "meteor_lake", 0xC5: "arrow_lake", 0xC6: "arrow_lake", 0xBD: "lunar_lake",
 }
+_INTEL_AMX_PARTS = frozenset({"sapphire_rapids", "emerald_rapids", "granite_rapids"})
 
 
 def _amd_microarch(family: int, model: int | None) -> str:
@@ -154,8 +155,11 @@ def _intel_microarch(family: int | None, model: int | None, stepping: int | None
         if stepping is not None and stepping >= 10:
             return "cooper_lake"
         return "cascade_lake" if stepping is not None and stepping >= 5 else "skylake_server"
-    if family == 6 and model in _INTEL_FAMILY6:
-        return _INTEL_FAMILY6[model]
+    known = _INTEL_FAMILY6.get(model) if family == 6 else None
+    # A KVM guest can report a client model number on a server part (seen: model 167, Rocket Lake's, on a
+    # Xeon with AMX and 105 MiB of L3): no client part has AMX, so then the ISA decides.
+    if known is not None and ("amx_tile" not in flags or known in _INTEL_AMX_PARTS):
+        return known
     # Unknown model (newer than this table, or masked by a hypervisor): guess from the ISA.
     if "amx_tile" in flags:
         return "sapphire_rapids"

@@ -109,6 +109,8 @@ def test_amd_generations(family, model, arch):
     (85, 11, set(), "cooper_lake"), (151, 2, set(), "alder_lake"), (183, 1, set(), "raptor_lake"),
     (250, 0, {"amx_tile", "avx512f"}, "sapphire_rapids"), (250, 0, {"avx512f"}, "skylake_server"),
     (250, 0, {"avx_vnni"}, "alder_lake"), (250, 0, {"avx2"}, "intel"),
+    (167, 8, {"avx512f"}, "rocket_lake"), (167, 8, {"amx_tile", "avx512f"}, "sapphire_rapids"),  # a masked model
+    (207, 2, {"amx_tile"}, "emerald_rapids"),
 ])
 def test_intel_microarchitectures(model, stepping, flags, arch):
     assert microarch_of("Intel", 6, model, stepping, frozenset(flags)) == arch
