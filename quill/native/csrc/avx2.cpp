@@ -72,8 +72,9 @@ inline const int8_t* stream_of(const SplitActs& a) { return a.x; }
 // 1 holds Dlo = 256 * sum(code * mid) + sum(code * lo) (mid enters vpmaddwd with weight 256).
 // Halves [H0, H0 + NH) of the row block (8 rows each) into f: NH = 2 walks K once for both halves;
 // NH = 1 walks it for one half, its accumulators and float sums in registers (see tile()).
+// gz: the per-group epilogue's precomputed token side (group_terms), or null.
 template <int BITS, int PARTS, int EPI, int MT, int H0, int NH, class Acts>
-QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, float (*f)[LANES]) {
+QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, float (*f)[LANES], const float* gz) {
   constexpr int CK = chunk_k(BITS), STRIDE = PARTS * CK;
   constexpr bool SPLIT = PARTS == SPLIT_PARTS;
   // the split epilogue's variants (run_split_epi): the zero point folded (1), and T fused (2); no zero point (3)
@@ -205,6 +206,8 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
         else if constexpr (SPLIT)
           fn = epilogue_split(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo,
                               FUSE);
+        else if (gz)
+          fn = epilogue_gz(sc.scale, _mm256_cvtepi32_ps(acc[m][h][1]), gz + (int64_t(s) * a.m + m0 + m) * 2, fo);
         else if (a.gscale)
           fn = epilogue_g(sc, _mm256_cvtepi32_ps(acc[m][h][1]), float(a.qsum[i]), a.gscale[i], fo);
         else
@@ -240,14 +243,14 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool sh
       tile8_i4<true>(w, a, nb, m0, 0, f);
       tile8_i4<true>(w, a, nb, m0, 1, f);
     } else {
-      tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f);
-      tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f);
+      tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f, gz);
+      tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f, gz);
     }
   } else if constexpr ((PARTS == SPLIT_PARTS || BITS == 4 || BITS == 8) && MT > 1) {
-    tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f);
-    tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f);
+    tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f, gz);
+    tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f, gz);
   } else {
-    tile_halves<BITS, PARTS, EPI, MT, 0, 2>(w, a, nb, m0, f);
+    tile_halves<BITS, PARTS, EPI, MT, 0, 2>(w, a, nb, m0, f, gz);
   }
   QUILL_UNROLL for (int m = 0; m < MT; ++m) {
     if constexpr (PARTS == SPLIT_PARTS) store_float_row(w, o, nb, m0 + m, f[m]);
@@ -262,9 +265,9 @@ thread_local std::vector<float> group_terms_buf;
 template <int BITS, int PARTS, class Acts, int EPI = 0>
 void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   const bool short_segs = BITS == 4 && PARTS == 1 && a.m >= 8 && w.short_segments;
-  const float* gz = nullptr;  // the 8-token tiles' per-group epilogue with one zero point (tile8_g)
-  if constexpr (BITS == 4 && PARTS == 1)
-    if (short_segs && a.gscale && one_zero_point(w)) gz = group_terms(w, a, group_terms_buf);
+  const float* gz = nullptr;  // per-group scales, one zero point: the epilogue's token side (tile8_g, tile_halves)
+  if constexpr (PARTS == 1)
+    if (a.gscale && one_zero_point(w)) gz = group_terms(w, a, group_terms_buf);
   for (int nb = nb0; nb < nb1; ++nb)
     for (int m0 = 0; m0 < a.m;) {
       const int left = a.m - m0;

@@ -110,11 +110,8 @@ QUILL_INLINE void tile8_g(const Weights& w, const I8Acts& a, const float* gz, in
       chunk8_i4(_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low), x, int64_t(c) * 8, q16);
     }
     const __m256 sc = load8(scale, SD, 0);
-    QUILL_UNROLL for (int m = 0; m < 8; ++m) {
-      const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(q16[m], ones));
-      const __m256 t = _mm256_fmsub_ps(d, _mm256_set1_ps(pair[2 * m]), _mm256_set1_ps(pair[2 * m + 1]));
-      fr[m] = _mm256_fmadd_ps(sc, t, fr[m]);
-    }
+    QUILL_UNROLL for (int m = 0; m < 8; ++m)
+      fr[m] = epilogue_gz(sc, _mm256_cvtepi32_ps(_mm256_madd_epi16(q16[m], ones)), pair + 2 * m, fr[m]);
   }
   QUILL_UNROLL for (int m = 0; m < 8; ++m) _mm256_store_ps(f[m] + 8 * h, fr[m]);
 }

@@ -204,10 +204,12 @@ void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int
 // accumulators per (row block, token), summed exactly, keep enough vpdpbusd chains in flight.
 // FOLD (per-token scales only): each segment's sum starts at -z X (common.h Weights::fold_zero).
 // GZ >= 0 (per-group scales, one_zero_point layers): the epilogue reads its token side precomputed,
-// gz [S, M, 2] = (g, z xg) (group_terms), and the scales as DType(GZ): per row block and token a convert,
+// gz [S, M, 2] = (g, z xg) (group_terms), and the scales as DType(GZ) (GZ_ANY: w.scale_dtype at run time):
+// per row block and token a convert,
 // fmsub with both broadcasts from memory and fmadd (epilogue_g adds a scalar convert and multiply, register
 // broadcasts, a multiply for z xg, index math and run-time scale / zero / offset dispatch).  seg_epilogue_g's
 // operations on the same values: the same bits.
+constexpr int GZ_ANY = 3;  // tile_i8's GZ for a scale dtype read at run time
 template <int BITS, bool FOLD, int MT, int RB, int GZ = -1>
 void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
              LaneState<int32_t>* const* st, const float* gz) {
@@ -278,7 +280,8 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
     const float* pair = GZ >= 0 ? gz + (int64_t(s) * a.m + m0) * 2 : nullptr;  // [MT, 2] (g, z xg)
     QUILL_UNROLL for (int r = 0; r < RB; ++r) {
       v512::SegConsts sc;
-      if constexpr (GZ >= 0) sc.scale = v512::load16(w.scales, DType(GZ), seg_index(w, nb + r, s, 0));
+      if constexpr (GZ >= 0)
+        sc.scale = v512::load16(w.scales, GZ == GZ_ANY ? w.scale_dtype : DType(GZ), seg_index(w, nb + r, s, 0));
       else sc = v512::seg_consts(w, nb + r, s, sup[r]);
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         __m512i d = acc[r][m][0];
@@ -334,32 +337,42 @@ void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1, c
 // The per-group epilogue's token side (group_terms [S, M, 2]) of this thread's calls: grow-only.
 thread_local std::vector<float> group_terms_buf;
 
-// Per-group scales on a one_zero_point layer: the epilogue's token side precomputed, the scale dtype
-// compile-time (tile_i8's GZ).
+// Per-group scales on a one_zero_point layer (GGUF Q4_0 / Q5_0 / Q8_0, symmetric GPTQ / CT): the epilogue's
+// token side precomputed; 4-bit codes also take the scale dtype at compile time (tile_i8's GZ).
 template <int BITS>
 void run_i8_g(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   const float* gz = group_terms(w, a, group_terms_buf);
-  switch (w.scale_dtype) {
-    case DType::F16: return run_i8<BITS, false, int(DType::F16)>(w, a, o, nb0, nb1, gz);
-    case DType::BF16: return run_i8<BITS, false, int(DType::BF16)>(w, a, o, nb0, nb1, gz);
-    case DType::F32:
-    default: return run_i8<BITS, false, int(DType::F32)>(w, a, o, nb0, nb1, gz);
+  if constexpr (BITS != 4) {
+    run_i8<BITS, false, GZ_ANY>(w, a, o, nb0, nb1, gz);
+  } else {
+    switch (w.scale_dtype) {
+      case DType::F16: return run_i8<BITS, false, int(DType::F16)>(w, a, o, nb0, nb1, gz);
+      case DType::BF16: return run_i8<BITS, false, int(DType::BF16)>(w, a, o, nb0, nb1, gz);
+      case DType::F32:
+      default: return run_i8<BITS, false, int(DType::F32)>(w, a, o, nb0, nb1, gz);
+    }
   }
 }
 
 // The zero point folded (Weights::fold_zero) for layers with one (3-8 bit) and per-token scales
-// (W4A8 at 128 tokens, Q4_0-shaped: -8 % on Zen 5); per-group scales take run_i8_g for 4-bit one_zero_point
-// layers (GGUF Q4_0, symmetric GPTQ / CT g32), epilogue_g otherwise.
+// (W4A8 at 128 tokens, Q4_0-shaped: -8 % on Zen 5); per-group scales take run_i8_g where it applies,
+// epilogue_g otherwise.
+template <int BITS>
+void run_i8_epi(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  if (a.gscale && one_zero_point(w)) return run_i8_g<BITS>(w, a, o, nb0, nb1);
+  if constexpr (BITS >= 3)
+    if (w.fold_zero && !a.gscale) return run_i8<BITS, true>(w, a, o, nb0, nb1);
+  run_i8<BITS>(w, a, o, nb0, nb1);
+}
+
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
-  if (w.bits == 4 && a.gscale && one_zero_point(w)) return run_i8_g<4>(w, a, o, nb0, nb1);
-  const bool fold = w.fold_zero && !a.gscale;
   switch (w.bits) {
-    case 2: return run_i8<2>(w, a, o, nb0, nb1);
-    case 3: return fold ? run_i8<3, true>(w, a, o, nb0, nb1) : run_i8<3>(w, a, o, nb0, nb1);
-    case 4: return fold ? run_i8<4, true>(w, a, o, nb0, nb1) : run_i8<4>(w, a, o, nb0, nb1);
-    case 5: return fold ? run_i8<5, true>(w, a, o, nb0, nb1) : run_i8<5>(w, a, o, nb0, nb1);
-    case 6: return fold ? run_i8<6, true>(w, a, o, nb0, nb1) : run_i8<6>(w, a, o, nb0, nb1);
-    default: return fold ? run_i8<8, true>(w, a, o, nb0, nb1) : run_i8<8>(w, a, o, nb0, nb1);
+    case 2: return run_i8_epi<2>(w, a, o, nb0, nb1);
+    case 3: return run_i8_epi<3>(w, a, o, nb0, nb1);
+    case 4: return run_i8_epi<4>(w, a, o, nb0, nb1);
+    case 5: return run_i8_epi<5>(w, a, o, nb0, nb1);
+    case 6: return run_i8_epi<6>(w, a, o, nb0, nb1);
+    default: return run_i8_epi<8>(w, a, o, nb0, nb1);
   }
 }
 
