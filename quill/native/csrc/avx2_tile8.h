@@ -85,8 +85,8 @@ QUILL_INLINE void tile8_i4(const Weights& w, const I8Acts& a, int nb, int m0, in
 // gz [S, M, 2] holds (g, z * xg) per segment and token (group_terms), so per token and segment the epilogue is
 // vpmaddwd, convert, two broadcasts from memory, fmsub and fmadd (epilogue_g adds a scalar convert and
 // multiply, register broadcasts, a multiply for z xg, index math and the offset test: 19 instructions against
-// 6).  t = d * g - z xg, f += scale * t: seg_epilogue_g's operations on the same values, the same bits.  Scale dtype and zero point are compile-time here, and the
-// segment's scales and pairs are one pointer step each.
+// 6).  t = d * g - z xg, f += scale * t: seg_epilogue_g's operations on the same values, the same bits.
+// Scale dtype and zero point are compile-time here, and a segment's scales and pairs are one pointer step.
 template <DType SD>
 QUILL_INLINE void tile8_g(const Weights& w, const I8Acts& a, const float* gz, int nb, int m0, int h,
                           float (*f)[LANES]) {

@@ -210,7 +210,9 @@ inline bool one_zero_point(const Weights& w) { return !w.zeros && !w.offsets && 
 // SIMD epilogue is t = fma(d, g, -zxg) from two broadcasts (no convert, multiply or index math per token,
 // row block and half).  Segment-major [S, M, 2]: a token tile's pairs of one segment share a base pointer.
 // O(M S) beside the call's O(N K M).  buf: the calling thread's grow-only scratch; returns its data.
-inline const float* group_terms(const Weights& w, const I8Acts& a, std::vector<float>& buf) {
+// Always inlined: each ISA's TU compiles it with its own flags, and a shared out-of-line copy could be
+// the AVX-512 TU's, called from the AVX2 one.
+QUILL_INLINE const float* group_terms(const Weights& w, const I8Acts& a, std::vector<float>& buf) {
   if (buf.size() < size_t(2) * a.m * w.nseg) buf.resize(size_t(2) * a.m * w.nseg);
   float* out = buf.data();
   for (int m = 0; m < a.m; ++m)
