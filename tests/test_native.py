@@ -232,6 +232,34 @@ def test_long_inputs_run_in_token_and_k_blocks(sym, gs, bits):
         assert sqnr(outs[0], emulated) >= 40
 
 
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("sdt", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("zero", ["sym", 3, 0, "asym", "offsets"])
+def test_int8_group_scales_over_token_tiles(zero, sdt, bits):
+    """int8 per token and group (g32) over whole token tiles and the tokens left over (AVX2: 4-bit tiles of 8,
+    tiles of 4 and fewer; AVX-512: tiles of 6, two row blocks a pass from 32 tokens), whose epilogue reads its
+    token side precomputed when the layer has one zero point (csrc/scalar_util.h group_terms), every scale
+    dtype, one zero point (2^(bits-1), 3: z xg rounded, 0) or per-group zeros or offsets: bit for bit the
+    scalar twin, and the emulated reference."""
+    k, n = 512, 40
+    if isinstance(zero, int):
+        from quill.canonical import QuantizedWeight
+        g = torch.Generator().manual_seed(7)
+        qw = QuantizedWeight(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g), bits, 32,
+                             (torch.rand(n, k // 32, generator=g) * 0.01 + 0.001).to(sdt),
+                             zeros=torch.full((n, k // 32), zero, dtype=torch.int16)).validate()
+    else:
+        qw = _weight(n, k, bits, 32, zero == "sym", offsets=zero == "offsets", scale_dtype=sdt)
+    qa = qw.with_(activation=ActivationQuant(per_group=True))
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(8))
+    for m in (8, 17, 37):
+        outs = {isa: _run(qa, x[:m], isa, True) for isa in INT8_VARIANTS}
+        for isa, y in outs.items():
+            assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin at M = {m}"
+        emulated = fake_quantize_activations(x[:m], qa.activation, qw.group_index()) @ qw.dequantize().T
+        assert sqnr(outs["scalar"], emulated) >= 40, (m, sqnr(outs["scalar"], emulated))
+
+
 def test_bias_three_d_input_and_float16():
     qw = _weight(24, 64, 4, 32)
     bias = torch.randn(24)

@@ -72,8 +72,9 @@ inline const int8_t* stream_of(const SplitActs& a) { return a.x; }
 // 1 holds Dlo = 256 * sum(code * mid) + sum(code * lo) (mid enters vpmaddwd with weight 256).
 // Halves [H0, H0 + NH) of the row block (8 rows each) into f: NH = 2 walks K once for both halves;
 // NH = 1 walks it for one half, its accumulators and float sums in registers (see tile()).
+// gz: the per-group epilogue's precomputed token side (group_terms), or null.
 template <int BITS, int PARTS, int EPI, int MT, int H0, int NH, class Acts>
-QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, float (*f)[LANES]) {
+QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, float (*f)[LANES], const float* gz) {
   constexpr int CK = chunk_k(BITS), STRIDE = PARTS * CK;
   constexpr bool SPLIT = PARTS == SPLIT_PARTS;
   // the split epilogue's variants (run_split_epi): the zero point folded (1), and T fused (2); no zero point (3)
@@ -205,6 +206,8 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
         else if constexpr (SPLIT)
           fn = epilogue_split(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo,
                               FUSE);
+        else if (gz)
+          fn = epilogue_gz(sc.scale, _mm256_cvtepi32_ps(acc[m][h][1]), gz + (int64_t(s) * a.m + m0 + m) * 2, fo);
         else if (a.gscale)
           fn = epilogue_g(sc, _mm256_cvtepi32_ps(acc[m][h][1]), float(a.qsum[i]), a.gscale[i], fo);
         else
@@ -226,26 +229,28 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
 // sum 8 chunks: +25-30 %).  Single tokens keep one pass (the second pass cost more than the spills:
 // W4A8 M = 1 +30-45 %), as do 2/3/5/6-bit codes with int8 activations.  Either way each half's sums
 // run in the same order: the same bits.  The 8-token tiles of 4-bit codes with short segments are
-// written out (avx2_tile8.h).
+// written out (avx2_tile8.h); gz: the precomputed token side of the per-group epilogue (group_terms), or null.
 template <int BITS, int PARTS, int EPI, int MT, class Acts>
-void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool short_segs) {
+void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool short_segs, const float* gz) {
   alignas(32) float f[MT][LANES] = {};
   if constexpr (BITS == 4 && PARTS == 1 && MT == 8) {
     if (short_segs && EPI == 1) {
       tile8_i4<false>(w, a, nb, m0, 0, f);
       tile8_i4<false>(w, a, nb, m0, 1, f);
+    } else if (short_segs && gz) {
+      tile8_g_halves(w, a, gz, nb, m0, f);
     } else if (short_segs && a.gscale) {
       tile8_i4<true>(w, a, nb, m0, 0, f);
       tile8_i4<true>(w, a, nb, m0, 1, f);
     } else {
-      tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f);
-      tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f);
+      tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f, gz);
+      tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f, gz);
     }
   } else if constexpr ((PARTS == SPLIT_PARTS || BITS == 4 || BITS == 8) && MT > 1) {
-    tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f);
-    tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f);
+    tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f, gz);
+    tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f, gz);
   } else {
-    tile_halves<BITS, PARTS, EPI, MT, 0, 2>(w, a, nb, m0, f);
+    tile_halves<BITS, PARTS, EPI, MT, 0, 2>(w, a, nb, m0, f, gz);
   }
   QUILL_UNROLL for (int m = 0; m < MT; ++m) {
     if constexpr (PARTS == SPLIT_PARTS) store_float_row(w, o, nb, m0 + m, f[m]);
@@ -253,18 +258,24 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool sh
   }
 }
 
+// The per-group epilogue's token side (group_terms [S, M, 2]) of this thread's calls: grow-only.
+thread_local std::vector<float> group_terms_buf;
+
 // Row blocks [nb0, nb1) x all tokens in tiles of up to 4 tokens (8: 4-bit codes x int8 activations).
 template <int BITS, int PARTS, class Acts, int EPI = 0>
 void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   const bool short_segs = BITS == 4 && PARTS == 1 && a.m >= 8 && w.short_segments;
+  const float* gz = nullptr;  // per-group scales, one zero point: the epilogue's token side (tile8_g, tile_halves)
+  if constexpr (PARTS == 1)
+    if (a.gscale && one_zero_point(w)) gz = group_terms(w, a, group_terms_buf);
   for (int nb = nb0; nb < nb1; ++nb)
     for (int m0 = 0; m0 < a.m;) {
       const int left = a.m - m0;
-      if (BITS == 4 && PARTS == 1 && left >= 8) { tile<BITS, PARTS, EPI, 8>(w, a, o, nb, m0, short_segs); m0 += 8; }
-      else if (left >= 4) { tile<BITS, PARTS, EPI, 4>(w, a, o, nb, m0, short_segs); m0 += 4; }
-      else if (left == 3) { tile<BITS, PARTS, EPI, 3>(w, a, o, nb, m0, short_segs); m0 += 3; }
-      else if (left == 2) { tile<BITS, PARTS, EPI, 2>(w, a, o, nb, m0, short_segs); m0 += 2; }
-      else { tile<BITS, PARTS, EPI, 1>(w, a, o, nb, m0, short_segs); m0 += 1; }
+      if (BITS == 4 && PARTS == 1 && left >= 8) { tile<BITS, PARTS, EPI, 8>(w, a, o, nb, m0, short_segs, gz); m0 += 8; }
+      else if (left >= 4) { tile<BITS, PARTS, EPI, 4>(w, a, o, nb, m0, short_segs, gz); m0 += 4; }
+      else if (left == 3) { tile<BITS, PARTS, EPI, 3>(w, a, o, nb, m0, short_segs, gz); m0 += 3; }
+      else if (left == 2) { tile<BITS, PARTS, EPI, 2>(w, a, o, nb, m0, short_segs, gz); m0 += 2; }
+      else { tile<BITS, PARTS, EPI, 1>(w, a, o, nb, m0, short_segs, gz); m0 += 1; }
     }
 }
 

@@ -80,5 +80,57 @@ QUILL_INLINE void tile8_i4(const Weights& w, const I8Acts& a, int nb, int m0, in
   QUILL_UNROLL for (int m = 0; m < 8; ++m) _mm256_store_ps(f[m] + 8 * h, fr[m]);
 }
 
+// tile8_i4<true> for layers with one zero point z, no offsets and one level of scales of dtype SD (GGUF Q4_0,
+// symmetric GPTQ / compressed-tensors g32: one_zero_point), the token side of the epilogue precomputed:
+// gz [S, M, 2] holds (g, z * xg) per segment and token (group_terms), so per token and segment the epilogue is
+// vpmaddwd, convert, two broadcasts from memory, fmsub and fmadd (epilogue_g adds a scalar convert and
+// multiply, register broadcasts, a multiply for z xg, index math and the offset test: 19 instructions against
+// 6).  t = d * g - z xg, f += scale * t: seg_epilogue_g's operations on the same values, the same bits.
+// Scale dtype and zero point are compile-time here, and a segment's scales and pairs are one pointer step.
+template <DType SD>
+QUILL_INLINE void tile8_g(const Weights& w, const I8Acts& a, const float* gz, int nb, int m0, int h,
+                          float (*f)[LANES]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* codes = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES + 32 * h;  // [KC, 64], half h
+  const int8_t* x[8];                                                          // [Kp] each
+  QUILL_UNROLL for (int m = 0; m < 8; ++m) x[m] = a.q + int64_t(m0 + m) * a.ld;
+  const float* pair = gz + 2 * int64_t(m0);  // segment s: pair[2m] = g, pair[2m + 1] = z xg of token m0 + m
+  const int64_t pair_step = 2 * int64_t(a.m);
+  const size_t esize = SD == DType::F32 ? 4 : 2;
+  const char* scale = static_cast<const char*>(w.scales) + (int64_t(nb) * w.nseg * LANES + 8 * h) * esize;  // [S, 16]
+  __m256 fr[8];
+  QUILL_UNROLL for (int m = 0; m < 8; ++m) fr[m] = _mm256_setzero_ps();
+  for (int s = 0, c = 0; s < w.nseg; ++s, pair += pair_step, scale += LANES * esize) {
+    __m256i q16[8];
+    QUILL_UNROLL for (int m = 0; m < 8; ++m) q16[m] = _mm256_setzero_si256();
+    for (const int c1 = w.seg_end[s]; c < c1; ++c) {
+      const uint8_t* blk = codes + int64_t(c) * BLOCK_BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+      chunk8_i4(_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low), x, int64_t(c) * 8, q16);
+    }
+    const __m256 sc = load8(scale, SD, 0);
+    QUILL_UNROLL for (int m = 0; m < 8; ++m)
+      fr[m] = epilogue_gz(sc, _mm256_cvtepi32_ps(_mm256_madd_epi16(q16[m], ones)), pair + 2 * m, fr[m]);
+  }
+  QUILL_UNROLL for (int m = 0; m < 8; ++m) _mm256_store_ps(f[m] + 8 * h, fr[m]);
+}
+
+// Both halves of tile8_g, its scale dtype chosen once per tile.
+QUILL_INLINE void tile8_g_halves(const Weights& w, const I8Acts& a, const float* gz, int nb, int m0, float (*f)[LANES]) {
+  switch (w.scale_dtype) {
+    case DType::F16:
+      tile8_g<DType::F16>(w, a, gz, nb, m0, 0, f);
+      return tile8_g<DType::F16>(w, a, gz, nb, m0, 1, f);
+    case DType::BF16:
+      tile8_g<DType::BF16>(w, a, gz, nb, m0, 0, f);
+      return tile8_g<DType::BF16>(w, a, gz, nb, m0, 1, f);
+    case DType::F32:
+    default:
+      tile8_g<DType::F32>(w, a, gz, nb, m0, 0, f);
+      return tile8_g<DType::F32>(w, a, gz, nb, m0, 1, f);
+  }
+}
+
 }  // namespace v256
 }  // namespace quill

@@ -203,9 +203,16 @@ void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int
 // through st[r] (kblock.h).  The row blocks share the activation broadcasts.  NA int32
 // accumulators per (row block, token), summed exactly, keep enough vpdpbusd chains in flight.
 // FOLD (per-token scales only): each segment's sum starts at -z X (common.h Weights::fold_zero).
-template <int BITS, bool FOLD, int MT, int RB>
+// GZ >= 0 (per-group scales, one_zero_point layers): the epilogue reads its token side precomputed,
+// gz [S, M, 2] = (g, z xg) (group_terms), and the scales as DType(GZ) (GZ_ANY: w.scale_dtype at run time):
+// per row block and token a convert,
+// fmsub with both broadcasts from memory and fmadd (epilogue_g adds a scalar convert and multiply, register
+// broadcasts, a multiply for z xg, index math and run-time scale / zero / offset dispatch).  seg_epilogue_g's
+// operations on the same values: the same bits.
+constexpr int GZ_ANY = 3;  // tile_i8's GZ for a scale dtype read at run time
+template <int BITS, bool FOLD, int MT, int RB, int GZ = -1>
 void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
-             LaneState<int32_t>* const* st) {
+             LaneState<int32_t>* const* st, const float* gz) {
   constexpr int CK = chunk_k(BITS);
   const int32_t zc = int32_t(w.zconst);
   auto open = [&](int m, int s) { return _mm512_set1_epi32(-zc * a.qsum[int64_t(m0 + m) * w.nseg + s]); };
@@ -270,13 +277,19 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
     if (c < end) chunk(c, Even{});
     c = end;
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
+    const float* pair = GZ >= 0 ? gz + (int64_t(s) * a.m + m0) * 2 : nullptr;  // [MT, 2] (g, z xg)
     QUILL_UNROLL for (int r = 0; r < RB; ++r) {
-      const v512::SegConsts sc = v512::seg_consts(w, nb + r, s, sup[r]);
+      v512::SegConsts sc;
+      if constexpr (GZ >= 0)
+        sc.scale = v512::load16(w.scales, GZ == GZ_ANY ? w.scale_dtype : DType(GZ), seg_index(w, nb + r, s, 0));
+      else sc = v512::seg_consts(w, nb + r, s, sup[r]);
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         __m512i d = acc[r][m][0];
         QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[r][m][i]);
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
-        if (FOLD)  // d holds D - z X: t = cvt(d) is epilogue()'s t (no offsets where folded)
+        if constexpr (GZ >= 0)
+          f[r][m] = v512::epilogue_gz(sc.scale, _mm512_cvtepi32_ps(d), pair + 2 * m, f[r][m]);
+        else if (FOLD)  // d holds D - z X: t = cvt(d) is epilogue()'s t (no offsets where folded)
           f[r][m] = _mm512_fmadd_ps(sc.scale, _mm512_cvtepi32_ps(d), f[r][m]);
         else if (a.gscale)
           f[r][m] = v512::epilogue_g(sc, _mm512_cvtepi32_ps(d), float(a.qsum[i]), a.gscale[i], f[r][m]);
@@ -296,21 +309,23 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
     }
 }
 
-template <int BITS, bool FOLD, int RB>
+template <int BITS, bool FOLD, int RB, int GZ>
 void tile_i8_mt(int mt, const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
-                LaneState<int32_t>* const* st) {
-  by_tokens(mt, [&](auto tokens) { tile_i8<BITS, FOLD, decltype(tokens)::value, RB>(w, a, nb, m0, c0, c1, s, st); });
+                LaneState<int32_t>* const* st, const float* gz) {
+  by_tokens(mt, [&](auto tokens) {
+    tile_i8<BITS, FOLD, decltype(tokens)::value, RB, GZ>(w, a, nb, m0, c0, c1, s, st, gz);
+  });
 }
 
 // From PAIRED_I8_TOKENS tokens, two row blocks per pass sharing the activation broadcasts (half
 // the broadcast loads per vpdpbusd; Zen 5, 32-128 tokens: -5..-15 %); fewer tokens run one row
 // block at a time (at 8-16 tokens pairing measured 13-50 % slower at 4096 x 4096).
 constexpr int PAIRED_I8_TOKENS = 32;
-template <int BITS, bool FOLD = false>
-void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+template <int BITS, bool FOLD = false, int GZ = -1>
+void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1, const float* gz = nullptr) {
   auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
-    if (rb == 2 && mt >= 2 && BITS >= 4) return tile_i8_mt<BITS, FOLD, 2>(mt, w, a, nb, m0, c0, c1, s, st);
-    for (int r = 0; r < rb; ++r) tile_i8_mt<BITS, FOLD, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
+    if (rb == 2 && mt >= 2 && BITS >= 4) return tile_i8_mt<BITS, FOLD, 2, GZ>(mt, w, a, nb, m0, c0, c1, s, st, gz);
+    for (int r = 0; r < rb; ++r) tile_i8_mt<BITS, FOLD, 1, GZ>(mt, w, a, nb + r, m0, c0, c1, s, st + r, gz);
   };
   auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
     v512::store_int(w, a, o, nb, m, _mm512_load_ps(st.f));
@@ -319,17 +334,45 @@ void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   run_kblocked<int32_t, 2>(w, a.m, nb0, nb1, tiles, finish);
 }
 
+// The per-group epilogue's token side (group_terms [S, M, 2]) of this thread's calls: grow-only.
+thread_local std::vector<float> group_terms_buf;
+
+// Per-group scales on a one_zero_point layer (GGUF Q4_0 / Q5_0 / Q8_0, symmetric GPTQ / CT): the epilogue's
+// token side precomputed; 4-bit codes also take the scale dtype at compile time (tile_i8's GZ).
+template <int BITS>
+void run_i8_g(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  const float* gz = group_terms(w, a, group_terms_buf);
+  if constexpr (BITS != 4) {
+    run_i8<BITS, false, GZ_ANY>(w, a, o, nb0, nb1, gz);
+  } else {
+    switch (w.scale_dtype) {
+      case DType::F16: return run_i8<BITS, false, int(DType::F16)>(w, a, o, nb0, nb1, gz);
+      case DType::BF16: return run_i8<BITS, false, int(DType::BF16)>(w, a, o, nb0, nb1, gz);
+      case DType::F32:
+      default: return run_i8<BITS, false, int(DType::F32)>(w, a, o, nb0, nb1, gz);
+    }
+  }
+}
+
 // The zero point folded (Weights::fold_zero) for layers with one (3-8 bit) and per-token scales
-// (W4A8 at 128 tokens, Q4_0-shaped: -8 % on Zen 5); per-group scales keep epilogue_g.
+// (W4A8 at 128 tokens, Q4_0-shaped: -8 % on Zen 5); per-group scales take run_i8_g where it applies,
+// epilogue_g otherwise.
+template <int BITS>
+void run_i8_epi(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  if (a.gscale && one_zero_point(w)) return run_i8_g<BITS>(w, a, o, nb0, nb1);
+  if constexpr (BITS >= 3)
+    if (w.fold_zero && !a.gscale) return run_i8<BITS, true>(w, a, o, nb0, nb1);
+  run_i8<BITS>(w, a, o, nb0, nb1);
+}
+
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
-  const bool fold = w.fold_zero && !a.gscale;
   switch (w.bits) {
-    case 2: return run_i8<2>(w, a, o, nb0, nb1);
-    case 3: return fold ? run_i8<3, true>(w, a, o, nb0, nb1) : run_i8<3>(w, a, o, nb0, nb1);
-    case 4: return fold ? run_i8<4, true>(w, a, o, nb0, nb1) : run_i8<4>(w, a, o, nb0, nb1);
-    case 5: return fold ? run_i8<5, true>(w, a, o, nb0, nb1) : run_i8<5>(w, a, o, nb0, nb1);
-    case 6: return fold ? run_i8<6, true>(w, a, o, nb0, nb1) : run_i8<6>(w, a, o, nb0, nb1);
-    default: return fold ? run_i8<8, true>(w, a, o, nb0, nb1) : run_i8<8>(w, a, o, nb0, nb1);
+    case 2: return run_i8_epi<2>(w, a, o, nb0, nb1);
+    case 3: return run_i8_epi<3>(w, a, o, nb0, nb1);
+    case 4: return run_i8_epi<4>(w, a, o, nb0, nb1);
+    case 5: return run_i8_epi<5>(w, a, o, nb0, nb1);
+    case 6: return run_i8_epi<6>(w, a, o, nb0, nb1);
+    default: return run_i8_epi<8>(w, a, o, nb0, nb1);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "common.h"
 
@@ -198,6 +199,31 @@ inline float seg_epilogue_g(const Weights& w, int nb, int s, int r, float d, flo
   f = std::fma(scale_at(w, nb, s, r, i), t, f);
   if (w.offsets) f = std::fma(offset_at(w, nb, s, r, i), xg, f);
   return f;
+}
+
+// Layers whose every row has the one zero point zconst, no offsets and one level of scales (GGUF Q4_0 / Q5_0 /
+// Q8_0, symmetric GPTQ / compressed-tensors): seg_epilogue_g's token side is the same for every row.
+inline bool one_zero_point(const Weights& w) { return !w.zeros && !w.offsets && !w.super_scales; }
+
+// That token side precomputed once per kernel call for one_zero_point layers: per segment s and token m,
+// out[(s * M + m) * 2 + {0, 1}] = g and z * xg (xg = X * g), rounded as seg_epilogue_g rounds them, so the
+// SIMD epilogue is t = fma(d, g, -zxg) from two broadcasts (no convert, multiply or index math per token,
+// row block and half).  Segment-major [S, M, 2]: a token tile's pairs of one segment share a base pointer.
+// O(M S) beside the call's O(N K M).  buf: the calling thread's grow-only scratch; returns its data.
+// Always inlined: each ISA's TU compiles it with its own flags, and a shared out-of-line copy could be
+// the AVX-512 TU's, called from the AVX2 one.
+QUILL_INLINE const float* group_terms(const Weights& w, const I8Acts& a, std::vector<float>& buf) {
+  if (buf.size() < size_t(2) * a.m * w.nseg) buf.resize(size_t(2) * a.m * w.nseg);
+  float* out = buf.data();
+  for (int m = 0; m < a.m; ++m)
+    for (int s = 0; s < w.nseg; ++s) {
+      const int64_t i = int64_t(m) * w.nseg + s;
+      const float g = a.gscale[i], xg = float(a.qsum[i]) * g;
+      float* p = out + (int64_t(s) * a.m + m) * 2;
+      p[0] = g;
+      p[1] = w.zconst * xg;
+    }
+  return out;
 }
 
 inline int32_t zero_int_at(const Weights& w, int64_t i) {

@@ -112,6 +112,12 @@ QUILL_INLINE __m256 epilogue_g(const Seg8& c, __m256 d, float x, float g, __m256
   return f;
 }
 
+// epilogue_g of a one_zero_point layer with its token side precomputed, pair = (g, z * xg) (group_terms):
+// f += scale * (d * g - z * xg), both broadcasts from memory.
+QUILL_INLINE __m256 epilogue_gz(__m256 scale, __m256 d, const float* pair, __m256 f) {
+  return _mm256_fmadd_ps(scale, _mm256_fmsub_ps(d, _mm256_set1_ps(pair[0]), _mm256_set1_ps(pair[1])), f);
+}
+
 // f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo)) [+ (offset * xscale) * (65536 * Xhi + Xlo)]
 // for lanes 8h..8h+7 (split_epilogue).
 // Folded zero point and fused T as in simd512.h's split_epilogue (common.h, Weights::fold_zero / fuse_t).

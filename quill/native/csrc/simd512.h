@@ -118,6 +118,12 @@ QUILL_INLINE __m512 epilogue_g(const SegConsts& c, __m512 d, float x, float g, _
   return f;
 }
 
+// epilogue_g of a one_zero_point layer with its token side precomputed, pair = (g, z * xg) (group_terms):
+// f += scale * (d * g - z * xg), both broadcasts from memory.
+QUILL_INLINE __m512 epilogue_gz(__m512 scale, __m512 d, const float* pair, __m512 f) {
+  return _mm512_fmadd_ps(scale, _mm512_fmsub_ps(d, _mm512_set1_ps(pair[0]), _mm512_set1_ps(pair[1])), f);
+}
+
 // f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo))
 //      [+ (offset * xscale) * (65536 * Xhi + Xlo)]   (split_epilogue, 16 lanes)
 // With the zero point folded into the accumulators (Weights::fold_zero) dhi / dlo hold Dhi - z Xhi and
