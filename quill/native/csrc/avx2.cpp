@@ -259,7 +259,7 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool sh
 }
 
 // The per-group epilogue's token side (group_terms [S, M, 2]) of this thread's calls: grow-only.
-thread_local std::vector<float> group_terms_buf;
+thread_local FloatScratch group_terms_buf;
 
 // Row blocks [nb0, nb1) x all tokens in tiles of up to 4 tokens (8: 4-bit codes x int8 activations).
 template <int BITS, int PARTS, class Acts, int EPI = 0>

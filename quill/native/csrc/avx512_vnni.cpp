@@ -335,7 +335,7 @@ void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1, c
 }
 
 // The per-group epilogue's token side (group_terms [S, M, 2]) of this thread's calls: grow-only.
-thread_local std::vector<float> group_terms_buf;
+thread_local FloatScratch group_terms_buf;
 
 // Per-group scales on a one_zero_point layer (GGUF Q4_0 / Q5_0 / Q8_0, symmetric GPTQ / CT): the epilogue's
 // token side precomputed; 4-bit codes also take the scale dtype at compile time (tile_i8's GZ).

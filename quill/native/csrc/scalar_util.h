@@ -8,8 +8,9 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
 #include <limits>
-#include <vector>
+#include <new>
 
 #include "common.h"
 
@@ -205,16 +206,35 @@ inline float seg_epilogue_g(const Weights& w, int nb, int s, int r, float d, flo
 // Q8_0, symmetric GPTQ / compressed-tensors): seg_epilogue_g's token side is the same for every row.
 inline bool one_zero_point(const Weights& w) { return !w.zeros && !w.offsets && !w.super_scales; }
 
+namespace {
+// A thread's grow-only float scratch (group_terms).  Internal to each TU, as is its code: a std::vector's
+// member templates are weak symbols the linker may take from any TU, e.g. an AVX-512-compiled resize for the
+// AVX2 kernels.
+struct FloatScratch {
+  float* p = nullptr;
+  size_t n = 0;
+  ~FloatScratch() { std::free(p); }
+  float* get(size_t want) {
+    if (want > n) {
+      std::free(p);
+      p = static_cast<float*>(std::malloc(want * sizeof(float)));
+      n = p ? want : 0;
+      if (!p) throw std::bad_alloc();
+    }
+    return p;
+  }
+};
+}  // namespace
+
 // That token side precomputed once per kernel call for one_zero_point layers: per segment s and token m,
 // out[(s * M + m) * 2 + {0, 1}] = g and z * xg (xg = X * g), rounded as seg_epilogue_g rounds them, so the
 // SIMD epilogue is t = fma(d, g, -zxg) from two broadcasts (no convert, multiply or index math per token,
 // row block and half).  Segment-major [S, M, 2]: a token tile's pairs of one segment share a base pointer.
-// O(M S) beside the call's O(N K M).  buf: the calling thread's grow-only scratch; returns its data.
-// Always inlined: each ISA's TU compiles it with its own flags, and a shared out-of-line copy could be
-// the AVX-512 TU's, called from the AVX2 one.
-QUILL_INLINE const float* group_terms(const Weights& w, const I8Acts& a, std::vector<float>& buf) {
-  if (buf.size() < size_t(2) * a.m * w.nseg) buf.resize(size_t(2) * a.m * w.nseg);
-  float* out = buf.data();
+// O(M S) beside the call's O(N K M).  buf: the calling thread's scratch; returns its data.  Always inlined:
+// each ISA's TU compiles it with its own flags, and a shared out-of-line copy could be the AVX-512 TU's,
+// called from the AVX2 one.
+QUILL_INLINE const float* group_terms(const Weights& w, const I8Acts& a, FloatScratch& buf) {
+  float* out = buf.get(size_t(2) * a.m * w.nseg);
   for (int m = 0; m < a.m; ++m)
     for (int s = 0; s < w.nseg; ++s) {
       const int64_t i = int64_t(m) * w.nseg + s;
