@@ -26,8 +26,8 @@ Cells are tok/s, with quill's ratio to llama.cpp in the same run in brackets (ab
 METHOD = """## Method
 
 * Same GGUF file, same thread count (2: each machine is a 2-core VM), same ISA for both engines:
-  AVX-512 rows run llama.cpp built from its sources with `GGML_NATIVE`, AVX2 rows run quill's AVX2
-  kernels (`--isa avx2`, `ATEN_CPU_CAPABILITY=avx2`) against llama.cpp's AVX2 wheel.
+  AVX-512 rows run llama.cpp built from its sources with `GGML_NATIVE` (without AMX where it crashed),
+  AVX2 rows run quill's AVX2 kernels (`--isa avx2`, `ATEN_CPU_CAPABILITY=avx2`) against llama.cpp's AVX2 wheel.
 * A prompt of fixed token ids, then greedy decoding (the tokens column); no prefix cache, so every run
   computes its prompt. llama.cpp runs through llama-cpp-python in its own virtualenv, a fresh process
   per run.
@@ -78,8 +78,7 @@ LIMITS = """## Known limits
 * The 1.2B and 8B-shaped files have random weights (speed does not depend on them; their text is noise).
 * The JSON-schema serving rows hold every request to one schema (64+ list items, so no request ends
   before its token count); the free rows are a separate run minutes apart, not alternated with them.
-* The Intel Xeon and Zen 4 runs predate int8-group activations (their int8 runs are in the notebook),
-  the Zen 4 ones the native decode step too: they show an older quill.
+* The Zen 4 runs predate int8-group activations and the native decode step: they show an older quill.
 * JSON written before `quill.bench.meta` records no date, commit, torch or llama.cpp version (shown
   "—"); the notebook sections linked under each table say when and on which build each session ran.
 """
