@@ -40,6 +40,8 @@ except ImportError:
         raise ImportError("the ray extra is not installed: pip install 'quill[ray]' (make install does)") from None
     pytest.skip("Ray Serve has no wheel for this platform", allow_module_level=True)
 
+from quill.serving.ray import PROXY_READY_ENV, PROXY_READY_S  # noqa: E402
+
 # The OpenAI-client subset of the single-server tests: the same code, now through the Ray ingress.
 from tests.test_serve import (  # noqa: E402, F401
     QUESTIONS,
@@ -110,7 +112,8 @@ class RayCluster:
         subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                         "--num-cpus", str(cpus), "--include-dashboard", "false", "--disable-usage-stats",
                         "--metrics-export-port", str(self.metrics_port), "--temp-dir", self.temp],
-                       check=True, capture_output=True, timeout=180)
+                       check=True, capture_output=True, timeout=180,
+                       env={**os.environ, PROXY_READY_ENV: PROXY_READY_S})  # as quill serve's own cluster
 
     def metrics(self, name: str) -> dict[str, float]:
         """Replica id -> value of Ray's exported metric ``ray_<name>`` (the replicas' engine gauges)."""

@@ -354,12 +354,21 @@ def _int(key: str, value: str) -> int:
 
 
 # ---- `quill serve --replicas N` ------------------------------------------------------------------------
+# Serve's controller drops its HTTP proxy after three readiness checks of 5 s each; a proxy starting on a
+# loaded 2-core machine (a fresh environment importing Serve, uvicorn and starlette for the first time) took
+# longer, and serve.start then failed.  15 s each still fits serve.start's own 60 s wait.  A cluster started
+# elsewhere (--ray-address) reads its own environment: start it with this variable set.
+PROXY_READY_ENV, PROXY_READY_S = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "15"
+
+
 def serve_on_ray(options: RayServeOptions, host: str, port: int, ray_address: str | None,
                  log_level: str = "warning") -> int:
     """Run the application on a Ray cluster (``ray_address``; None starts one on this machine) until
     SIGTERM or Ctrl-C, then remove it (and Serve, when no other application is left)."""
     port = _free_port(host, port)
     quiet = log_level not in ("info", "debug")
+    if ray_address is None:  # the cluster started here inherits this environment
+        os.environ.setdefault(PROXY_READY_ENV, PROXY_READY_S)
     try:
         ray.init(address=ray_address, logging_level=logging.WARNING if quiet else logging.INFO,
                  log_to_driver=not quiet, include_dashboard=False)
