@@ -327,7 +327,17 @@ def test_a_cut_stream_is_aborted_on_its_replica(cluster, server):
     while not idle():
         assert time.monotonic() < deadline, "the replicas never went idle before the test"
         time.sleep(1)
-    aborted, generated = total("quill_requests_aborted"), total("quill_generation_tokens")
+    # Ray exports a counter some seconds after the gauges: an earlier test's abort can land after idle() holds
+    # (seen: +2 here). The baseline is a count that held for longer than one export period (10 s by default).
+    aborted = total("quill_requests_aborted")
+    while True:
+        time.sleep(11)
+        now = total("quill_requests_aborted")
+        if now == aborted:
+            break
+        assert time.monotonic() < deadline, "the aborted count never settled before the test"
+        aborted = now
+    generated = total("quill_generation_tokens")
     body = {"prompt": "Count slowly:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True,
             "user": "cut-stream"}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
