@@ -205,10 +205,9 @@ void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int
 // FOLD (per-token scales only): each segment's sum starts at -z X (common.h Weights::fold_zero).
 // GZ >= 0 (per-group scales, one_zero_point layers): the epilogue reads its token side precomputed,
 // gz [S, M, 2] = (g, z xg) (group_terms), and the scales as DType(GZ) (GZ_ANY: w.scale_dtype at run time):
-// per row block and token a convert,
-// fmsub with both broadcasts from memory and fmadd (epilogue_g adds a scalar convert and multiply, register
-// broadcasts, a multiply for z xg, index math and run-time scale / zero / offset dispatch).  seg_epilogue_g's
-// operations on the same values: the same bits.
+// per row block and token a convert, fmsub with both broadcasts from memory and fmadd (epilogue_g adds a
+// scalar convert and multiply, register broadcasts, a multiply for z xg, index math and run-time scale /
+// zero / offset dispatch).  seg_epilogue_g's operations on the same values: the same bits.
 constexpr int GZ_ANY = 3;  // tile_i8's GZ for a scale dtype read at run time
 template <int BITS, bool FOLD, int MT, int RB, int GZ = -1>
 void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
