@@ -144,3 +144,16 @@ def test_cli_unreadable_cpuinfo(tmp_path, capsys):
 def test_every_recorded_cpu_reports(name):
     text = report(parse_cpuinfo((DATA / name).read_text()))
     assert set(kernel_lines(text)) == set(KERNELS)
+
+
+def test_a_closed_stdout_ends_quietly():
+    """``quill info | head``: the reader leaves before quill is done writing; quill stops with the shell's
+    SIGPIPE status and no traceback."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "quill", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before quill writes its first line
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

@@ -3,7 +3,8 @@
 Each module in ``COMMANDS`` defines ``register(subparsers)``, which adds its parser
 and sets ``func`` to a callable taking the parsed args and returning an exit code.  A
 ``QuillError`` is one line on stderr and exit code 2; Ctrl-C (SIGINT) anywhere outside a
-command's own handling (``quill chat`` keeps the conversation) ends quietly with 130.
+command's own handling (``quill chat`` keeps the conversation) ends quietly with 130, and a closed
+stdout (``quill info | head``) with 141.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -35,12 +37,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit code (2: a QuillError, reported in one line; 130: Ctrl-C, as shells use)."""
+    """Run one command; its exit code (2: a QuillError, reported in one line; 130: Ctrl-C and 141: stdout's
+    reader gone, as shells use)."""
     try:
         return _run(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:  # loading, generating, starting a server: stop without a traceback
         print("\n[interrupted]", file=sys.stderr, flush=True)  # the newline ends a half-written answer's line
         return 130
+    except BrokenPipeError:  # the reader of stdout left (quill info | head): stop quietly, as shell tools do
+        # Python flushes stdout again at exit and would fail the same way: point it at /dev/null first
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def _run(argv: list[str]) -> int:
