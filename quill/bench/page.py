@@ -181,6 +181,8 @@ def plot(machines: list[Machine], path: Path) -> None:
 
     rows = [(f"{m.title.split(', ')[-1]}, {r.isa}: {r.model.split(' (')[0]}", r)
             for m in machines if m.plot for r in m.runs if "llama.cpp" in r.medians]
+    shared = {label for label, _ in rows if sum(lb == label for lb, _ in rows) > 1}
+    rows = [(f"{label}, prompt {r.prompt}" if label in shared and r.prompt else label, r) for label, r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 1.8), sharey=True)
     colours = {"int8-group": "#1f77b4", "float": "#ff7f0e"}
     labels = {"int8-group": "quill, int8-group (default for GGUF)", "float": "quill, float activations"}
