@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -44,10 +45,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # loading, generating, starting a server: stop without a traceback
         print("\n[interrupted]", file=sys.stderr, flush=True)  # the newline ends a half-written answer's line
         return 130
-    except BrokenPipeError:  # the reader of stdout left (quill info | head): stop quietly, as shell tools do
-        # Python flushes stdout again at exit and would fail the same way: point it at /dev/null first
+    except BrokenPipeError:
+        if not _stdout_reader_gone():  # another pipe broke (a child process, a socket): a real error
+            raise
+        # the reader of stdout left (quill info | head): stop quietly, as shell tools do.  Python flushes
+        # stdout again at exit and would fail the same way: point it at /dev/null first
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports POLLERR for such a pipe)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # stdout closed or not a file descriptor
+        return False
 
 
 def _run(argv: list[str]) -> int:
