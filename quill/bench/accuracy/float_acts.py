@@ -83,7 +83,9 @@ def text_tokens(n: int, vocab: int | None) -> list[int]:
     from pydoc_data.topics import topics
 
     from quill.default_model import default_model_path
-    tok = quill.LLM(default_model_path(), max_model_len=512).tokenizer
+    from quill.formats.checkpoint import open_checkpoint
+    from quill.tokenizer import Tokenizer
+    tok = Tokenizer(open_checkpoint(default_model_path()).tokenizer_spec())  # the tokenizer only, no weights
     ids = tok.encode("\n\n".join(topics[k] for k in sorted(topics)))
     if vocab is not None:
         ids = [i for i in ids if i < vocab]
