@@ -41,7 +41,8 @@ class ActQuant(enum.Enum):
     """Activation quantization the user asks for (a checkpoint that prescribes its own always gets it)."""
 
     AUTO = "auto"  # the format's own: int8-group for GGUF (llama.cpp's arithmetic), float for the others
-    NONE = "none"  # float activations (W4A16, W8A16), GGUF files too
+    NONE = "none"  # float activations (W4A16, W8A16), GGUF files too; native kernels: a 16-bit image
+    EXACT = "exact"  # float activations exact to float32 rounding (native kernels: the 24-bit image)
     INT8 = "int8"  # int8 per token, dynamic, symmetric (W4A8, W8A8)
     INT8_GROUP = "int8-group"  # int8 per token and weight group, dynamic, symmetric (llama.cpp's int8 blocks)
 
@@ -68,10 +69,15 @@ class ActQuant(enum.Enum):
 
     @property
     def request(self) -> str | None:
-        """What layers receive: "int8" / "int8-group", or None for float activations (AUTO: resolve first)."""
+        """What layers receive: "int8" / "int8-group" / "exact", or None for float activations (AUTO: resolve
+        first)."""
         if self is ActQuant.AUTO:
             raise ValueError("ActQuant.AUTO has no layer request; resolve() it for the checkpoint first")
         return None if self is ActQuant.NONE else self.value
+
+    @property
+    def is_float(self) -> bool:
+        return self in (ActQuant.NONE, ActQuant.EXACT)
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,9 @@ class RunOptions:
         "auto", "--act-quant",
         "activations of quantized layers: auto (default) = int8 per token and weight group for GGUF files "
         "(llama.cpp's own arithmetic), float for AWQ / GPTQ / compressed-tensors / AutoRound (their tools' "
-        "forward); none: float, GGUF too; int8: int8 per token (W4A8 / W8A8); int8-group: per token and "
+        "forward); none: float, GGUF too (native kernels multiply a 16-bit fixed-point image of each 128 "
+        "inputs: mean KL 5e-8 against exact); exact: float, exact to float32 rounding (a 24-bit image, one "
+        "more int8 product per weight); int8: int8 per token (W4A8 / W8A8); int8-group: per token and "
         "weight group; a W8A8 checkpoint always runs with its own", choices=tuple(m.value for m in ActQuant))
     kv_cache_dtype: str | None = _opt(
         None, "--kv-cache-dtype", "element type of the KV cache (default auto = float16, llama.cpp's default: "
@@ -203,7 +211,8 @@ def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
 
-_ACT_WORDS = {ActQuant.NONE: "float", ActQuant.INT8: "int8 per token",
+_ACT_WORDS = {ActQuant.NONE: "float, a 16-bit image in native kernels", ActQuant.EXACT: "float, exact",
+              ActQuant.INT8: "int8 per token",
               ActQuant.INT8_GROUP: "int8 per token and weight group"}  # GGUF: llama.cpp's 32 (16 in some K-quants)
 
 
@@ -216,7 +225,7 @@ def describe_activations(requested: ActQuant, resolved: ActQuant, gguf: bool, pr
         why = "GGUF default, llama.cpp's arithmetic; --act-quant none for float"
     else:
         why = "default for this format: its quantization tool's forward; --act-quant int8-group to quantize"
-    if prescribed and resolved is ActQuant.NONE:
+    if prescribed and resolved.is_float:
         return f"int8 where the checkpoint prescribes it (W8A8, its own arithmetic), float elsewhere ({why})"
     return f"{what} ({why})" + ("; W8A8 layers keep the checkpoint's own" if prescribed else "")
 

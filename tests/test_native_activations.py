@@ -71,19 +71,22 @@ def test_per_group_activation_quantizer_is_bit_exact(isa, dtype, gs, act_order, 
     assert torch.equal(qsum, torch.stack(sums, 1))
 
 
-QMAX = 8355711  # 127 * 65793: the largest |q| whose hi part fits int8
+# the largest |q| whose hi part fits int8: 127 * 65793 (24-bit image), 127 * 257 (16-bit)
+QMAX = {24: 8355711, 16: 32639}
 
 
-def _split_oracle(x: torch.Tensor, seg_end: torch.Tensor, chunk: int, src: torch.Tensor | None):
-    """The split image of float activations by its definition (csrc/scalar_util.h), in torch.
+def _split_oracle(x: torch.Tensor, seg_end: torch.Tensor, chunk: int, src: torch.Tensor | None, image: int = 24):
+    """The split image of float activations by its definition (csrc/common.h, scalar_util.h), in torch.
 
     Per segment: amax = max |x|; q = round_half_even(clamp((x * pre) * inv, -QMAX, QMAX)) with
-    pre = 2^64 when amax < 2^-64 (else 1) and inv = QMAX / (amax * pre); q = 65536 * hi + 256 * mid + lo
-    with r = floor((q + 128) / 256), lo = q - 256 * r, hi = floor((r + 128) / 256), mid = r - 256 * hi,
-    all three int8.  A segment holding inf or NaN is all zeros with scale NaN.
-    Returns (stream int8 [M, 3 * Kp] (per chunk: hi, mid, lo bytes), qsum [M, S, 2] (sum of hi,
-    sum of 256 * mid + lo), scale [M, S]).
+    pre = 2^64 when amax < 2^-64 (else 1) and inv = QMAX / (amax * pre); r = floor((q + 128) / 256),
+    lo = q - 256 * r; 24 bits: q = 65536 * hi + 256 * mid + lo with hi = floor((r + 128) / 256),
+    mid = r - 256 * hi; 16 bits: q = 256 * hi + lo, hi = r; every part int8.  A segment holding inf
+    or NaN is all zeros with scale NaN.
+    Returns (stream int8 [M, parts * Kp] (per chunk: hi, (mid,) lo bytes), qsum [M, S, 2] (sum of hi,
+    sum of q - SHIFT * hi), scale [M, S]).
     """
+    qmax = QMAX[image]
     x = x.float()
     m, k = x.shape
     ends = [int(e) * chunk for e in seg_end]
@@ -100,34 +103,40 @@ def _split_oracle(x: torch.Tensor, seg_end: torch.Tensor, chunk: int, src: torch
         finite = torch.isfinite(amax)
         pre = torch.where(amax < 2.0 ** -64, torch.tensor(2.0 ** 64), torch.tensor(1.0))
         a = amax * pre
-        inv = torch.where(a > 0, torch.tensor(float(QMAX)) / a, torch.zeros(()))
-        t = ((seg * pre[:, None]) * inv[:, None]).clamp(-QMAX, QMAX).round()
+        inv = torch.where(a > 0, torch.tensor(float(qmax)) / a, torch.zeros(()))
+        t = ((seg * pre[:, None]) * inv[:, None]).clamp(-qmax, qmax).round()
         q[:, p0:p1] = torch.where(finite[:, None], t, torch.zeros(())).long()
-        scale[:, s] = torch.where(finite, amax / torch.tensor(float(QMAX)), torch.tensor(float("nan")))
+        scale[:, s] = torch.where(finite, amax / torch.tensor(float(qmax)), torch.tensor(float("nan")))
         p0 = p1
     r = torch.div(q + 128, 256, rounding_mode="floor")
     lo = q - 256 * r
-    hi = torch.div(r + 128, 256, rounding_mode="floor")
-    mid = r - 256 * hi
-    for part in (hi, mid, lo):
+    if image == 24:
+        hi = torch.div(r + 128, 256, rounding_mode="floor")
+        mid = r - 256 * hi
+        parts, shift = (hi, mid, lo), 65536
+    else:
+        hi = r
+        parts, shift = (hi, lo), 256
+    for part in parts:
         assert part.min() >= -128 and part.max() <= 127
-    assert torch.equal(65536 * hi + 256 * mid + lo, q)
+    assert torch.equal(shift * hi + (256 * mid + lo if image == 24 else lo), q)
     bounds = torch.tensor([0] + ends)
     seg_of = torch.bucketize(torch.arange(kp), bounds[1:], right=True)  # [Kp] segment of every position
     qsum = torch.zeros(m, len(ends), 2, dtype=torch.int64)
     qsum[:, :, 0].index_add_(1, seg_of, hi)
-    qsum[:, :, 1].index_add_(1, seg_of, q - 65536 * hi)
-    parts = [t.to(torch.int8).view(m, -1, chunk) for t in (hi, mid, lo)]
-    stream = torch.stack(parts, 2).reshape(m, 3 * kp)
+    qsum[:, :, 1].index_add_(1, seg_of, q - shift * hi)
+    chunks = [t.to(torch.int8).view(m, -1, chunk) for t in parts]
+    stream = torch.stack(chunks, 2).reshape(m, len(parts) * kp)
     return stream, qsum.int(), scale
 
 
+@pytest.mark.parametrize("image", [24, 16])
 @pytest.mark.parametrize("isa", FLOAT_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits,gs,act_order,k", [(4, -1, False, 203), (4, 40, True, 200), (8, -1, False, 203),
                                                   (8, 12, False, 204), (4, 128, False, 256), (3, 64, False, 256),
                                                   (2, -1, False, 203)])
-def test_split_encoder_matches_its_definition(isa, dtype, bits, gs, act_order, k):
+def test_split_encoder_matches_its_definition(isa, dtype, bits, gs, act_order, k, image):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(8, k, generator=g) * 3
     x[1] = 0.0  # all-zero segments: scale 0
@@ -140,8 +149,8 @@ def test_split_encoder_matches_its_definition(isa, dtype, bits, gs, act_order, k
     x = x.to(dtype)
     order = stream_order(_weight(16, k, bits, gs, act_order=act_order), 128)
     chunk = {2: 16, 3: 16, 4: 8, 8: 4}[bits]  # positions per chunk of each code width (common.h chunk_k)
-    got = EXT.module.split_activations(x, order.seg_end, chunk, order.src, isa)
-    want = _split_oracle(x, order.seg_end, chunk, order.src)
+    got = EXT.module.split_activations(x, order.seg_end, chunk, order.src, isa, image)
+    want = _split_oracle(x, order.seg_end, chunk, order.src, image)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(got[2].isnan(), want[2].isnan())
     assert torch.equal(got[2].nan_to_num(), want[2].nan_to_num())

@@ -175,7 +175,7 @@ def test_none_means_float_even_for_gguf():
     llm = quill.LLM(default_model_path(), activation_quant="none", kv_cache_dtype="float32", progress=False)
     assert llm.activation is ActQuant.NONE and llm.engine.kv_cache_dtype == "float32"
     assert all("A16" in i.summary for i in llm.loaded.layers if i.kind == "quantized")
-    assert llm.arithmetic == {"activations": "float (--act-quant none)",
+    assert llm.arithmetic == {"activations": "float, a 16-bit image in native kernels (--act-quant none)",
                               "KV cache": "float32 (--kv-cache-dtype float32)"}
 
 
@@ -186,7 +186,7 @@ def test_a_forced_kernel_without_the_gguf_default_says_how_to_run_float():
                      cache=False).activation is ActQuant.NONE
 
 
-@pytest.mark.parametrize("name, words", [("awq-w4a16", "float (default for this format"),
+@pytest.mark.parametrize("name, words", [("awq-w4a16", "float, a 16-bit image in native kernels (default for this format"),
                                          ("w8a8", "int8 where the checkpoint prescribes it (W8A8")])
 def test_hf_formats_keep_their_tools_arithmetic(name, words):
     llm = quill.LLM(str(REAL / name), skip_tokenizer_init=True, progress=False)
@@ -201,4 +201,4 @@ def test_inspect_and_the_load_line_say_which_arithmetic_runs(capsys):
     assert "quill: activations: int8 per token and weight group" in captured.err  # the load line
     assert main(["inspect", str(default_model_path()), "--act-quant", "none", "--quiet"]) == 0
     captured = capsys.readouterr()
-    assert "activations: float (--act-quant none)" in captured.out and captured.err == ""
+    assert "activations: float, a 16-bit image in native kernels (--act-quant none)" in captured.out and captured.err == ""

@@ -175,6 +175,18 @@ def test_a_changed_checkpoint_misses_and_supersedes_its_old_entry(small, tmp_pat
     assert _load(model, cache, **IDS).cache_hit
 
 
+def test_both_float_images_share_one_entry_and_each_gets_its_own_arithmetic(small, tmp_path):
+    """activation_quant "exact" and "none" pack the same layouts: one cache entry, read by either, whose
+    layers then run the image asked for (the exact mode's answer is not the 16-bit image's)."""
+    kw = {**IDS, "activation_quant": "none"}
+    exact = {**IDS, "activation_quant": "exact"}
+    _load(small, tmp_path, **kw)
+    hit = _load(small, tmp_path, **exact)
+    assert hit.cache_hit and len(_files(tmp_path)) == 1
+    assert _answer(hit) == _answer(_load(small, None, **exact))
+    assert _load(small, None, **kw).generate(PROMPT, GREEDY)[0].logprobs != hit.generate(PROMPT, GREEDY)[0].logprobs
+
+
 def test_a_bfloat16_request_reads_the_float32_entry(small, tmp_path):
     """dtype="bfloat16" is not offered (it runs float32), so it shares float32's cache entry."""
     from quill.options import DtypeNotOfferedWarning

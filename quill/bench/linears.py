@@ -39,7 +39,8 @@ def run(path, platform: Platform, policies: dict[str, KernelPolicy], tokens: int
     nbytes = sum(qw.storage_bytes() for _, qw in weights)
     setups = []
     for label, policy in policies.items():
-        layers = [build_quant_linear(qw, KernelSelector(platform, policy), activation) for _, qw in weights]
+        selector = KernelSelector(platform, policy, exact_float=activation == "exact")
+        layers = [build_quant_linear(qw, selector, activation) for _, qw in weights]
         xs = {n: torch.randn(1, n).to(torch.bfloat16) for n in {lin.in_features for lin in layers}}  # [1, K]
         kernels: dict[str, int] = {}
         for lin in layers:

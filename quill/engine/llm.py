@@ -182,7 +182,7 @@ class LLM:
             started = load_model(self.path, ctx, tokenizer=not skip_tokenizer_init, progress=progress,
                                  cache=self.cache)
         except KernelSelectionError as e:
-            if self.options.act_quant is ActQuant.AUTO and self.activation is not ActQuant.NONE:
+            if self.options.act_quant is ActQuant.AUTO and not self.activation.is_float:
                 # the user asked for a kernel, not for the format's default activations: say which to pass
                 raise KernelSelectionError(f"{e} (int8-group activations are the default for GGUF files; "
                                            "activation_quant='none' / --act-quant none runs them in float)") from e
@@ -212,7 +212,7 @@ class LLM:
     def _arithmetic(self, engine_config: EngineConfig | None) -> dict[str, str]:
         """Which activation and KV-cache arithmetic runs and why (the CLI's load line, ``quill inspect``)."""
         # a float request with int8 layers: the checkpoint prescribes them (W8A8)
-        prescribed = self.activation is ActQuant.NONE and any(
+        prescribed = self.activation.is_float and any(
             i.summary.startswith("W") and "A8" in i.summary.split()[0] for i in self.loaded.layers)
         acts = describe_activations(self.options.act_quant, self.activation, is_gguf(self.path), prescribed)
         kv = describe_kv_cache(engine_config.kv_cache_dtype if engine_config else None, self.engine.kv_cache_dtype)

@@ -40,6 +40,9 @@ class LinearLayerConfig:
     uniform_bits: int | None = None
     codebook: tuple[float, ...] | None = None  # the codes' values (with uniform_bits)
     e8m0_scales: bool = False  # scales are E8M0 powers of two, one byte each (MXFP4)
+    # float activations exact to float32 rounding (activation_quant="exact"; native kernels: the 24-bit image
+    # of the input instead of the 16-bit one); a run option like threads, not part of the saved layout
+    exact_float: bool = False
 
     @property
     def per_channel(self) -> bool:
@@ -50,7 +53,8 @@ class LinearLayerConfig:
         return self.in_features // self.group_size
 
     @classmethod
-    def from_weight(cls, w: QuantizedWeight, platform: Platform, threads: int | None = None) -> "LinearLayerConfig":
+    def from_weight(cls, w: QuantizedWeight, platform: Platform, threads: int | None = None,
+                    exact_float: bool = False) -> "LinearLayerConfig":
         """Describe ``w`` (with its ``activation`` already resolved by the caller); ``threads`` defaults
         to the platform's default threads (physical cores this process may use)."""
         return cls(
@@ -60,6 +64,7 @@ class LinearLayerConfig:
             platform=platform, threads=threads or platform.default_threads, two_level=w.two_level,
             uniform_bits=None if w.codebook is None else w.uniform_bits(),
             codebook=None if w.codebook is None else tuple(w.codebook.tolist()), e8m0_scales=w.scales.dtype == E8M0,
+            exact_float=exact_float,
         )
 
     def as_uniform(self) -> "LinearLayerConfig":

@@ -17,16 +17,16 @@ from quill.kernels.config import ActKind, LinearLayerConfig
 from quill.kernels.dense import DenseLayerConfig, NativeDenseKernel, as_16bit
 from quill.kernels.selection import KernelSelector, Selection
 
-ACTIVATION_CHOICES = ("none", "int8", "int8-group")
+ACTIVATION_CHOICES = ("none", "exact", "int8", "int8-group")
 
 
 def resolve_activation(weight: QuantizedWeight, requested: str | None) -> ActivationQuant | None:
     """The input quantization a layer runs with.
 
     A checkpoint that prescribes one (W8A8) is honoured as written.  Otherwise
-    activations stay float unless the user asked for ``"int8"`` (W4A8 / W8A8
-    dynamic per token, symmetric) or ``"int8-group"`` (one scale per token and
-    weight group): never silently.
+    activations stay float (None, ``"none"``, ``"exact"``) unless the user asked for
+    ``"int8"`` (W4A8 / W8A8 dynamic per token, symmetric) or ``"int8-group"`` (one
+    scale per token and weight group): never silently.
     """
     if requested not in (None,) + ACTIVATION_CHOICES:
         raise ConfigError(f"activation_quant '{requested}' is not supported; "
@@ -70,7 +70,7 @@ def build_quant_linear(
 ) -> QuantLinear:
     """Select a kernel for ``weight`` and repack it once."""
     weight = weight.with_(activation=resolve_activation(weight, activation))
-    cfg = LinearLayerConfig.from_weight(weight, selector.platform, selector.threads)
+    cfg = LinearLayerConfig.from_weight(weight, selector.platform, selector.threads, selector.exact_float)
     sel = selector.select(cfg, layer=weight.name)
     stored = weight.storage_bytes()
     if not sel.kernel.two_level_scales:  # exact: one float32 scale (offset) per group
@@ -174,7 +174,7 @@ def export_linear(impl: QuantLinear | DenseLinear) -> tuple[dict, dict[str, torc
         return None
     state, state_tensors = saved
     cfg = {f.name: getattr(impl.config, f.name) for f in dataclasses.fields(impl.config)
-           if f.name not in ("platform", "threads")}
+           if f.name not in ("platform", "threads", "exact_float")}
     cfg["act"] = cfg["act"].value
     act = impl.state_activation
     facts = {"type": "quant", "name": impl.name, "kernel": impl.kernel_name, "config": cfg, "state": state,
@@ -202,7 +202,7 @@ def restore_linear(facts: dict, tensors: dict[str, torch.Tensor], selector: Kern
         return DenseLinear(name, facts["in"], facts["out"], None, bias, facts["weight_bytes"],
                            NativeDenseKernel.from_packed(words, held, cfg), held, words, _dtype(facts["stored"]))
     cfg = LinearLayerConfig(**{**facts["config"], "act": ActKind(facts["config"]["act"])},
-                            platform=selector.platform, threads=selector.threads)
+                            platform=selector.platform, threads=selector.threads, exact_float=selector.exact_float)
     sel = selector.select(cfg, layer=name)
     if sel.name != facts["kernel"]:
         raise CacheError(f"{name}: saved for kernel {facts['kernel']}, but {sel.name} is chosen now")

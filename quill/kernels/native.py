@@ -9,11 +9,12 @@ two-level scales (GGUF K-quants) as stored: an integer per group (int8, or 4 / 6
 bits packed for Q2_K / Q3_K) times a float per super-block.
 
 * ``native_w4a16`` / ``native_w6a16`` / ``native_w8a16``: float activations (float32, bfloat16,
-  float16), entered as a 24-bit fixed-point image per 128-wide segment
-  (scale = max |x| / 8355711, split into three int8 parts so the products are
-  exact int8 dot products); per-element error below 2^-24 of its segment's
-  largest value, so activation outliers (AWQ) cost the other channels nothing.
-  Not activation quantization in the W4A8 sense: the result tracks float32
+  float16), entered as a fixed-point image per segment of at most 128 inputs, split into int8
+  parts so the products are exact int8 dot products: by default a 16-bit image (scale = max |x| /
+  32639, two parts; per-element error below 2^-16 of its segment's largest value, mean KL 5e-8
+  against exact on real checkpoints), with ``cfg.exact_float`` a 24-bit one (max |x| / 8355711,
+  three parts, error below 2^-24: float32's own, so activation outliers (AWQ) cost the other
+  channels nothing).  Not activation quantization in the W4A8 sense: the result tracks float32
   (docs/NATIVE.md).
 * ``native_w4a8`` / ``native_w6a8`` / ``native_w8a8``: int8 activations, quantized in C++ with the
   arithmetic of :mod:`quill.kernels.activation` (dynamic per token, or the
@@ -58,8 +59,9 @@ class NativeState:
 
 
 def make_handle(packed: PackedWeight, name: str, act: ActivationQuant | None, isa: str, threads: int,
-                int8: bool) -> Any:
-    """The C++ NativeLinear over ``packed`` for layer ``name``; ``isa`` is 'avx512', 'avx2' or 'scalar'."""
+                int8: bool, image_bits: int = 24) -> Any:
+    """The C++ NativeLinear over ``packed`` for layer ``name``; ``isa`` is 'avx512', 'avx2' or 'scalar';
+    ``image_bits`` the fixed-point image of float activations (24: exact to float32 rounding, or 16)."""
     ext = native.load()
     if ext.module is None:
         raise KernelError(f"{name}: native kernels unavailable: {ext.error}")
@@ -72,7 +74,12 @@ def make_handle(packed: PackedWeight, name: str, act: ActivationQuant | None, is
         act_zero=float(act.zero_point or 0) if static else 0.0, threads=threads, hplane=packed.hplane,
         super_scales=packed.super_scales, super_offsets=packed.super_offsets,
         zconst=None if packed.zconst is None else float(packed.zconst), sub_bits=packed.sub_bits,
-        sub_bias=packed.sub_bias, act_per_segment=act is not None and act.per_group)
+        sub_bias=packed.sub_bias, act_per_segment=act is not None and act.per_group, image_bits=image_bits)
+
+
+def image_bits(cfg: LinearLayerConfig) -> int:
+    """The float activations' image a layer runs with: 24 bits when asked to be exact, else 16."""
+    return 24 if cfg.exact_float else 16
 
 
 # Native code widths and the stored widths each runs (exactly: same codes, zero spelt out).
@@ -127,7 +134,7 @@ class _NativeKernel(LinearKernel):
             raise KernelError(f"{weight.name}: {cls.name} needs {native.isa_requirement()}")
         # native_w4*: 2/3-bit codes widened to 4; every other kernel packs the stored bits
         packed = pack(weight.widened(4) if cls.bits == 4 and weight.bits < 4 else weight, cls.int8)
-        handle = make_handle(packed, weight.name, weight.activation, isa, cfg.threads, cls.int8)
+        handle = make_handle(packed, weight.name, weight.activation, isa, cfg.threads, cls.int8, image_bits(cfg))
         return NativeState(packed, handle, isa)
 
     @classmethod
@@ -148,7 +155,8 @@ class _NativeKernel(LinearKernel):
             raise KernelError(f"{name}: a saved {cls.name} state has fields {sorted(facts)} and tensors "
                               f"{sorted(tensors)}; expected {list(PACKED_FACTS)} and some of {list(PACKED_TENSORS)}")
         packed = PackedWeight(**{f: tensors.get(f) for f in PACKED_TENSORS}, **facts)
-        return NativeState(packed, make_handle(packed, name, activation, isa, cfg.threads, cls.int8), isa)
+        return NativeState(packed, make_handle(packed, name, activation, isa, cfg.threads, cls.int8, image_bits(cfg)),
+                           isa)
 
     @classmethod
     def apply(cls, state: NativeState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

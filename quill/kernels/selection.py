@@ -72,6 +72,8 @@ class KernelSelector(PrioritySelector):
     """Chooses a linear kernel per layer for one platform and policy; logs each distinct choice once."""
 
     registry: ClassVar[Registry] = LINEAR_KERNELS
+    # float activations exact to float32 rounding (activation_quant="exact"): every layer's config says so
+    exact_float: bool = False
     dense: DenseSelector = field(init=False, repr=False)  # the dense-kernel family under the same policy
 
     def __post_init__(self):

@@ -40,7 +40,7 @@ class LoadContext:
 
     selector: KernelSelector  # linear kernels
     moe_selector: MoESelector
-    activation: str | None  # the user's activation quantization request ("int8" or None)
+    activation: str | None  # the user's activation quantization request ("int8", "int8-group" or None: float)
     dtype: torch.dtype  # compute dtype
     where: str = "checkpoint"  # what errors name as the source (the checkpoint's path)
 
@@ -49,7 +49,9 @@ class LoadContext:
                kernel: str | None = None, moe_backend: str | None = None, where: str = "checkpoint",
                env: dict | None = None, threads: int | None = None) -> "LoadContext":
         """Selectors from the environment's policies (QUILL_KERNEL, ...), a forced kernel / MoE backend on top;
-        ``threads`` (default: the physical cores) is what every native kernel is built with."""
+        ``threads`` (default: the physical cores) is what every native kernel is built with.  ``activation``
+        "exact" is float activations exact to float32 rounding: the kernel selector's, not a layer request
+        (the layouts, and so the prepacked cache, are those of float activations)."""
         policy = KernelPolicy.from_env(env)
         if kernel is not None:
             policy = KernelPolicy(force=kernel, disabled=policy.disabled - {kernel}, origin="the kernel option")
@@ -57,8 +59,9 @@ class LoadContext:
         if moe_backend is not None:
             moe_policy = KernelPolicy(force=moe_backend, disabled=moe_policy.disabled - {moe_backend},
                                       origin="the moe_backend option")
-        return cls(KernelSelector(platform, policy, threads=threads), MoESelector(platform, moe_policy), activation,
-                   dtype, where)
+        exact = activation == "exact"
+        return cls(KernelSelector(platform, policy, threads=threads, exact_float=exact),
+                   MoESelector(platform, moe_policy), None if exact else activation, dtype, where)
 
     @classmethod
     def from_selector(cls, selector: KernelSelector, dtype: torch.dtype, activation: str | None = None,

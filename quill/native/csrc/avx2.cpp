@@ -8,7 +8,7 @@
 // nibble of 8-bit codes by 16, the mid part of split float activations by 256).
 // 2/3-bit codes are four 2-bit byte vectors per chunk (positions 16c + 4j .. +3).
 // int8 activations (W4A8, W8A8) are one part; float activations (W4A16, W8A16) are
-// their split fixed-point image (common.h SplitActs), three parts.
+// their split fixed-point image (common.h SplitActs), three parts (24 bits) or two (16 bits).
 #include <immintrin.h>
 
 #include "avx2_tile8.h"
@@ -67,16 +67,17 @@ inline const int8_t* stream_of(const I8Acts& a) { return a.q; }
 inline const int8_t* stream_of(const SplitActs& a) { return a.x; }
 
 // MT tokens x one row block, all of K.  PARTS = 1: int8 activations, one int32
-// accumulator per token and half holding D.  PARTS = 3: the split image of float
+// accumulator per token and half holding D.  PARTS = 3 or 2: the split image of float
 // activations (common.h SplitActs): accumulator 0 holds Dhi = sum(code * hi), accumulator
-// 1 holds Dlo = 256 * sum(code * mid) + sum(code * lo) (mid enters vpmaddwd with weight 256).
+// 1 holds Dlo = 256 * sum(code * mid) + sum(code * lo) (mid enters vpmaddwd with weight 256;
+// 2 parts: sum(code * lo)).
 // Halves [H0, H0 + NH) of the row block (8 rows each) into f: NH = 2 walks K once for both halves;
 // NH = 1 walks it for one half, its accumulators and float sums in registers (see tile()).
 // gz: the per-group epilogue's precomputed token side (group_terms), or null.
 template <int BITS, int PARTS, int EPI, int MT, int H0, int NH, class Acts>
 QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, float (*f)[LANES], const float* gz) {
   constexpr int CK = chunk_k(BITS), STRIDE = PARTS * CK;
-  constexpr bool SPLIT = PARTS == SPLIT_PARTS;
+  constexpr bool SPLIT = PARTS > 1;
   // the split epilogue's variants (run_split_epi): the zero point folded (1), and T fused (2); no zero point (3)
   constexpr bool FOLD = SPLIT && (EPI == 1 || EPI == 2), FUSE = SPLIT && EPI == 2, NOZ = SPLIT && EPI == 3;
   constexpr bool FOLD8 = !SPLIT && EPI == 1;  // int8 activations per token, the zero point folded (gemm_i8)
@@ -85,7 +86,7 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
   // and the accumulator each part feeds
   const __m256i one[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(16)};
   const __m256i w256[2] = {_mm256_set1_epi16(256), _mm256_set1_epi16(4096)};
-  const __m256i* wt[3] = {one, SPLIT ? w256 : one, one};
+  const __m256i* wt[3] = {one, PARTS == 3 ? w256 : one, one};
   constexpr int dest[3] = {SPLIT ? 0 : 1, 1, 1};
   // 4-bit codes: chunk sums (|q| <= 4 * 15 * 128) added in int16 over up to 4 chunks before widening,
   // one vpmaddwd per part instead of four.  For int8 activations one half a pass (single tokens: no
@@ -204,7 +205,7 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
         if constexpr (FOLD8)  // acc holds D - z X, exact in float (Weights::fold_zero): epilogue()'s t
           fn = _mm256_fmadd_ps(sc.scale, _mm256_cvtepi32_ps(acc[m][h][1]), fo);
         else if constexpr (SPLIT)
-          fn = epilogue_split(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo,
+          fn = epilogue_split<PARTS>(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo,
                               FUSE);
         else if (gz)
           fn = epilogue_gz(sc.scale, _mm256_cvtepi32_ps(acc[m][h][1]), gz + (int64_t(s) * a.m + m0 + m) * 2, fo);
@@ -246,14 +247,14 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool sh
       tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f, gz);
       tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f, gz);
     }
-  } else if constexpr ((PARTS == SPLIT_PARTS || BITS == 4 || BITS == 8) && MT > 1) {
+  } else if constexpr ((PARTS > 1 || BITS == 4 || BITS == 8) && MT > 1) {
     tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f, gz);
     tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f, gz);
   } else {
     tile_halves<BITS, PARTS, EPI, MT, 0, 2>(w, a, nb, m0, f, gz);
   }
   QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-    if constexpr (PARTS == SPLIT_PARTS) store_float_row(w, o, nb, m0 + m, f[m]);
+    if constexpr (PARTS > 1) store_float_row(w, o, nb, m0 + m, f[m]);
     else store_int_row(w, a, o, nb, m0 + m, f[m]);
   }
 }
@@ -283,24 +284,35 @@ void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
 // point folded for every layer with one, T in int32 for 3/4-bit ones that allow it.
 // Layers with offsets and no zero point (common.h offsets_only) get a variant of their own, whose epilogue has
 // no zero-point terms at compile time (Q4_K M = 1: 5-15 % faster on Zen 5).
-template <int BITS>
+template <int BITS, int PARTS>
 void run_split_epi(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  if (offsets_only(w)) return run<BITS, SPLIT_PARTS, SplitActs, 3>(w, a, o, nb0, nb1);
-  if (!w.fold_zero) return run<BITS, SPLIT_PARTS>(w, a, o, nb0, nb1);
-  if constexpr (BITS <= 4)
-    if (w.fuse_t) return run<BITS, SPLIT_PARTS, SplitActs, 2>(w, a, o, nb0, nb1);
-  run<BITS, SPLIT_PARTS, SplitActs, 1>(w, a, o, nb0, nb1);
+  if (offsets_only(w)) return run<BITS, PARTS, SplitActs, 3>(w, a, o, nb0, nb1);
+  if (!w.fold_zero) return run<BITS, PARTS>(w, a, o, nb0, nb1);
+  if constexpr (PARTS == 2) {  // the 16-bit image's T always fits int32 (common.h Weights::fuse_t)
+    run<BITS, PARTS, SplitActs, 2>(w, a, o, nb0, nb1);
+  } else {
+    if constexpr (BITS <= 4)
+      if (w.fuse_t) return run<BITS, PARTS, SplitActs, 2>(w, a, o, nb0, nb1);
+    run<BITS, PARTS, SplitActs, 1>(w, a, o, nb0, nb1);
+  }
+}
+
+template <int PARTS>
+void gemm_split_parts(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  switch (w.bits) {
+    case 2:
+      return offsets_only(w) ? run<2, PARTS, SplitActs, 3>(w, a, o, nb0, nb1) : run<2, PARTS>(w, a, o, nb0, nb1);
+    case 3: return run_split_epi<3, PARTS>(w, a, o, nb0, nb1);
+    case 4: return run_split_epi<4, PARTS>(w, a, o, nb0, nb1);
+    case 5: return run_split_epi<5, PARTS>(w, a, o, nb0, nb1);
+    case 6: return run_split_epi<6, PARTS>(w, a, o, nb0, nb1);
+    default: return run_split_epi<8, PARTS>(w, a, o, nb0, nb1);
+  }
 }
 
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  switch (w.bits) {
-    case 2: return offsets_only(w) ? run<2, SPLIT_PARTS, SplitActs, 3>(w, a, o, nb0, nb1) : run<2, SPLIT_PARTS>(w, a, o, nb0, nb1);
-    case 3: return run_split_epi<3>(w, a, o, nb0, nb1);
-    case 4: return run_split_epi<4>(w, a, o, nb0, nb1);
-    case 5: return run_split_epi<5>(w, a, o, nb0, nb1);
-    case 6: return run_split_epi<6>(w, a, o, nb0, nb1);
-    default: return run_split_epi<8>(w, a, o, nb0, nb1);
-  }
+  if (a.parts == SPLIT_PARTS) return gemm_split_parts<SPLIT_PARTS>(w, a, o, nb0, nb1);
+  gemm_split_parts<2>(w, a, o, nb0, nb1);
 }
 
 // The zero point folded (Weights::fold_zero) for layers with one and per-token scales, as on AVX-512.
@@ -436,10 +448,11 @@ inline __m256 load_x8_upto(const RawX& in, const void* row, int64_t p, int64_t r
 void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
   const int esize = in.dtype == DType::F32 ? 4 : 2;
   const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
-  const __m256 qmin = _mm256_set1_ps(-SPLIT_QMAX), qmax = _mm256_set1_ps(SPLIT_QMAX);
+  const int parts = in.parts, sb = split_shift_bits(parts);
+  const __m256 qmin = _mm256_set1_ps(-split_qmax(parts)), qmax = _mm256_set1_ps(split_qmax(parts));
   for (int m = m0; m < m1; ++m) {
     const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
-    int8_t* out = xs + m * in.kp * SPLIT_PARTS;  // [KC, 3 * CK]
+    int8_t* out = xs + m * in.kp * parts;  // [KC, parts * CK]
     for (int s = 0, p0 = 0; s < in.nseg; p0 = in.seg_end[s++] * in.chunk) {
       const int64_t p1 = int64_t(in.seg_end[s]) * in.chunk, real = std::min<int64_t>(p1, in.k);
       __m256i vmax = _mm256_setzero_si256();
@@ -447,35 +460,36 @@ void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int
         vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(load_x8_upto(in, row, p, real)), absmask));
       alignas(32) uint32_t lanes[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vmax);
-      const SplitParams sp = split_params(*std::max_element(lanes, lanes + 8));
+      const SplitParams sp = split_params(*std::max_element(lanes, lanes + 8), parts);
       const int64_t i = int64_t(m) * in.nseg + s;
       scale[i] = sp.scale;
       int32_t xhi = 0, xlo = 0;
       if (!sp.finite) {
-        for (int64_t p = p0; p < p1; ++p) put_split(out, in.chunk, p, 0, xhi, xlo);
+        for (int64_t p = p0; p < p1; ++p) put_split(out, in.chunk, parts, p, 0, xhi, xlo);
       } else {
         const __m256 pre = _mm256_set1_ps(sp.pre), inv = _mm256_set1_ps(sp.inv);
         const __m256i r128 = _mm256_set1_epi32(128);
         __m256i shi = _mm256_setzero_si256(), slo = _mm256_setzero_si256();
-        alignas(16) int8_t parts[3][16];
+        alignas(16) int8_t bytes[3][16];
         for (int64_t p = p0; p < p1; p += 8) {
           const __m256 v = load_x8_upto(in, row, p, real);
           const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_mul_ps(v, pre), inv), qmin), qmax);
           const __m256i q = _mm256_cvtps_epi32(t);  // ties to even
-          // split_parts on 8 lanes: r = (q + 128) >> 8, hi = (r + 128) >> 8, mid = r - 256 hi, lo = q - 256 r
+          // split_parts on 8 lanes: r = (q + 128) >> 8, lo = q - 256 r; 24 bits: hi = (r + 128) >> 8,
+          // mid = r - 256 hi; 16 bits: hi = r
           const __m256i r = _mm256_srai_epi32(_mm256_add_epi32(q, r128), 8);
-          const __m256i hi = _mm256_srai_epi32(_mm256_add_epi32(r, r128), 8);
+          const __m256i hi = parts == SPLIT_PARTS ? _mm256_srai_epi32(_mm256_add_epi32(r, r128), 8) : r;
           const __m256i mid = _mm256_sub_epi32(r, _mm256_slli_epi32(hi, 8));
           const __m256i lo = _mm256_sub_epi32(q, _mm256_slli_epi32(r, 8));
           const int n = int(std::min<int64_t>(8, p1 - p));  // lanes past n are 0 (past K) and not stored
           shi = _mm256_add_epi32(shi, hi);
-          slo = _mm256_add_epi32(slo, _mm256_sub_epi32(q, _mm256_slli_epi32(hi, 16)));
+          slo = _mm256_add_epi32(slo, _mm256_sub_epi32(q, _mm256_sll_epi32(hi, _mm_cvtsi32_si128(sb))));
           const __m256i parts_v[3] = {hi, mid, lo};
           for (int k = 0; k < 3; ++k) {  // 8 int32 in [-128, 127] -> 8 bytes, in order
             const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(parts_v[k]), _mm256_extracti128_si256(parts_v[k], 1));
-            _mm_store_si128(reinterpret_cast<__m128i*>(parts[k]), _mm_packs_epi16(w16, w16));
+            _mm_store_si128(reinterpret_cast<__m128i*>(bytes[k]), _mm_packs_epi16(w16, w16));
           }
-          put_split_run(out, in.chunk, p, n, parts[0], parts[1], parts[2]);
+          put_split_run(out, in.chunk, parts, p, n, bytes[0], bytes[1], bytes[2]);
         }
         alignas(32) int32_t sums[2][8];  // integer sums: any order
         _mm256_store_si256(reinterpret_cast<__m256i*>(sums[0]), shi);

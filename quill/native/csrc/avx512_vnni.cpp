@@ -26,17 +26,17 @@ inline __m512i bcast4(const int8_t* p) {
 // ---- W4A16 / W8A16: float activations as their split image (SplitActs) ----
 
 // MT tokens x RB row blocks x chunks [c0, c1), starting in segment s; partial
-// results in/out through st[r] (kblock.h).  Three parts per chunk: hi, mid, then lo
-// bytes; Dhi = part 0, Dlo = 256 * part 1 + part 2 (the partial state holds Dhi and Dlo,
-// so they enter parts 0 and 2).
+// results in/out through st[r] (kblock.h).  PARTS = 3 (the 24-bit image): hi, mid, then lo
+// bytes per chunk, Dhi = part 0, Dlo = 256 * part 1 + part 2; PARTS = 2 (16 bits): hi, then lo,
+// Dlo = part 1.  The partial state holds Dhi and Dlo, so they enter the first and last parts.
 // The row blocks share the activation broadcasts; NA accumulators per part (4-bit:
 // nibble x chunk parity, 8-bit: chunk parity) keep enough vpdpbusd chains in flight.
 // EPI: the epilogue's shortcuts (common.h Weights::fold_zero / fuse_t): 0 none, 1 the zero point folded
 // into the segment sums, 2 that and T formed in int32, 3 offsets and no zero point (run_split_epi).
 // Compile-time, so the per-segment work has no branch.
-template <int BITS, int EPI, int MT, int RB>
+template <int BITS, int PARTS, int EPI, int MT, int RB>
 void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
-  constexpr int PARTS = SPLIT_PARTS, CK = chunk_k(BITS), STRIDE = PARTS * CK;
+  constexpr int CK = chunk_k(BITS), STRIDE = PARTS * CK, LO = PARTS - 1;
   constexpr bool FOLD = EPI == 1 || EPI == 2, FUSE = EPI == 2, NOZ = EPI == 3;
   constexpr int NSUB = CK / 4;  // byte vectors per chunk: 1 (8-bit), 2 (4-6 bit), 4 (2/3-bit)
   constexpr int CHAINS = RB * MT * PARTS;
@@ -60,13 +60,16 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
   };
   // the open segment's exact sums: Dhi, Dlo
   auto dhi = [&](int r, int m) { return part(r, m, 0); };
-  auto dlo = [&](int r, int m) { return _mm512_add_epi32(_mm512_slli_epi32(part(r, m, 1), 8), part(r, m, 2)); };
+  auto dlo = [&](int r, int m) {
+    if constexpr (PARTS == 2) return part(r, m, LO);
+    else return _mm512_add_epi32(_mm512_slli_epi32(part(r, m, 1), 8), part(r, m, LO));
+  };
   // FOLD: segment s's Dhi and Dlo accumulators start at -z * Xhi, -z * Xlo
   const int32_t zc = int32_t(w.zconst);
   auto open = [&](int r, int m, int s) {  // after a reset
     const int64_t i = int64_t(m0 + m) * w.nseg + s;
     acc[r][m][0][0] = _mm512_set1_epi32(-zc * a.qsum[2 * i]);
-    acc[r][m][2][0] = _mm512_set1_epi32(-zc * a.qsum[2 * i + 1]);
+    acc[r][m][LO][0] = _mm512_set1_epi32(-zc * a.qsum[2 * i + 1]);
   };
   QUILL_UNROLL for (int r = 0; r < RB; ++r)
     QUILL_UNROLL for (int m = 0; m < MT; ++m) {
@@ -75,7 +78,7 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
         open(r, m, s);  // a row block's first segment (later ones open at the reset below)
       } else {
         acc[r][m][0][0] = _mm512_load_si512(st[r][m].d2);
-        acc[r][m][2][0] = _mm512_load_si512(st[r][m].d);
+        acc[r][m][LO][0] = _mm512_load_si512(st[r][m].d);
       }
       f[r][m] = _mm512_load_ps(st[r][m].f);
     }
@@ -128,7 +131,7 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
       sc.has_offset = NOZ || (sc.has_offset && !FOLD);  // folded layers have none (linear.cpp): known at compile time
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
-        f[r][m] = v512::split_epilogue(sc, dhi(r, m), dlo(r, m), a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], f[r][m],
+        f[r][m] = v512::split_epilogue<PARTS>(sc, dhi(r, m), dlo(r, m), a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], f[r][m],
                                        FUSE);
         reset(r, m);
         if (FOLD && s + 1 < w.nseg) open(r, m, s + 1);  // carried in st when it starts in the next K block
@@ -143,12 +146,16 @@ void tile(const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, 
     }
 }
 
-template <int BITS, int EPI, int RB>
+// The widest token tile that runs two row blocks a pass: the accumulators, RB x MT x PARTS, fill the registers
+// (24-bit image: 2 x 3 x 3; the 16-bit one: 2 x 4 x 2).
+constexpr int split_pair_tokens(int parts) { return parts == SPLIT_PARTS ? 3 : 4; }
+
+template <int BITS, int PARTS, int EPI, int RB>
 void tile_mt(int mt, const Weights& w, const SplitActs& a, int nb, int m0, int c0, int c1, int s,
              LaneState<int32_t>* const* st) {
   by_tokens(mt, [&](auto tokens) {
     constexpr int MT = decltype(tokens)::value;
-    tile<BITS, EPI, MT, (MT <= 3 ? RB : 1)>(w, a, nb, m0, c0, c1, s, st);  // (registers: 2 row blocks up to 3 tokens)
+    tile<BITS, PARTS, EPI, MT, (MT <= split_pair_tokens(PARTS) ? RB : 1)>(w, a, nb, m0, c0, c1, s, st);
   });
 }
 
@@ -158,11 +165,11 @@ void tile_mt(int mt, const Weights& w, const SplitActs& a, int nb, int m0, int c
 // streams its weights from DRAM, and one row block after the other is one sequential stream
 // (Zen 5, one token through the native step: 1.2B Q4_0 W4A16 +29 %, the default model +14 %;
 // with weights cached, two per pass are faster, 179 vs 258 us at 4096 x 4096, but decode is not cached).
-template <int BITS, int EPI>
+template <int BITS, int PARTS, int EPI>
 void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
   auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
-    if (rb == 2 && mt >= 2 && mt <= 3) return tile_mt<BITS, EPI, 2>(mt, w, a, nb, m0, c0, c1, s, st);
-    for (int r = 0; r < rb; ++r) tile_mt<BITS, EPI, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
+    if (rb == 2 && mt >= 2 && mt <= split_pair_tokens(PARTS)) return tile_mt<BITS, PARTS, EPI, 2>(mt, w, a, nb, m0, c0, c1, s, st);
+    for (int r = 0; r < rb; ++r) tile_mt<BITS, PARTS, EPI, 1>(mt, w, a, nb + r, m0, c0, c1, s, st + r);
   };
   auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
     v512::store_float(w, o, nb, m, _mm512_load_ps(st.f));
@@ -170,31 +177,42 @@ void run_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int 
   if (a.m <= MT_MAX) return run_kblocked<int32_t, 2>(w, a.m, nb0, nb1, tiles, finish);
   // K-blocked (weights reused from L1 by every token tile): tiles of at most 3 tokens, so that
   // every tile of two or more runs two row blocks at once
-  run_kblocked<int32_t, 2, decltype(tiles), decltype(finish), 3>(w, a.m, nb0, nb1, tiles, finish);
+  run_kblocked<int32_t, 2, decltype(tiles), decltype(finish), split_pair_tokens(PARTS)>(w, a.m, nb0, nb1, tiles, finish);
 }
 
 // The epilogue's shortcuts are instantiated where they occur: T in int32 for 3/4-bit symmetric layers (GGUF
 // Q4_0, Q3_K, GPTQ / compressed-tensors symmetric g32: Weights::fuse_t); the zero point folded for
 // every layer with one (Q3_K's 4, Q5_0's 16, Q6_K's 32, Q8_0's 128, symmetric GPTQ / CT); 2-bit layers
 // (Q2_K) have offsets instead.
-template <int BITS>
+template <int BITS, int PARTS>
 void run_split_epi(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  if (offsets_only(w)) return run_split<BITS, 3>(w, a, o, nb0, nb1);
-  if (!w.fold_zero) return run_split<BITS, 0>(w, a, o, nb0, nb1);
-  if constexpr (BITS <= 4)
-    if (w.fuse_t) return run_split<BITS, 2>(w, a, o, nb0, nb1);
-  run_split<BITS, 1>(w, a, o, nb0, nb1);
+  if (offsets_only(w)) return run_split<BITS, PARTS, 3>(w, a, o, nb0, nb1);
+  if (!w.fold_zero) return run_split<BITS, PARTS, 0>(w, a, o, nb0, nb1);
+  if constexpr (PARTS == 2) {  // the 16-bit image's T always fits int32 (common.h Weights::fuse_t)
+    run_split<BITS, PARTS, 2>(w, a, o, nb0, nb1);
+  } else {
+    if constexpr (BITS <= 4)
+      if (w.fuse_t) return run_split<BITS, PARTS, 2>(w, a, o, nb0, nb1);
+    run_split<BITS, PARTS, 1>(w, a, o, nb0, nb1);
+  }
+}
+
+template <int PARTS>
+void gemm_split_parts(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
+  switch (w.bits) {
+    case 2:
+      return offsets_only(w) ? run_split<2, PARTS, 3>(w, a, o, nb0, nb1) : run_split<2, PARTS, 0>(w, a, o, nb0, nb1);
+    case 3: return run_split_epi<3, PARTS>(w, a, o, nb0, nb1);
+    case 4: return run_split_epi<4, PARTS>(w, a, o, nb0, nb1);
+    case 5: return run_split_epi<5, PARTS>(w, a, o, nb0, nb1);
+    case 6: return run_split_epi<6, PARTS>(w, a, o, nb0, nb1);
+    default: return run_split_epi<8, PARTS>(w, a, o, nb0, nb1);
+  }
 }
 
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  switch (w.bits) {
-    case 2: return offsets_only(w) ? run_split<2, 3>(w, a, o, nb0, nb1) : run_split<2, 0>(w, a, o, nb0, nb1);
-    case 3: return run_split_epi<3>(w, a, o, nb0, nb1);
-    case 4: return run_split_epi<4>(w, a, o, nb0, nb1);
-    case 5: return run_split_epi<5>(w, a, o, nb0, nb1);
-    case 6: return run_split_epi<6>(w, a, o, nb0, nb1);
-    default: return run_split_epi<8>(w, a, o, nb0, nb1);
-  }
+  if (a.parts == SPLIT_PARTS) return gemm_split_parts<SPLIT_PARTS>(w, a, o, nb0, nb1);
+  gemm_split_parts<2>(w, a, o, nb0, nb1);
 }
 
 // ---- W4A8 / W8A8: int8 activations (I8Acts) ----
@@ -471,42 +489,44 @@ inline __mmask16 first_lanes(int64_t left) {
 void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
   const int esize = in.dtype == DType::F32 ? 4 : 2;
   const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
-  const __m512 qmin = _mm512_set1_ps(-SPLIT_QMAX), qmax = _mm512_set1_ps(SPLIT_QMAX);
+  const int parts = in.parts, sb = split_shift_bits(parts);
+  const __m512 qmin = _mm512_set1_ps(-split_qmax(parts)), qmax = _mm512_set1_ps(split_qmax(parts));
   for (int m = m0; m < m1; ++m) {
     const void* row = static_cast<const char*>(in.x) + m * in.k * esize;  // [K]
-    int8_t* out = xs + m * in.kp * SPLIT_PARTS;  // [KC, 3 * CK]
+    int8_t* out = xs + m * in.kp * parts;  // [KC, parts * CK]
     for (int s = 0, p0 = 0; s < in.nseg; p0 = in.seg_end[s++] * in.chunk) {
       const int64_t p1 = int64_t(in.seg_end[s]) * in.chunk, real = std::min<int64_t>(p1, in.k);
       __m512i vmax = _mm512_setzero_si512();
       for (int64_t p = p0; p < p1; p += 16)
         vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_castps_si512(load_x(in, row, p, first_lanes(real - p))), absmask));
-      const SplitParams sp = split_params(uint32_t(_mm512_reduce_max_epu32(vmax)));
+      const SplitParams sp = split_params(uint32_t(_mm512_reduce_max_epu32(vmax)), parts);
       const int64_t i = int64_t(m) * in.nseg + s;
       scale[i] = sp.scale;
       int32_t xhi = 0, xlo = 0;
       if (!sp.finite) {
-        for (int64_t p = p0; p < p1; ++p) put_split(out, in.chunk, p, 0, xhi, xlo);
+        for (int64_t p = p0; p < p1; ++p) put_split(out, in.chunk, parts, p, 0, xhi, xlo);
       } else {
         const __m512 pre = _mm512_set1_ps(sp.pre), inv = _mm512_set1_ps(sp.inv);
         const __m512i r128 = _mm512_set1_epi32(128);
         __m512i shi = _mm512_setzero_si512(), slo = _mm512_setzero_si512();
-        alignas(16) int8_t parts[3][16];
+        alignas(16) int8_t bytes[3][16];
         for (int64_t p = p0; p < p1; p += 16) {
           const __m512 v = load_x(in, row, p, first_lanes(real - p));  // lanes past the segment or K: 0
           const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_mul_ps(v, pre), inv), qmin), qmax);
           const __m512i q = _mm512_cvtps_epi32(t);  // ties to even
-          // split_parts on 16 lanes: r = (q + 128) >> 8, hi = (r + 128) >> 8, mid = r - 256 hi, lo = q - 256 r
+          // split_parts on 16 lanes: r = (q + 128) >> 8, lo = q - 256 r; 24 bits: hi = (r + 128) >> 8,
+          // mid = r - 256 hi; 16 bits: hi = r
           const __m512i r = _mm512_srai_epi32(_mm512_add_epi32(q, r128), 8);
-          const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(r, r128), 8);
+          const __m512i hi = parts == SPLIT_PARTS ? _mm512_srai_epi32(_mm512_add_epi32(r, r128), 8) : r;
           const __m512i mid = _mm512_sub_epi32(r, _mm512_slli_epi32(hi, 8));
           const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(r, 8));
           const int n = int(std::min<int64_t>(16, p1 - p));  // lanes past n are 0 (past K) and not stored
           shi = _mm512_add_epi32(shi, hi);
-          slo = _mm512_add_epi32(slo, _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 16)));
-          _mm_store_si128(reinterpret_cast<__m128i*>(parts[0]), _mm512_cvtepi32_epi8(hi));
-          _mm_store_si128(reinterpret_cast<__m128i*>(parts[1]), _mm512_cvtepi32_epi8(mid));
-          _mm_store_si128(reinterpret_cast<__m128i*>(parts[2]), _mm512_cvtepi32_epi8(lo));
-          put_split_run(out, in.chunk, p, n, parts[0], parts[1], parts[2]);
+          slo = _mm512_add_epi32(slo, _mm512_sub_epi32(q, _mm512_sll_epi32(hi, _mm_cvtsi32_si128(sb))));
+          _mm_store_si128(reinterpret_cast<__m128i*>(bytes[0]), _mm512_cvtepi32_epi8(hi));
+          _mm_store_si128(reinterpret_cast<__m128i*>(bytes[1]), _mm512_cvtepi32_epi8(mid));
+          _mm_store_si128(reinterpret_cast<__m128i*>(bytes[2]), _mm512_cvtepi32_epi8(lo));
+          put_split_run(out, in.chunk, parts, p, n, bytes[0], bytes[1], bytes[2]);
         }
         xhi = _mm512_reduce_add_epi32(shi);  // integer sums: any order
         xlo = _mm512_reduce_add_epi32(slo);

@@ -52,13 +52,17 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x, at::Tensor seg
 }
 
 // Exposed for tests: the split image of float activations alone (identity order or `src`
-// gathered), x [M, K] -> (stream int8 [M, 3 * Kp], qsum int32 [M, S, 2], scale float32 [M, S]).
+// gathered), x [M, K] -> (stream int8 [M, parts * Kp], qsum int32 [M, S, 2], scale float32 [M, S]);
+// image_bits 24 (3 parts) or 16 (2 parts).
 std::vector<at::Tensor> split_activations(const at::Tensor& x, at::Tensor seg_end, int64_t chunk,
-                                          std::optional<at::Tensor> src, const std::string& isa) {
+                                          std::optional<at::Tensor> src, const std::string& isa, int64_t image_bits) {
   if (x.dim() != 2 || !x.is_contiguous()) fail("split_activations: x should be contiguous [M, K], found ", shape_of(x));
   const int64_t m = x.size(0), k = x.size(1), nseg = seg_end.numel();
   expect(seg_end, at::kInt, {nseg}, "seg_end");
   if (nseg == 0) fail("split_activations: no segments");
+  if (image_bits != 24 && image_bits != 16)
+    fail("split_activations: image_bits ", image_bits, " is not supported; supported: 24, 16");
+  const int parts = image_bits == 24 ? SPLIT_PARTS : 2;
   for (int64_t s = 0, p0 = 0; s < nseg; p0 = seg_end.data_ptr<int32_t>()[s++] * chunk) {
     const int64_t p1 = int64_t(seg_end.data_ptr<int32_t>()[s]) * chunk;
     if (p1 <= p0 || p1 - p0 > SPLIT_MAX_SEGMENT)
@@ -67,11 +71,11 @@ std::vector<at::Tensor> split_activations(const at::Tensor& x, at::Tensor seg_en
   const int64_t kp = int64_t(seg_end.data_ptr<int32_t>()[nseg - 1]) * chunk;
   if (src) expect(*src, at::kLong, {kp}, "src");
   else if (kp < k) fail("split_activations: ", kp, " stream positions cannot hold ", k, " columns");
-  at::Tensor xs = at::empty({m, SPLIT_PARTS * kp}, x.options().dtype(at::kChar));
+  at::Tensor xs = at::empty({m, parts * kp}, x.options().dtype(at::kChar));
   at::Tensor qsum = at::empty({m, nseg, 2}, x.options().dtype(at::kInt));
   at::Tensor sc = at::empty({m, nseg}, x.options().dtype(at::kFloat));
   RawX in{x.data_ptr(), dtype_of(x.scalar_type(), "x"), k, src ? src->data_ptr<int64_t>() : nullptr, kp,
-          seg_end.data_ptr<int32_t>(), int32_t(nseg), int32_t(chunk)};
+          seg_end.data_ptr<int32_t>(), int32_t(nseg), int32_t(chunk), parts};
   std::vector<float> gathered;
   if (src) {
     gathered.resize(size_t(m * kp));
@@ -157,7 +161,7 @@ PYBIND11_MODULE(_quill_native, m) {
   // the ISA variants this build holds, best first (quill info lists them)
   m.def("isa_backends", &quill::built_isas);
   m.def("split_activations", &quill::split_activations, py::arg("x"), py::arg("seg_end"), py::arg("chunk"),
-        py::arg("src"), py::arg("isa"));
+        py::arg("src"), py::arg("isa"), py::arg("image_bits") = 24);
   quill::register_ops(m);
   quill::register_dense(m);
   quill::register_attention(m);

@@ -110,8 +110,9 @@ struct Weights {
   //   fold_zero: one zero point z != 0 for the whole layer (zconst) and no offsets: a segment's
   //     accumulators start at -z X (split: Dhi / Dlo at -z Xhi / -z Xlo), so they end holding D - z X,
   //     the same int32 (int8 kernels: only while |D| <= 2^24, where their float D - z X is exact too).
-  //   fuse_t: |T| = |65536 (Dhi - z Xhi) + (Dlo - z Xlo)| < 2^31 in every segment (max |code - z| x
-  //     positions x SPLIT_QMAX; Q4_0 at 32 positions is 8 x 32 x 8355711 < 2^31), so T is summed in
+  //   fuse_t: |T| = |SHIFT (Dhi - z Xhi) + (Dlo - z Xlo)| < 2^31 in every segment (max |code - z| x
+  //     positions x the image's QMAX; Q4_0 at 32 positions is 8 x 32 x 8355711 < 2^31; the 16-bit image
+  //     always, 255 x 128 x 32639 < 2^31), so T is summed in
   //     int32 (wrapping on the way, exact at the end) and rounded once: the same float as the fmadd of
   //     its two exact halves.
   bool fold_zero = false;
@@ -125,38 +126,51 @@ struct Weights {
 // epilogue variant without zero-point terms.  (Never fold_zero, which needs a zero point and no offsets.)
 inline bool offsets_only(const Weights& w) { return !w.zeros && w.zconst == 0.0f && w.offsets; }
 
-// Float activations as a fixed-point image, one scale per token and segment
-// (stream_split in each TU; the definition is quantize_split_segment in scalar_util.h):
+// Float activations as a fixed-point image, one scale per token and segment, in one of two
+// precisions (the layer's choice, SplitActs::parts; quantize_split in each TU, the definition
+// the scalar one):
 //
-//   q = round(x * 8355711 / amax)       (|q| <= 8355711 = 127 * 65793, amax = max |x| over the segment)
-//   q = 65536 * hi + 256 * mid + lo     (three int8 parts; split_parts in scalar_util.h)
+//   24 bits, 3 parts (the exact mode):
+//     q = round(x * 8355711 / amax)   (|q| <= 8355711 = 127 * 65793, amax = max |x| over the segment)
+//     q = 65536 * hi + 256 * mid + lo (three int8 parts; split_parts in scalar_util.h)
+//   16 bits, 2 parts (the default):
+//     q = round(x * 32639 / amax)     (|q| <= 32639 = 127 * 257)
+//     q = 256 * hi + lo
 //
 // 24 bits: one position's error is at most amax / 16711422, i.e. 2^-24 of the segment's
 // largest |x|, which is float32's own rounding unit, so a few large channels (AWQ folds
 // its activation scales into the RMSNorm weights) no longer cost the others their
-// precision.  (The earlier 16-bit image, two parts, lost 2^-16 of amax per position:
-// 5.3e-2 log-probability on a real AutoAWQ checkpoint.)
+// precision.  16 bits: 2^-16 of amax per position, two int8 products per weight instead of
+// three; on the real checkpoints of the tests mean KL 5e-8 against the 24-bit image
+// (docs/ACCURACY.md), but 1.9e-3 in max |d logprob| on the AWQ cut, so the exact mode stays.
 //
-// Per chunk the stream holds the CK hi bytes, the CK mid bytes, then the CK lo bytes.
+// Per chunk the stream holds the CK hi bytes, (the CK mid bytes,) then the CK lo bytes.
 // Kernels form, per lane and segment, exactly in int32:
-//   Dhi = sum(code * hi)                        |Dhi| <= 255 * 128 * 128
-//   Dlo = 256 * sum(code * mid) + sum(code * lo) |Dlo| <= 255 * 32767 * 128 < 2^31
-// and with Xhi = sum(hi), Xlo = sum(256 * mid + lo) (qsum) the epilogue subtracts the zero
-// point in int32 before any rounding: t = 65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo).
+//   Dhi = sum(code * hi)                         |Dhi| <= 255 * 128 * 128
+//   Dlo = 256 * sum(code * mid) + sum(code * lo) |Dlo| <= 255 * 32767 * 128 < 2^31  (3 parts)
+//   Dlo = sum(code * lo)                                                            (2 parts)
+// and with Xhi = sum(hi), Xlo = sum(q - SHIFT * hi) (qsum) the epilogue subtracts the zero
+// point in int32 before any rounding: t = SHIFT * (Dhi - z * Xhi) + (Dlo - z * Xlo), SHIFT =
+// 65536 (3 parts) or 256 (2 parts).
 struct SplitActs {
   const int8_t* x = nullptr;      // [M, ld]
   const int32_t* qsum = nullptr;  // [M, S, 2] exact sums (Xhi, Xlo) over each segment
-  const float* scale = nullptr;   // [M, S] amax / 8355711 (NaN when the segment holds inf or NaN)
+  const float* scale = nullptr;   // [M, S] amax / QMAX (NaN when the segment holds inf or NaN)
   int64_t ld = 0;
   int32_t m = 0;
+  int32_t parts = 3;  // 3: the 24-bit image, 2: the 16-bit one
 };
 
-constexpr int SPLIT_PARTS = 3;  // int8 parts of one position's image
+constexpr int SPLIT_PARTS = 3;  // int8 parts of one position's 24-bit image (the most of either image)
 
 // Largest segment of the float kernels (positions): keeps Dlo and z * Xlo within int32
 // for 8-bit codes (128 * 255 * 32767 < 2^31).
 constexpr int SPLIT_MAX_SEGMENT = 128;
-constexpr float SPLIT_QMAX = 8355711.0f;  // the largest |q| whose hi part fits int8
+constexpr float SPLIT_QMAX = 8355711.0f;  // the 24-bit image's largest |q| whose hi part fits int8
+constexpr float SPLIT16_QMAX = 32639.0f;  // the 16-bit image's
+constexpr float split_qmax(int parts) { return parts == SPLIT_PARTS ? SPLIT_QMAX : SPLIT16_QMAX; }
+// log2 SHIFT: the weight of the hi part
+constexpr int split_shift_bits(int parts) { return parts == SPLIT_PARTS ? 16 : 8; }
 
 // int8 activations, quantized per token (or per tensor) in stream order.
 struct I8Acts {
@@ -199,6 +213,7 @@ struct RawX {
   const int32_t* seg_end = nullptr;  // [S] in chunks
   int32_t nseg = 0;
   int32_t chunk = 8;
+  int32_t parts = 3;  // the split image's parts (quantize_split): 3 (24 bits) or 2 (16 bits)
 };
 
 // Every entry point of one ISA variant.  Kernels process row blocks [nb0, nb1)
@@ -210,7 +225,7 @@ struct KernelTable {
   // q [M, Kp] int8, qsum [M, S], scale [M], zero [M]; per_segment: gscale [M, S] instead of scale / zero
   void (*quantize)(const RawX&, const ActQuant&, int8_t* q, int32_t* qsum, float* scale, float* zero,
                    float* gscale, int m0, int m1);
-  // the split stream of float activations: x [M, KC * 3 * CK], qsum [M, S, 2], scale [M, S]
+  // the split stream of float activations (RawX::parts): x [M, KC * parts * CK], qsum [M, S, 2], scale [M, S]
   void (*quantize_split)(const RawX&, int8_t* x, int32_t* qsum, float* scale, int m0, int m1);
 };
 

@@ -40,12 +40,16 @@ class NativeLinear final : public LinearOp {
                int64_t n, int64_t k, std::string family, std::string isa, bool act_dynamic, bool act_symmetric,
                double act_scale, double act_zero, int64_t threads, std::optional<at::Tensor> hplane,
                std::optional<at::Tensor> super_scales, std::optional<at::Tensor> super_offsets,
-               std::optional<double> zconst, int64_t sub_bits, int64_t sub_bias, bool act_per_segment)
+               std::optional<double> zconst, int64_t sub_bits, int64_t sub_bias, bool act_per_segment,
+               int64_t image_bits)
       : codes_(std::move(codes)), scales_(std::move(scales)), zeros_(std::move(zeros)), offsets_(std::move(offsets)),
         seg_end_(std::move(seg_end)), src_(std::move(src)), wsum_(std::move(wsum)), hplane_(std::move(hplane)),
         super_scales_(std::move(super_scales)), super_offsets_(std::move(super_offsets)), int8_(family == "int8"),
         isa_(isa), table_(table_for(isa)) {
     if (family != "int8" && family != "float") fail("native kernel: unknown family '", family, "'; supported: float, int8");
+    if (image_bits != 24 && image_bits != 16)  // the float activations' fixed-point image (common.h SplitActs)
+      fail("native kernel: a ", image_bits, "-bit image of float activations is not supported; supported: 24, 16");
+    parts_ = image_bits == 24 ? SPLIT_PARTS : 2;
     if (bits < 2 || bits > 8 || bits == 7)
       fail("native kernel: ", bits, "-bit codes are not supported; supported: 2, 3, 4, 5, 6, 8");
     if (sub_bits != 8 && sub_bits != 4 && sub_bits != 6)
@@ -131,7 +135,9 @@ class NativeLinear final : public LinearOp {
     // int8 kernels fold only while every D is exact in float (their epilogue converts it before subtracting)
     const bool exact_d = !int8_ || qmax * 128.0 * double(positions) <= double(1 << 24);
     w_.fold_zero = !zeros_ && !offsets_ && w_.zconst != 0.0f && exact_d;
-    w_.fuse_t = !int8_ && dev * double(positions) * double(SPLIT_QMAX) < 2147483648.0;
+    w_.fuse_t = !int8_ && dev * double(positions) * double(split_qmax(parts_)) < 2147483648.0;
+    if (!int8_ && parts_ == 2 && !w_.fuse_t)  // the kernels assume it (avx2.cpp / avx512_vnni.cpp run_split_epi)
+      fail("native kernel: the 16-bit image's segment sums would overflow int32 (", positions, " positions)");
     w_.short_segments = positions <= 4 * chunk_k(w_.bits);
   }
 
@@ -146,10 +152,10 @@ class NativeLinear final : public LinearOp {
 
   at::Tensor run(const at::Tensor& x, const std::optional<at::Tensor>& bias) override { return forward(x, bias); }
 
-  // The team call (linear_op.h).  Scratch: the activations' stream [M, Kp (x3 split)] int8, their
+  // The team call (linear_op.h).  Scratch: the activations' stream [M, Kp (x parts split)] int8, their
   // segment sums, scales, and (act-order) the gathered floats [M, Kp], as run_split / run_int8 hold them.
   int64_t team_scratch(int64_t m) const override {
-    const int64_t per_token = int8_ ? kp_ : kp_ * (src_ ? 4 + SPLIT_PARTS : SPLIT_PARTS);
+    const int64_t per_token = int8_ ? kp_ : kp_ * (src_ ? 4 + parts_ : parts_);
     if (block_tokens(per_token, m) < m) return -1;  // run() cuts such calls into token blocks
     const TeamScratch t = team_layout(m);
     return t.end;
@@ -159,7 +165,7 @@ class NativeLinear final : public LinearOp {
     const TeamScratch t = team_layout(m);
     char* base = static_cast<char*>(scratch);
     RawX in{x, DType::F32, k_, src_ ? src_->data_ptr<int64_t>() : nullptr, kp_, w_.seg_end, w_.nseg,
-            chunk_k(w_.bits)};
+            chunk_k(w_.bits), parts_};
     // one token's segments split, not one thread quantizing for all: where every segment's image or int8
     // codes depend on that segment alone (float image, int8 per segment); a share's chunk ends fit the stack
     if (m == 1 && nt > 1 && (!int8_ || aq_.per_segment) && !src_ && w_.nseg <= kMaxShareSegments * nt)
@@ -206,7 +212,7 @@ class NativeLinear final : public LinearOp {
     part.kp = int64_t(ends[s1 - s0 - 1]) * in.chunk;
     part.seg_end = ends;
     part.nseg = int32_t(s1 - s0);
-    if (!int8_) return table_.quantize_split(part, q + p0 * SPLIT_PARTS, qsum + 2 * s0, scale + s0, 0, 1);
+    if (!int8_) return table_.quantize_split(part, q + p0 * parts_, qsum + 2 * s0, scale + s0, 0, 1);
     // (per-segment int8 writes no per-token scale or zero: `scale` [2] is left alone)
     table_.quantize(part, aq_, q + p0, qsum + s0, scale, scale + 1, gscale + s0, 0, 1);
   }
@@ -231,7 +237,7 @@ class NativeLinear final : public LinearOp {
                                aq_.per_segment ? reinterpret_cast<const float*>(base + t.gscale) : nullptr},
                      o, int(b), int(e));
     else
-      table_.gemm_split(w, SplitActs{q, qsum, sc, kp_ * SPLIT_PARTS, int32_t(m)}, o, int(b), int(e));
+      table_.gemm_split(w, SplitActs{q, qsum, sc, kp_ * parts_, int32_t(m), parts_}, o, int(b), int(e));
   }
 
   // x [..., K] float32 / bfloat16 / float16 -> y [..., N] of x's dtype (+ bias [N])
@@ -257,7 +263,7 @@ class NativeLinear final : public LinearOp {
     w.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
     Out o{y.data_ptr(), w_.n, out_dt == at::kBFloat16 ? DType::BF16 : DType::F32};
     RawX in{x.data_ptr(), xdt, k_, src_ ? src_->data_ptr<int64_t>() : nullptr, kp_, w_.seg_end, w_.nseg,
-            chunk_k(w_.bits)};
+            chunk_k(w_.bits), parts_};
     if (int8_)
       run_int8(w, in, o, m);
     else
@@ -340,8 +346,8 @@ class NativeLinear final : public LinearOp {
     thread_local std::vector<int8_t> xs_buf;
     thread_local std::vector<int32_t> qsum_buf;
     thread_local std::vector<float> scale_buf, gather_buf;
-    const int64_t mb = block_tokens(kp_ * (src_ ? 4 + SPLIT_PARTS : SPLIT_PARTS), m);
-    int8_t* xs = scratch(xs_buf, size_t(mb * kp_ * SPLIT_PARTS));  // [MB, KC, 3 * CK]
+    const int64_t mb = block_tokens(kp_ * (src_ ? 4 + parts_ : parts_), m);
+    int8_t* xs = scratch(xs_buf, size_t(mb * kp_ * parts_));  // [MB, KC, parts * CK]
     int32_t* qsum = scratch(qsum_buf, size_t(mb * w.nseg * 2));    // [MB, S, 2]
     float* xscale = scratch(scale_buf, size_t(mb * w.nseg));    // [MB, S]
     float* gathered = src_ ? scratch(gather_buf, size_t(mb * kp_)) : nullptr;  // [MB, Kp]
@@ -356,7 +362,7 @@ class NativeLinear final : public LinearOp {
         g.src = nullptr;
         table_.quantize_split(g, xs, qsum, xscale, int(b), int(e));
       });
-      gemm(w, SplitActs{xs, qsum, xscale, kp_ * SPLIT_PARTS, int32_t(mm)}, bo, table_.gemm_split);
+      gemm(w, SplitActs{xs, qsum, xscale, kp_ * parts_, int32_t(mm), parts_}, bo, table_.gemm_split);
     });
   }
 
@@ -383,7 +389,7 @@ class NativeLinear final : public LinearOp {
   };
   TeamScratch team_layout(int64_t m) const {
     TeamScratch t{};
-    const int64_t stream = m * kp_ * (int8_ ? 1 : SPLIT_PARTS);  // int8 [M, Kp (x3)]
+    const int64_t stream = m * kp_ * (int8_ ? 1 : parts_);  // int8 [M, Kp (x parts)]
     t.qsum = align64(stream);
     t.scale = t.qsum + align64(m * w_.nseg * (int8_ ? 1 : 2) * 4);  // int32 [M, S (x2)]
     t.gscale = t.scale + align64((int8_ ? 2 * m : m * w_.nseg) * 4);  // float [2M] or [M, S]
@@ -403,6 +409,7 @@ class NativeLinear final : public LinearOp {
   ActQuant aq_;
   int64_t k_ = 0, kp_ = 0;
   int threads_ = 1;
+  int parts_ = SPLIT_PARTS;  // float activations: the split image's parts (3: 24 bits, 2: 16 bits)
 };
 
 }  // namespace
@@ -416,13 +423,14 @@ void register_linear(pybind11::module_& m) {
                     std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t, int64_t, int64_t, std::string,
                     std::string, bool, bool, double, double, int64_t, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<double>, int64_t, int64_t,
-                    bool>(),
+                    bool, int64_t>(),
            py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("offsets"), py::arg("seg_end"),
            py::arg("src"), py::arg("wsum"), py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("family"),
            py::arg("isa"), py::arg("act_dynamic") = true, py::arg("act_symmetric") = true, py::arg("act_scale") = 0.0,
            py::arg("act_zero") = 0.0, py::arg("threads") = 1, py::arg("hplane") = py::none(),
            py::arg("super_scales") = py::none(), py::arg("super_offsets") = py::none(), py::arg("zconst") = py::none(),
-           py::arg("sub_bits") = 8, py::arg("sub_bias") = 0, py::arg("act_per_segment") = false)
+           py::arg("sub_bits") = 8, py::arg("sub_bias") = 0, py::arg("act_per_segment") = false,
+           py::arg("image_bits") = 24)
       // the GIL is released while the kernel runs (it touches no Python object)
       .def("forward", &NativeLinear::forward, py::arg("x"), py::arg("bias") = py::none(),
            py::call_guard<py::gil_scoped_release>())

@@ -16,33 +16,33 @@ namespace quill {
 namespace {
 
 // Float activations as their split fixed-point image (common.h SplitActs): per lane,
-// Dhi = sum(code * hi) and Dlo = 256 * sum(code * mid) + sum(code * lo), exactly.
+// Dhi = sum(code * hi) and Dlo = 256 * sum(code * mid) + sum(code * lo) (2 parts: sum(code * lo)), exactly.
 void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int nb1) {
-  const int ck = chunk_k(w.bits);
+  const int ck = chunk_k(w.bits), parts = a.parts;
   float f[LANES];
   int32_t dh[LANES], dm[LANES], dl[LANES];
   for (int nb = nb0; nb < nb1; ++nb) {
     for (int m = 0; m < a.m; ++m) {
-      const int8_t* xs = a.x + m * a.ld;  // [KC, 3 * CK]
+      const int8_t* xs = a.x + m * a.ld;  // [KC, parts * CK]
       std::fill(f, f + LANES, 0.0f);
       for (int s = 0, c0 = 0; s < w.nseg; c0 = w.seg_end[s++]) {
         std::fill(dh, dh + LANES, 0);
         std::fill(dm, dm + LANES, 0);
         std::fill(dl, dl + LANES, 0);
         for (int c = c0; c < w.seg_end[s]; ++c) {
-          const int8_t* x = xs + int64_t(c) * SPLIT_PARTS * ck;
+          const int8_t* x = xs + int64_t(c) * parts * ck;
           for (int r = 0; r < LANES; ++r)
             for (int j = 0; j < ck; ++j) {
               const int32_t q = code_at(w, nb, c, r, j);
               dh[r] += q * x[j];
-              dm[r] += q * x[ck + j];
-              dl[r] += q * x[2 * ck + j];
+              if (parts == SPLIT_PARTS) dm[r] += q * x[ck + j];
+              dl[r] += q * x[(parts - 1) * ck + j];
             }
         }
         const int64_t i = int64_t(m) * w.nseg + s;
         for (int r = 0; r < LANES; ++r)
           f[r] = split_epilogue(w, nb, s, r, dh[r], 256 * dm[r] + dl[r], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i],
-                                f[r]);
+                                f[r], parts);
       }
       store_float_row(w, o, nb, m, f);
     }
@@ -109,16 +109,16 @@ void quantize(const RawX& in, const ActQuant& aq, int8_t* q, int32_t* qsum, floa
 void quantize_split(const RawX& in, int8_t* xs, int32_t* qsum, float* scale, int m0, int m1) {
   const int ck = in.chunk;
   for (int m = m0; m < m1; ++m) {
-    int8_t* out = xs + m * in.kp * SPLIT_PARTS;  // [KC, 3 * CK]
+    int8_t* out = xs + m * in.kp * in.parts;  // [KC, parts * CK]
     for (int s = 0, p0 = 0; s < in.nseg; p0 = in.seg_end[s++] * ck) {
       const int p1 = in.seg_end[s] * ck;
       auto value = [&](int64_t p) { return p < in.k ? to_float(in.x, in.dtype, m * in.k + p) : 0.0f; };
       uint32_t amax = 0;
       for (int64_t p = p0; p < p1; ++p) amax = std::max(amax, abs_bits(value(p)));
-      const SplitParams sp = split_params(amax);
+      const SplitParams sp = split_params(amax, in.parts);
       int32_t xhi = 0, xlo = 0;
       for (int64_t p = p0; p < p1; ++p) {
-        put_split(out, ck, p, sp.finite ? split_q(value(p), sp) : 0, xhi, xlo);
+        put_split(out, ck, in.parts, p, sp.finite ? split_q(value(p), sp) : 0, xhi, xlo);
       }
       const int64_t i = int64_t(m) * in.nseg + s;
       qsum[2 * i] = xhi;

@@ -76,68 +76,72 @@ inline uint32_t abs_bits(float v) {
   return u & 0x7FFFFFFFu;
 }
 
-// How one segment is scaled: q = round(clamp((x * pre) * inv, -QMAX, QMAX)), ties to even.
+// How one segment is scaled: q = round(clamp((x * pre) * inv, -QMAX, QMAX)), ties to even,
+// QMAX the image's (split_qmax).
 // `pre` (2^64 for a segment whose max |x| is below 2^-64, else 1) keeps `inv` finite; x * pre
 // is exact.  A segment holding inf or NaN is stored as zeros with scale NaN, so every output
 // it feeds is NaN (as a float product would be, or inf).
 struct SplitParams {
-  float pre, inv, scale;
+  float pre, inv, scale, qmax;
   bool finite;
 };
 
-inline SplitParams split_params(uint32_t amax_bits) {
+inline SplitParams split_params(uint32_t amax_bits, int parts) {
+  const float qmax = split_qmax(parts);
   float amax;
   std::memcpy(&amax, &amax_bits, 4);
-  if (amax_bits >= 0x7F800000u) return {1.0f, 0.0f, std::numeric_limits<float>::quiet_NaN(), false};
+  if (amax_bits >= 0x7F800000u) return {1.0f, 0.0f, std::numeric_limits<float>::quiet_NaN(), qmax, false};
   const float pre = amax < 0x1p-64f ? 0x1p64f : 1.0f;
   const float a = amax * pre;
-  return {pre, a > 0.0f ? SPLIT_QMAX / a : 0.0f, amax / SPLIT_QMAX, true};
+  return {pre, a > 0.0f ? qmax / a : 0.0f, amax / qmax, qmax, true};
 }
 
-// One value's 24-bit image; the comparisons are those of the SIMD max/min (x > y ? x : y).
+// One value's image; the comparisons are those of the SIMD max/min (x > y ? x : y).
 inline int32_t split_q(float x, const SplitParams& p) {
   float t = (x * p.pre) * p.inv;
-  t = t > -SPLIT_QMAX ? t : -SPLIT_QMAX;
-  t = t < SPLIT_QMAX ? t : SPLIT_QMAX;
+  t = t > -p.qmax ? t : -p.qmax;
+  t = t < p.qmax ? t : p.qmax;
   return static_cast<int32_t>(std::nearbyint(t));
 }
 
-// q = 65536 * hi + 256 * mid + lo, each part in [-128, 127]: lo = q - 256 * r with
+// 24 bits: q = 65536 * hi + 256 * mid + lo, each part in [-128, 127]: lo = q - 256 * r with
 // r = round(q / 256) (ties up, arithmetic shift), then r = 256 * hi + mid the same way
-// (|r| <= 32639, so |hi| <= 127).
+// (|r| <= 32639, so |hi| <= 127).  16 bits: q = 256 * hi + lo the same way (|q| <= 32639), mid 0.
 struct SplitParts {
   int8_t hi, mid, lo;
 };
 
-inline SplitParts split_parts(int32_t q) {
+inline SplitParts split_parts(int32_t q, int parts) {
   const int32_t r = (q + 128) >> 8;
+  if (parts != SPLIT_PARTS) return {static_cast<int8_t>(r), 0, static_cast<int8_t>(q - 256 * r)};
   const int32_t hi = (r + 128) >> 8;
   return {static_cast<int8_t>(hi), static_cast<int8_t>(r - 256 * hi), static_cast<int8_t>(q - 256 * r)};
 }
 
-// Stream position p (of one token's stream `out`, chunks of ck positions) gets the parts
-// of q; xhi and xlo gather the segment's sums Xhi = sum(hi), Xlo = sum(256 * mid + lo).
-inline void put_split(int8_t* out, int ck, int64_t p, int32_t q, int32_t& xhi, int32_t& xlo) {
-  const SplitParts parts = split_parts(q);
-  int8_t* chunk = out + p / ck * SPLIT_PARTS * ck;
-  chunk[p % ck] = parts.hi;
-  chunk[ck + p % ck] = parts.mid;
-  chunk[2 * ck + p % ck] = parts.lo;
-  xhi += parts.hi;
-  xlo += q - 65536 * parts.hi;
+// Stream position p (of one token's stream `out`, chunks of ck positions, `parts` runs each) gets the
+// parts of q; xhi and xlo gather the segment's sums Xhi = sum(hi), Xlo = sum(q - SHIFT * hi).
+inline void put_split(int8_t* out, int ck, int parts, int64_t p, int32_t q, int32_t& xhi, int32_t& xlo) {
+  const SplitParts sp = split_parts(q, parts);
+  int8_t* chunk = out + p / ck * parts * ck;
+  chunk[p % ck] = sp.hi;
+  if (parts == SPLIT_PARTS) chunk[ck + p % ck] = sp.mid;
+  chunk[(parts - 1) * ck + p % ck] = sp.lo;
+  xhi += sp.hi;
+  xlo += q - sp.hi * (1 << split_shift_bits(parts));
 }
 
 // Positions [p, p + n) of one token's stream get the parts already split (the vector kernels'
-// quantize_split: hi / mid / lo of each position, in order): the chunk-interleaved stores of
-// put_split, a chunk's run at a time.
-inline void put_split_run(int8_t* out, int ck, int64_t p, int n, const int8_t* hi, const int8_t* mid, const int8_t* lo) {
+// quantize_split: hi / mid / lo of each position, in order; mid unused for 2 parts): the
+// chunk-interleaved stores of put_split, a chunk's run at a time.
+inline void put_split_run(int8_t* out, int ck, int parts, int64_t p, int n, const int8_t* hi, const int8_t* mid,
+                          const int8_t* lo) {
   for (int j = 0; j < n;) {
     const int64_t c = (p + j) / ck, off = (p + j) % ck;
     const int len = int(std::min<int64_t>(ck - off, n - j));
-    int8_t* chunk = out + c * SPLIT_PARTS * ck + off;
+    int8_t* chunk = out + c * parts * ck + off;
     std::memcpy(chunk, hi + j, len);
-    std::memcpy(chunk + ck, mid + j, len);
-    std::memcpy(chunk + 2 * ck, lo + j, len);
+    if (parts == SPLIT_PARTS) std::memcpy(chunk + ck, mid + j, len);
+    std::memcpy(chunk + (parts - 1) * ck, lo + j, len);
     j += len;
   }
 }
@@ -274,18 +278,20 @@ inline int code_at(const Weights& w, int nb, int64_t c, int r, int j) {
 }
 
 // The float kernels' epilogue for lane r of segment s (common.h SplitActs):
-//   t = 65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo)     (both brackets exact in int32)
-//   f += (scale * xscale) * t [+ (offset * xscale) * (65536 * Xhi + Xlo)]
-// Taking the zero point off in int32 matters: Dlo and z * Xlo are large and nearly equal
-// for codes centred on z, and rounding either to float first would cost the image's bits.
+//   t = SHIFT * (Dhi - z * Xhi) + (Dlo - z * Xlo)     (both brackets exact in int32)
+//   f += (scale * xscale) * t [+ (offset * xscale) * (SHIFT * Xhi + Xlo)]
+// SHIFT = 65536 (24-bit image) or 256 (16-bit).  Taking the zero point off in int32 matters: Dlo
+// and z * Xlo are large and nearly equal for codes centred on z, and rounding either to float
+// first would cost the image's bits.
 inline float split_epilogue(const Weights& w, int nb, int s, int r, int32_t dhi, int32_t dlo, int32_t xhi,
-                            int32_t xlo, float xscale, float f) {
+                            int32_t xlo, float xscale, float f, int parts) {
   const int64_t i = seg_index(w, nb, s, r);
   const int32_t z = zero_int_at(w, i);
-  const float t = std::fma(float(dhi - z * xhi), 65536.0f, float(dlo - z * xlo));
+  const float shift = float(1 << split_shift_bits(parts));
+  const float t = std::fma(float(dhi - z * xhi), shift, float(dlo - z * xlo));
   f = std::fma(scale_at(w, nb, s, r, i) * xscale, t, f);
   if (w.offsets)
-    f = std::fma(offset_at(w, nb, s, r, i) * xscale, std::fma(float(xhi), 65536.0f, float(xlo)), f);
+    f = std::fma(offset_at(w, nb, s, r, i) * xscale, std::fma(float(xhi), shift, float(xlo)), f);
   return f;
 }
 

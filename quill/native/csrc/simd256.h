@@ -118,22 +118,25 @@ QUILL_INLINE __m256 epilogue_gz(__m256 scale, __m256 d, const float* pair, __m25
   return _mm256_fmadd_ps(scale, _mm256_fmsub_ps(d, _mm256_set1_ps(pair[0]), _mm256_set1_ps(pair[1])), f);
 }
 
-// f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo)) [+ (offset * xscale) * (65536 * Xhi + Xlo)]
+// f += (scale * xscale) * (SHIFT * (Dhi - z * Xhi) + (Dlo - z * Xlo)) [+ (offset * xscale) * (SHIFT * Xhi + Xlo)]
 // for lanes 8h..8h+7 (split_epilogue).
 // Folded zero point and fused T as in simd512.h's split_epilogue (common.h, Weights::fold_zero / fuse_t).
+template <int PARTS>
 QUILL_INLINE __m256 epilogue_split(const Seg8& c, __m256i dhi, __m256i dlo, int32_t xhi, int32_t xlo, float xscale,
                                    __m256 f, bool fuse = false) {
+  constexpr int SB = split_shift_bits(PARTS);  // SHIFT = 2^SB (common.h SplitActs)
+  constexpr float SHIFT = float(1 << SB);
   __m256i ehi = dhi, elo = dlo;
   if (c.has_zero) {
     ehi = _mm256_sub_epi32(dhi, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xhi)));
     elo = _mm256_sub_epi32(dlo, _mm256_mullo_epi32(c.zero_i, _mm256_set1_epi32(xlo)));
   }
-  const __m256 t = fuse ? _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ehi, 16), elo))
-                        : _mm256_fmadd_ps(_mm256_cvtepi32_ps(ehi), _mm256_set1_ps(65536.0f), _mm256_cvtepi32_ps(elo));
+  const __m256 t = fuse ? _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ehi, SB), elo))
+                        : _mm256_fmadd_ps(_mm256_cvtepi32_ps(ehi), _mm256_set1_ps(SHIFT), _mm256_cvtepi32_ps(elo));
   const __m256 xs = _mm256_set1_ps(xscale);
   f = _mm256_fmadd_ps(_mm256_mul_ps(c.scale, xs), t, f);
   if (c.has_offset)
-    f = _mm256_fmadd_ps(_mm256_mul_ps(c.offset, xs), _mm256_set1_ps(std::fma(float(xhi), 65536.0f, float(xlo))), f);
+    f = _mm256_fmadd_ps(_mm256_mul_ps(c.offset, xs), _mm256_set1_ps(std::fma(float(xhi), SHIFT, float(xlo))), f);
   return f;
 }
 

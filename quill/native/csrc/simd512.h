@@ -124,23 +124,26 @@ QUILL_INLINE __m512 epilogue_gz(__m512 scale, __m512 d, const float* pair, __m51
   return _mm512_fmadd_ps(scale, _mm512_fmsub_ps(d, _mm512_set1_ps(pair[0]), _mm512_set1_ps(pair[1])), f);
 }
 
-// f += (scale * xscale) * (65536 * (Dhi - z * Xhi) + (Dlo - z * Xlo))
-//      [+ (offset * xscale) * (65536 * Xhi + Xlo)]   (split_epilogue, 16 lanes)
+// f += (scale * xscale) * (SHIFT * (Dhi - z * Xhi) + (Dlo - z * Xlo))
+//      [+ (offset * xscale) * (SHIFT * Xhi + Xlo)]   (split_epilogue, 16 lanes)
 // With the zero point folded into the accumulators (Weights::fold_zero) dhi / dlo hold Dhi - z Xhi and
 // Dlo - z Xlo already and c.has_zero is false; fuse (Weights::fuse_t) forms T in int32 (common.h).
+template <int PARTS>
 QUILL_INLINE __m512 split_epilogue(const SegConsts& c, __m512i dhi, __m512i dlo, int32_t xhi, int32_t xlo, float xscale,
                              __m512 f, bool fuse = false) {
+  constexpr int SB = split_shift_bits(PARTS);  // SHIFT = 2^SB (common.h SplitActs)
+  constexpr float SHIFT = float(1 << SB);
   __m512i ehi = dhi, elo = dlo;
   if (c.has_zero) {
     ehi = _mm512_sub_epi32(dhi, _mm512_mullo_epi32(c.zero_i, _mm512_set1_epi32(xhi)));
     elo = _mm512_sub_epi32(dlo, _mm512_mullo_epi32(c.zero_i, _mm512_set1_epi32(xlo)));
   }
-  const __m512 t = fuse ? _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ehi, 16), elo))
-                        : _mm512_fmadd_ps(_mm512_cvtepi32_ps(ehi), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(elo));
+  const __m512 t = fuse ? _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ehi, SB), elo))
+                        : _mm512_fmadd_ps(_mm512_cvtepi32_ps(ehi), _mm512_set1_ps(SHIFT), _mm512_cvtepi32_ps(elo));
   const __m512 xs = _mm512_set1_ps(xscale);
   f = _mm512_fmadd_ps(_mm512_mul_ps(c.scale, xs), t, f);
   if (c.has_offset)
-    f = _mm512_fmadd_ps(_mm512_mul_ps(c.offset, xs), _mm512_set1_ps(std::fma(float(xhi), 65536.0f, float(xlo))), f);
+    f = _mm512_fmadd_ps(_mm512_mul_ps(c.offset, xs), _mm512_set1_ps(std::fma(float(xhi), SHIFT, float(xlo))), f);
   return f;
 }
 
