@@ -50,10 +50,11 @@ AVX512 = AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 
 # ISA variant -> its translation units and their -m flags (the variant's names as quill.native.ISAS)
 VARIANT_SOURCES: dict[str, dict[str, list[str]]] = {
-    "avx512": {"avx512_vnni.cpp": AVX512 + ["-mavx512vnni"], "dense_avx512.cpp": AVX512,
-               "attention_avx512.cpp": AVX512, "deltanet_avx512.cpp": AVX512, "mxfp4_avx512.cpp": AVX512},
-    "avx2": {"avx2.cpp": AVX2, "dense_avx2.cpp": AVX2, "attention_avx2.cpp": AVX2, "deltanet_avx2.cpp": AVX2,
-             "mxfp4_avx2.cpp": AVX2},
+    "avx512": {"avx512_vnni.cpp": AVX512 + ["-mavx512vnni"], "avx512_quant.cpp": AVX512,
+               "dense_avx512.cpp": AVX512, "attention_avx512.cpp": AVX512, "deltanet_avx512.cpp": AVX512,
+               "mxfp4_avx512.cpp": AVX512},
+    "avx2": {"avx2.cpp": AVX2, "avx2_quant.cpp": AVX2, "dense_avx2.cpp": AVX2, "attention_avx2.cpp": AVX2,
+             "deltanet_avx2.cpp": AVX2, "mxfp4_avx2.cpp": AVX2},
     "scalar": {"scalar.cpp": [], "dense_scalar.cpp": [], "attention_scalar.cpp": [], "deltanet_scalar.cpp": [],
                "mxfp4_scalar.cpp": []},
 }
