@@ -93,7 +93,8 @@ def test_llamacpp_bench_writes_a_gguf_quill_runs(tmp_path):
     path = mod.write_1b_gguf(tmp_path, default_model(), hidden=64, ffn=128, heads=4, kv_heads=2, layers=2,
                              name="tiny.gguf")
     # each arithmetic the bench compares runs on its native kernel, whatever the GGUF default is
-    kernels = {"quill w4a16": "native_w4a16", "quill w4a8": "native_w4a8", "quill w4a8g": "native_w4a8"}
+    kernels = {"quill w4a16": "native_w4a16", "quill w4a16 exact": "native_w4a16", "quill w4a8": "native_w4a8",
+               "quill w4a8g": "native_w4a8"}
     assert set(mod.QUILL_MODES) == set(kernels)
     for engine, act_quant in mod.QUILL_MODES.items():
         llm = quill.LLM(str(path), threads=1, progress=False, activation_quant=act_quant)

@@ -200,9 +200,11 @@ def run_quill(llm, prompt: int, gen: int) -> dict:
     return {"prefill_tps": t.prefill_tps, "decode_tps": t.decode_tps}
 
 
-# quill's activation modes: float (W4A16, the default), int8 per token (W4A8) and int8 per token and
-# weight group (W4A8g), which is what llama.cpp's Q4_0 / Q4_1 matmuls do (activations in Q8 blocks of 32).
-QUILL_MODES = {"quill w4a16": "none", "quill w4a8": "int8", "quill w4a8g": "int8-group"}
+# quill's activation modes: float (W4A16: the 16-bit image, and the exact mode's 24-bit one), int8 per token
+# (W4A8) and int8 per token and weight group (W4A8g), which is what llama.cpp's Q4_0 / Q4_1 matmuls do
+# (activations in Q8 blocks of 32).
+QUILL_MODES = {"quill w4a16": "none", "quill w4a16 exact": "exact", "quill w4a8": "int8",
+               "quill w4a8g": "int8-group"}
 ENGINES = (*QUILL_MODES, "llama.cpp")
 
 
