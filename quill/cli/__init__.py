@@ -39,9 +39,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit code (2: a QuillError, reported in one line; 130: Ctrl-C and 141: stdout's
-    reader gone, as shells use)."""
+    reader gone, as shells use).  ``argv`` None: the process's own command line (the ``quill`` program and
+    ``python -m quill``), which alone may freeze what it loaded (``common.keep_until_exit``)."""
     try:
-        return _run(sys.argv[1:] if argv is None else argv)
+        return _run(sys.argv[1:] if argv is None else argv, program=argv is None)
     except KeyboardInterrupt:  # loading, generating, starting a server: stop without a traceback
         print("\n[interrupted]", file=sys.stderr, flush=True)  # the newline ends a half-written answer's line
         return 130
@@ -64,9 +65,10 @@ def _stdout_reader_gone() -> bool:
         return False
 
 
-def _run(argv: list[str]) -> int:
+def _run(argv: list[str], program: bool = False) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)  # the only global option takes no value
     args = build_parser(command).parse_args(argv)
+    args.program = program
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     _import_numpy()
     if args.command in _NATIVE_COMMANDS:

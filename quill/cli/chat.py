@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from quill.cli.common import add_model_args, add_sampling_args, build_llm, sampling_params, stream_to
+from quill.cli.common import add_model_args, add_sampling_args, build_llm, keep_until_exit, sampling_params, stream_to
 from quill.errors import GenerationError
 
 HELP = "type a message; /reset starts over, /exit (or end of input) quits"
@@ -30,6 +30,7 @@ def _fresh(system: str | None) -> list[dict]:
 
 def run(args) -> int:
     llm = build_llm(args)
+    keep_until_exit(args)
     params = sampling_params(args)
     history = _fresh(args.system)
     interactive = sys.stdin.isatty()

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from quill.cli.common import add_model_args, add_sampling_args, build_llm, print_stats, sampling_params, stream_to
+from quill.cli.common import (
+    add_model_args,
+    add_sampling_args,
+    build_llm,
+    keep_until_exit,
+    print_stats,
+    sampling_params,
+    stream_to,
+)
 
 
 def register(sub) -> None:
@@ -20,6 +28,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     llm = build_llm(args)
+    keep_until_exit(args)
     params = sampling_params(args)
     if llm.tokenizer.has_chat_template and not args.no_chat_template:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 
-from quill.cli.common import add_model_args, build_llm, run_options
+from quill.cli.common import add_model_args, build_llm, keep_until_exit, run_options
 from quill.errors import ConfigError
 
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -168,6 +168,7 @@ def run(args) -> int:
         llm = executor.submit(build_llm, args, engine_config=engine_config).result()
     else:
         llm = build_llm(args, engine_config=engine_config)
+    keep_until_exit(args)  # the one model, served until the process ends
     bound = sock.getsockname()[0]
     if bound != args.host and bound not in ("0.0.0.0", "::"):  # --host named the machine: its address too
         http["allowed_hosts"] = (*http.get("allowed_hosts", ()), bound)
