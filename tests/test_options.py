@@ -186,8 +186,9 @@ def test_a_forced_kernel_without_the_gguf_default_says_how_to_run_float():
                      cache=False).activation is ActQuant.NONE
 
 
-@pytest.mark.parametrize("name, words", [("awq-w4a16", "float, a 16-bit image in native kernels (default for this format"),
-                                         ("w8a8", "int8 where the checkpoint prescribes it (W8A8")])
+@pytest.mark.parametrize("name, words", [
+    ("awq-w4a16", "float, a 16-bit image in native kernels (default for this format"),
+    ("w8a8", "int8 where the checkpoint prescribes it (W8A8")])
 def test_hf_formats_keep_their_tools_arithmetic(name, words):
     llm = quill.LLM(str(REAL / name), skip_tokenizer_init=True, progress=False)
     assert llm.activation is ActQuant.NONE and llm.arithmetic["activations"].startswith(words)
@@ -201,4 +202,5 @@ def test_inspect_and_the_load_line_say_which_arithmetic_runs(capsys):
     assert "quill: activations: int8 per token and weight group" in captured.err  # the load line
     assert main(["inspect", str(default_model_path()), "--act-quant", "none", "--quiet"]) == 0
     captured = capsys.readouterr()
-    assert "activations: float, a 16-bit image in native kernels (--act-quant none)" in captured.out and captured.err == ""
+    assert "activations: float, a 16-bit image in native kernels (--act-quant none)" in captured.out
+    assert captured.err == ""
