@@ -67,8 +67,10 @@ def staggered(c: EngineCore, prompts: list[list[int]], params, arrivals: dict[in
 
 def assert_checkpoint_logprobs(d, prompt: list[int], want: torch.Tensor, kernel: str | None) -> None:
     """quill's log-probabilities of every next token over the whole vocabulary at every position of ``prompt``
-    within 1e-3 of ``want`` [len(prompt) - 1, vocab] and the same argmax, on ``kernel`` (None: the native one)."""
-    llm = quill.LLM(str(d), kernel=kernel, skip_tokenizer_init=True, kv_cache_dtype="float32", progress=False)
+    within 1e-3 of ``want`` [len(prompt) - 1, vocab] and the same argmax, on ``kernel`` (None: the native one,
+    in its exact mode)."""
+    llm = quill.LLM(str(d), kernel=kernel, skip_tokenizer_init=True, kv_cache_dtype="float32", progress=False,
+                    activation_quant="exact")
     n, vocab = len(prompt) - 1, llm.model.args.vocab_size
     spec = ScoreSpec(first=1, gather_ids=torch.arange(vocab).expand(n, -1).contiguous())
     got = llm.score([prompt], spec)[0].gathered

@@ -83,7 +83,7 @@ def test_the_file_says_what_the_config_said(converted):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K_M"])
 def test_gguf_matches_transformers_on_its_weights(converted, qtype):
     hf, files = converted
-    llm = quill.LLM(str(files[qtype]), skip_tokenizer_init=True, kv_cache_dtype="float32", activation_quant="none")
+    llm = quill.LLM(str(files[qtype]), skip_tokenizer_init=True, kv_cache_dtype="float32", activation_quant="exact")
     assert [s.attention.window for s in llm.model.decoder_layer_specs()] == [WINDOW, WINDOW, None] * 2
     ids = torch.randint(4, GGUF_VOCAB, (1, 60), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

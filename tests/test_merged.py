@@ -18,7 +18,7 @@ KERNEL_CASES = [(None, None), ("reference", None), (None, "int8")]  # (forced ke
 
 
 def _ctx(kernel=None, activation=None) -> LoadContext:
-    sel = KernelSelector(PLATFORM, KernelPolicy(force=kernel) if kernel else KernelPolicy())
+    sel = KernelSelector(PLATFORM, KernelPolicy(force=kernel) if kernel else KernelPolicy(), exact_float=True)
     return LoadContext.from_selector(sel, torch.float32, activation)
 
 

@@ -28,7 +28,9 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 def selectors(kernel: str | None = "reference", moe: str | None = None):
-    return KernelSelector(detect(), KernelPolicy(force=kernel)), MoESelector(detect(), KernelPolicy(force=moe))
+    # exact_float: native float kernels in their exact mode (the 24-bit image), as these compare with transformers
+    return (KernelSelector(detect(), KernelPolicy(force=kernel), exact_float=True),
+            MoESelector(detect(), KernelPolicy(force=moe)))
 
 
 def ids_of(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:

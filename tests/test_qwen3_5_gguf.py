@@ -81,7 +81,7 @@ def reference(hf, path):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])  # F32 is what they are quantized from
 def test_gguf_matches_transformers_on_its_weights(converted, qtype):
     hf, files = converted
-    llm = quill.LLM(str(files[qtype]), skip_tokenizer_init=True, kv_cache_dtype="float32", activation_quant="none")
+    llm = quill.LLM(str(files[qtype]), skip_tokenizer_init=True, kv_cache_dtype="float32", activation_quant="exact")
     assert llm.model.args.model_type == hf.config.model_type
     ids = torch.randint(4, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

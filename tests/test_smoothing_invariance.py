@@ -82,7 +82,7 @@ def test_float_activation_kernels_survive_outliers(smoothed, kernel, bits):
     if WEIGHT_BITS.get(kernel, bits) != bits:
         pytest.skip(f"{kernel} runs {WEIGHT_BITS[kernel]}-bit weights")
     ckpt = quantized(hf, state, bits)
-    model = build_model(ckpt, KernelSelector(detect(), KernelPolicy(force=kernel))).model
+    model = build_model(ckpt, KernelSelector(detect(), KernelPolicy(force=kernel), exact_float=True)).model
     missing, unexpected = hf.load_state_dict(ckpt.reference_state(), strict=False)
     assert not missing and not unexpected
     with torch.no_grad():
