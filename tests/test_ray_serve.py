@@ -40,7 +40,7 @@ except ImportError:
         raise ImportError("the ray extra is not installed: pip install 'quill[ray]' (make install does)") from None
     pytest.skip("Ray Serve has no wheel for this platform", allow_module_level=True)
 
-from quill.serving.ray import PROXY_READY_ENV, PROXY_READY_S  # noqa: E402
+from quill.serving.ray import CLUSTER_ENV  # noqa: E402
 
 # The OpenAI-client subset of the single-server tests: the same code, now through the Ray ingress.
 from tests.test_serve import (  # noqa: E402, F401
@@ -95,6 +95,12 @@ def _wait_gone(pids: set[int], timeout: float = 60.0) -> set[int]:
     return left
 
 
+# How often the cluster's processes export their metrics to the node's agent (Ray's default: every 10 s).
+# The tests that read the replicas' exported engine metrics wait for an export, some for two: every 2 s
+# they wait a fifth as long.
+METRICS_EXPORT_S = 2
+
+
 class RayCluster:
     """``ray start --head`` on 127.0.0.1 in a temp dir of its own; ``stop()`` is ``ray stop``."""
 
@@ -113,7 +119,8 @@ class RayCluster:
                         "--num-cpus", str(cpus), "--include-dashboard", "false", "--disable-usage-stats",
                         "--metrics-export-port", str(self.metrics_port), "--temp-dir", self.temp],
                        check=True, capture_output=True, timeout=180,
-                       env={**os.environ, PROXY_READY_ENV: PROXY_READY_S})  # as quill serve's own cluster
+                       env={**os.environ, **CLUSTER_ENV,  # as quill serve's own cluster
+                            "RAY_metrics_report_interval_ms": str(METRICS_EXPORT_S * 1000)})
 
     def metrics(self, name: str) -> dict[str, float]:
         """Replica id -> value of Ray's exported metric ``ray_<name>`` (the replicas' engine gauges)."""
@@ -251,6 +258,7 @@ def test_both_replicas_serve_and_outputs_equal_offline(server, llm):
     served = _replicas(server)
     assert len(served) == 2 and all(r["requests"] >= 1 for r in served.values()), served
     assert len({r["pid"] for r in served.values()}) == 2
+    assert [_nice(r["pid"]) for r in served.values()] == [0, 0]  # not Ray's nice 15 (quill.serving.ray.CLUSTER_ENV)
     # the replicas' arithmetic, said as one `quill serve` process says it
     said = [line for line in server.lines if line.startswith("quill: activations: int8 per token and weight group")]
     assert len(said) == 1 and "KV cache: float16" in said[0], "".join(server.lines)
@@ -271,7 +279,7 @@ def test_many_streaming_clients_some_disconnecting_leave_the_replicas_idle(clust
     text, and every replica's engine (Ray's exported metrics) ends with nothing running or holding KV (and
     exports speculation's counters, 0 with it off)."""
     streams_with_disconnects(server, llm)
-    deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
+    deadline = time.monotonic() + 60  # Ray's metrics agent exports every METRICS_EXPORT_S
     while True:
         generated = cluster.metrics("quill_generation_tokens")
         running = cluster.metrics("quill_num_requests_running")
@@ -283,6 +291,10 @@ def test_many_streaming_clients_some_disconnecting_leave_the_replicas_idle(clust
         assert time.monotonic() < deadline, (generated, running, used, drafts)
         time.sleep(1)
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -328,10 +340,10 @@ def test_a_cut_stream_is_aborted_on_its_replica(cluster, server):
         assert time.monotonic() < deadline, "the replicas never went idle before the test"
         time.sleep(1)
     # Ray exports a counter some seconds after the gauges: an earlier test's abort can land after idle() holds
-    # (seen: +2 here). The baseline is a count that held for longer than one export period (10 s by default).
+    # (seen: +2 here). The baseline is a count that held for longer than two export periods.
     aborted = total("quill_requests_aborted")
     while True:
-        time.sleep(11)
+        time.sleep(2 * METRICS_EXPORT_S + 1)
         now = total("quill_requests_aborted")
         if now == aborted:
             break
@@ -344,7 +356,7 @@ def test_a_cut_stream_is_aborted_on_its_replica(cluster, server):
         for i, _ in enumerate(r.iter_lines()):
             if i > 5:
                 break
-    deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
+    deadline = time.monotonic() + 60  # Ray's metrics agent exports every METRICS_EXPORT_S
     while not (total("quill_requests_aborted") == aborted + 1 and idle()):
         assert time.monotonic() < deadline, (total("quill_requests_aborted"), aborted)
         time.sleep(1)
@@ -426,6 +438,7 @@ def test_own_cluster_autoscales_under_load_and_stops_clean():
             qs = [(f"Tell a long story {time.monotonic()} #{i}", f"scale-{time.monotonic()}-{i}", False)
                   for i in range(8)]
             assert all(status == 200 for status, _, _ in _run(_many(s, qs, max_tokens=64)))
+        assert [_nice(r["pid"]) for r in _replicas(s).values()] == [0, 0]  # its workers at normal priority
     assert s.proc.returncode == 0
     assert not _wait_gone(ours), "quill serve left Ray processes behind"
 

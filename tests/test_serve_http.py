@@ -128,7 +128,9 @@ def test_10mb_body_is_413_while_another_client_streams(server, llm, greedy):
     offline = llm.generate("Write a long story about a dragon.",
                            quill.SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))[0].text
     assert text == offline
-    assert times[-1] > end  # the stream outlived the uploads ...
+    # the stream went on while the uploads were refused: it outlived them, or ended during them where the
+    # uploads were slow (seen on a loaded machine: 60 tokens done 0.08 s before the third 413) ...
+    assert times[-1] > end or sum(start < t < end for t in times) >= 5, (start, end, times)
     gaps = [b - a for a, b in zip(times, times[1:]) if b > start and a < end]
     assert gaps and max(gaps) < 10.0, gaps  # ... and was never held up for long by them
     assert_serving(server, greedy)

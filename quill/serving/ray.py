@@ -357,8 +357,13 @@ def _int(key: str, value: str) -> int:
 # Serve's controller drops its HTTP proxy after three readiness checks of 5 s each; a proxy starting on a
 # loaded 2-core machine (a fresh environment importing Serve, uvicorn and starlette for the first time) took
 # longer, and serve.start then failed.  15 s each still fits serve.start's own 60 s wait.  A cluster started
-# elsewhere (--ray-address) reads its own environment: start it with this variable set.
+# elsewhere (--ray-address) reads its own environment: start it with these variables set (CLUSTER_ENV).
 PROXY_READY_ENV, PROXY_READY_S = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "15"
+# Ray starts its worker processes, Serve's replicas and HTTP proxy among them, at nice 15: on a machine with
+# any other busy process they got almost no CPU (a 2-core machine under load: replies 5-10x slower, and a
+# proxy that never became ready).  Here they are the server itself: normal priority.
+NICENESS_ENV, NICENESS = "RAY_worker_niceness", "0"
+CLUSTER_ENV = {PROXY_READY_ENV: PROXY_READY_S, NICENESS_ENV: NICENESS}
 
 
 def serve_on_ray(options: RayServeOptions, host: str, port: int, ray_address: str | None,
@@ -368,7 +373,8 @@ def serve_on_ray(options: RayServeOptions, host: str, port: int, ray_address: st
     port = _free_port(host, port)
     quiet = log_level not in ("info", "debug")
     if ray_address is None:  # the cluster started here inherits this environment
-        os.environ.setdefault(PROXY_READY_ENV, PROXY_READY_S)
+        for name, value in CLUSTER_ENV.items():
+            os.environ.setdefault(name, value)
     try:
         ray.init(address=ray_address, logging_level=logging.WARNING if quiet else logging.INFO,
                  log_to_driver=not quiet, include_dashboard=False)
