@@ -138,3 +138,18 @@ def test_peer_specs_are_checked_before_any_run():
                           (f"ik={sys.executable} -c pass", "is not a llama-bench")):
         with pytest.raises(ConfigError, match=message):
             Peer.parse(spec)
+
+
+def test_step_profile_of_the_default_model():
+    """The decode-step profile on a model whose layers all keep keys and values (state_specs() is None: the
+    profile once crashed there); its rows account for the step."""
+    from quill.bench.step_profile import profile_file
+    from quill.default_model import default_model_path
+    from quill.native import load
+
+    load().module.step_profile_enable(True)  # what QUILL_STEP_PROFILE=1 turns on for the command
+    r = profile_file(default_model_path(), "int8-group", 16, 6, 1)
+    assert r["tokens"] == 5 and r["ms_per_token"] > 0
+    rows = r["rows"]
+    assert rows["step: mlp_gate_up"]["mb"] > 0 and rows["step: mlp_gate_up"]["gbs"] > 0
+    assert sum(v["ms"] for v in rows.values()) == pytest.approx(r["ms_per_token"], rel=1e-6)

@@ -49,7 +49,7 @@ def op_bytes(llm) -> dict[str, float]:
             out[kind] += info.weight_bytes * top_k / max(experts, 1)
         else:
             out[kind] += info.held_bytes or info.weight_bytes
-    for spec in (model.state_specs() if hasattr(model, "state_specs") else []):
+    for spec in model.state_specs() or []:  # None: every layer keeps keys and values
         if spec is not None:  # read once and written once per token
             out["dn_heads"] += 2 * sum(4 * _numel(s) for s in spec.shapes[1:])
             out["dn_conv"] += 2 * 4 * _numel(spec.shapes[0])
