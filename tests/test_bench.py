@@ -147,8 +147,12 @@ def test_step_profile_of_the_default_model():
     from quill.default_model import default_model_path
     from quill.native import load
 
-    load().module.step_profile_enable(True)  # what QUILL_STEP_PROFILE=1 turns on for the command
-    r = profile_file(default_model_path(), "int8-group", 16, 6, 1)
+    ext = load().module
+    ext.step_profile_enable(True)  # what QUILL_STEP_PROFILE=1 turns on for the command
+    try:
+        r = profile_file(default_model_path(), "int8-group", 16, 6, 1)
+    finally:
+        ext.step_profile_enable(False)  # process-wide: off again for the tests after this one
     assert r["tokens"] == 5 and r["ms_per_token"] > 0
     rows = r["rows"]
     assert rows["step: mlp_gate_up"]["mb"] > 0 and rows["step: mlp_gate_up"]["gbs"] > 0
