@@ -70,10 +70,12 @@ def _run(argv: list[str], program: bool = False) -> int:
     args = build_parser(command).parse_args(argv)
     args.program = program
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    _import_numpy()
-    if args.command in _NATIVE_COMMANDS:
-        _import_native()
     try:
+        if getattr(args, "check", None) is not None:
+            args.check(args)  # a command's flag checks: a mistyped flag is refused before torch loads
+        _import_numpy()
+        if args.command in _NATIVE_COMMANDS:
+            _import_native()
         return int(args.func(args) or 0)
     except QuillError as e:
         print(f"quill: error: {e}", file=sys.stderr)

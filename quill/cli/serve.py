@@ -110,7 +110,7 @@ def register(sub) -> None:
                         "of CPU per streamed token)")
     r.add_argument("--ray-address", default=None,
                    help="the Ray cluster to join ('auto' for the one `ray start` made here; default: start one)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, check=check)
 
 
 _RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "autoscaling_config",
@@ -140,14 +140,39 @@ def http_options(args) -> dict:
     return out
 
 
-def run(args) -> int:
-    if args.stream_interval < 1:  # before the model loads
+def check(args) -> None:
+    """The flags' own checks, before quill.cli imports torch (a mistyped flag is refused at once)."""
+    if args.stream_interval < 1:
         raise ConfigError(f"--stream-interval: expected an integer >= 1, found {args.stream_interval}")
-    if any(getattr(args, k) is not None for k in _RAY_FLAGS):
-        given = [f"--{k.replace('_', '-')}" for k in _HTTP_FLAGS if getattr(args, k) is not None]
-        if given:  # Ray's proxy owns the sockets there; the ingress keeps the defaults
-            raise ConfigError(f"{', '.join(given)}: not available with replicas (Ray Serve's proxy takes the "
-                              "connections)")
+    if not _on_ray(args):
+        http_options(args)
+        return
+    given = [f"--{k.replace('_', '-')}" for k in _HTTP_FLAGS if getattr(args, k) is not None]
+    if given:  # Ray's proxy owns the sockets there; the ingress keeps the defaults
+        raise ConfigError(f"{', '.join(given)}: not available with replicas (Ray Serve's proxy takes the "
+                          "connections)")
+    if args.threads is not None:
+        raise ConfigError("--threads sets one engine's threads; with replicas use --threads-per-replica")
+    if _autoscaled(args) and args.replicas is not None:
+        raise ConfigError("--replicas fixes the count and --min-replicas / --max-replicas (and the other "
+                          "autoscaling flags) autoscale: give one or the other")
+    if _autoscaled(args) and args.max_replicas is None:
+        raise ConfigError("autoscaling needs --max-replicas (and takes --min-replicas, default 1)")
+    _json_object("--autoscaling-config", args.autoscaling_config)
+
+
+def _on_ray(args) -> bool:
+    return any(getattr(args, k) is not None for k in _RAY_FLAGS)
+
+
+def _autoscaled(args) -> bool:
+    return any(getattr(args, k) is not None for k in ("min_replicas", "max_replicas", "target_ongoing_requests",
+                                                      "autoscaling_config"))
+
+
+def run(args) -> int:
+    check(args)  # (again, when called on its own)
+    if _on_ray(args):
         return run_ray(args)
     http = http_options(args)
     import uvicorn
@@ -205,16 +230,8 @@ def run_ray(args) -> int:
         raise ConfigError(f"--replicas / --ray-address need Ray Serve: pip install 'quill[ray]' ({e})") from None
     from quill.platform import detect
 
-    if args.threads is not None:
-        raise ConfigError("--threads sets one engine's threads; with replicas use --threads-per-replica")
-    autoscale = any(x is not None for x in (args.min_replicas, args.max_replicas, args.target_ongoing_requests,
-                                            args.autoscaling_config))
-    if autoscale and args.replicas is not None:
-        raise ConfigError("--replicas fixes the count and --min-replicas / --max-replicas (and the other "
-                          "autoscaling flags) autoscale: give one or the other")
+    autoscale = _autoscaled(args)  # (the combinations were checked: check)
     replicas = None if autoscale else (args.replicas if args.replicas is not None else 1)
-    if autoscale and args.max_replicas is None:
-        raise ConfigError("autoscaling needs --max-replicas (and takes --min-replicas, default 1)")
     lo = args.min_replicas if args.min_replicas is not None else 1
     hi = args.max_replicas if args.max_replicas is not None else lo
     # every replica that may run gets its share of this machine's cores unless told otherwise
