@@ -4,8 +4,9 @@ head count, values taken from the keys, proportional rope and KV-shared layers (
 writing none) give the Python layers' bits -- greedy tokens and top-3 log-probabilities of batched sequences of
 different lengths past the local window, arriving at different steps, teamed on 2 threads and op by op -- on this
 CPU's kernels, the AVX2 ones (``isa="avx2"``) and the scalar twins, with dense (bfloat16-valued) weights and
-llama.cpp's Q8_0 / Q4_0 files at float and int8 activations; `quill inspect` and the load log say the step runs;
-the MoE variant, which it cannot run yet, says why."""
+llama.cpp's Q8_0 / Q4_0 files at float and int8 activations; the MoE variant (routed experts beside every MLP: the
+scaled router, per-expert scales, the branches' own norms, gelu-tanh experts as one native ExpertGroup) too;
+`quill inspect` and the load log say the step runs; a model whose experts cannot run natively says why."""
 
 from __future__ import annotations
 
@@ -122,12 +123,32 @@ def test_gguf_files_give_the_python_layers_bits(converted, qtype, activation):  
     same_bits(llm)
 
 
-def test_the_moe_variant_says_why_it_runs_its_python_layers(tmp_path):
+@pytest.fixture(scope="module")
+def moe_saved(tmp_path_factory):
     hf = hf_gemma4(seed=5, enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=20)
-    d = save_hf_dir(hf, tmp_path / "moe", tokenizer=False)
-    llm = quill.LLM(str(d), skip_tokenizer_init=True, kv_cache_dtype="float32")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("router.scale", "per_expert_scale")):
+                p.copy_(torch.rand_like(p) + 0.5)
+    return save_hf_dir(hf, tmp_path_factory.mktemp("gemma4_moe_step"), tokenizer=False)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_the_moe_variant_gives_the_python_layers_bits(moe_saved, isa):
+    """Router, top-k, per-expert scales and the experts beside each dense MLP (with PLE and KV sharing), on this
+    CPU's kernels, every kernel's AVX2 variant, and the scalar decode attention."""
+    if isa == "avx2" and not HAS_AVX512:
+        pytest.skip("the AVX2 variant is this CPU's own: tested as native")
+    llm = quill.LLM(str(moe_saved), skip_tokenizer_init=True, kv_cache_dtype="float32", threads=2,
+                    **({"isa": "avx2"} if isa == "avx2" else {}))
+    assert llm.engine.native_step is not None, llm.engine.native_step_reason
+    assert llm.model.decoder_layer_specs()[0].experts_beside.moe.native_group is not None
+    same_bits(llm, "scalar" if isa == "scalar" else None)
+
+
+def test_experts_that_cannot_run_natively_say_why(moe_saved):
+    llm = quill.LLM(str(moe_saved), skip_tokenizer_init=True, kv_cache_dtype="float32", moe_backend="reference")
     why = llm.engine.native_step_reason
-    assert llm.engine.native_step is None and why == llm.model.native_refusal()
-    assert "Gemma 4" in why and "routed experts beside the dense MLP" in why and why in report(llm)
-    with torch.inference_mode():
-        assert step_run(llm, False, llm.engine.cache.isa)  # (the Python layers decode it)
+    assert llm.engine.native_step is None and llm.model.native_refusal() is None
+    assert why == "layer 0: model.layers.0.moe: the routed experts do not run as one native expert group"
+    assert why in report(llm)

@@ -13,6 +13,7 @@ from quill.layers.decoder import (
     SANDWICH_NORM,
     AttentionSpec,
     DecoderLayerSpec,
+    ExpertsBesideSpec,
     MLPSpec,
     MoESpec,
     PerLayerInputSpec,
@@ -26,6 +27,7 @@ from quill.layers.moe import (
     check_moe_config,
     expert_count,
     is_sparse_layer,
+    route,
     swiglu_clamped_name,
 )
 from quill.layers.native_step import KVPools, NativeDecodeStep, build_native_step
@@ -44,12 +46,12 @@ from quill.layers.slots import Embedding, Linear, PostLoad, RMSNorm, Slot, linea
 __all__ = [
     "ACTIVATIONS", "Embedding", "ExpertSlot", "LayerInfo", "Linear", "LoadContext", "MergedLinear", "PostLoad",
     "RMSNorm", "SANDWICH_NORM", "merged",
-    "AttentionSpec", "DecoderLayerSpec", "KVPools", "MLPSpec", "MoESpec", "NativeDecodeStep", "PerLayerInputSpec",
-    "Projections",
+    "AttentionSpec", "DecoderLayerSpec", "ExpertsBesideSpec", "KVPools", "MLPSpec", "MoESpec", "NativeDecodeStep",
+    "PerLayerInputSpec", "Projections",
     "build_native_step",
     "RopeConfig", "RotaryEmbedding", "SharedExpertMoeBlock", "Slot", "SparseMoeBlock", "apply_rope_q", "apply_rope_qk",
     "attend",
     "attention", "paged_decode_attention", "paged_prefill_attention",
-    "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "sigmoid", "swiglu_clamped_name",
-    "take_rows", "unit_rms_norm",
+    "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "route", "sigmoid",
+    "swiglu_clamped_name", "take_rows", "unit_rms_norm",
 ]

@@ -116,6 +116,23 @@ class PerLayerInputSpec:
 
 
 @dataclass(frozen=True)
+class ExpertsBesideSpec:
+    """Gemma 4's routed experts beside the dense MLP (``ffn``).  The router reads ``rms(h) * router_scale *
+    router_mult`` (h the residual after attention, the norm weightless, eps ``router_eps``); its renormalized top-k
+    weights are multiplied by ``expert_scale[expert]``; the experts read ``input_norm(h)``; the feed-forward output
+    is ``mlp_out_norm(mlp) + out_norm(experts)`` (then the layer's ``ffn_out_norm`` and residual)."""
+
+    moe: MoESpec  # the router, top-k, renormalization and the experts' native group
+    input_norm: RMSNorm
+    mlp_out_norm: RMSNorm
+    out_norm: RMSNorm
+    router_scale: object  # a quill.layers Vector [E]
+    expert_scale: object  # a Vector [experts]
+    router_eps: float
+    router_mult: float
+
+
+@dataclass(frozen=True)
 class RecurrentSpec:
     """A Gated DeltaNet token mixer (quill.layers.deltanet) in place of attention: per-sequence conv and
     delta-rule state instead of a KV cache."""
@@ -140,3 +157,4 @@ class DecoderLayerSpec:
     rope: str = "global"
     per_layer_input: PerLayerInputSpec | None = None  # Gemma 4 (after the feed-forward residual)
     layer_scalar: object | None = None  # Gemma 4: the layer's output times this one-element Vector; None: 1
+    experts_beside: ExpertsBesideSpec | None = None  # Gemma 4's MoE variant (with an MLPSpec ffn)

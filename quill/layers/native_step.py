@@ -234,6 +234,9 @@ def _unsupported(spec: DecoderLayerSpec) -> str | None:
         why.append(f"feed-forward activation '{ffn.activation}' (the step runs {', '.join(_NATIVE_ACTIVATIONS)})")
     if isinstance(ffn, MoESpec) and ffn.router_kind != SOFTMAX_TOP_K:
         why.append(f"{ffn.name}: router '{ffn.router_kind}' (the step runs '{SOFTMAX_TOP_K}')")
+    beside = spec.experts_beside
+    if beside is not None and beside.moe.router_kind != SOFTMAX_TOP_K:
+        why.append(f"{beside.moe.name}: router '{beside.moe.router_kind}' (the step runs '{SOFTMAX_TOP_K}')")
     if isinstance(ffn, MoESpec) and ffn.shared_expert is not None and ffn.shared_expert.activation != "silu":
         why.append(f"{ffn.name}: shared expert activation '{ffn.shared_expert.activation}' (the step runs silu)")
     if isinstance(ffn, MoESpec) and ffn.shared_expert is not None and ffn.shared_gate is None:
@@ -275,6 +278,9 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
     tail, why = _tail_parts(spec)
     if tail is None:
         return None, why
+    beside, why = _beside_parts(spec)
+    if beside is None:
+        return None, why
     return {
         "ln1": norms[0].contiguous(), "eps1": spec.input_norm.eps,
         "ln2": norms[1].contiguous(), "eps2": spec.post_attention_norm.eps,
@@ -293,8 +299,29 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
             "kv_heads": attn.kv_heads, "head_dim": attn.head_dim, "k_eq_v": attn.values_from_keys,
             "v_norm_eps": -1.0 if attn.value_norm_eps is None else attn.value_norm_eps,
             "kv_shared": attn.kv_source is not None}),
-        **({"intermediate": spec.ffn.intermediate} if isinstance(spec.ffn, MLPSpec) else {}), **tail,
+        **({"intermediate": spec.ffn.intermediate} if isinstance(spec.ffn, MLPSpec) else {}), **tail, **beside,
     }, None
+
+
+def _beside_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
+    """Gemma 4's experts beside the MLP ({} without them): the router and expert group, their norms and scales,
+    or (None, why not)."""
+    b = spec.experts_beside
+    if b is None:
+        return {}, None
+    if not isinstance(spec.ffn, MLPSpec):
+        return None, f"{b.moe.name}: experts beside routed experts (the step runs them beside a dense MLP)"
+    if b.moe.shared_expert is not None:
+        return None, f"{b.moe.name}: a shared expert beside the MLP's experts"
+    moe, why = _moe_parts(b.moe)
+    if moe is None:
+        return None, why
+    norms = [b.input_norm.weight, b.mlp_out_norm.weight, b.out_norm.weight, b.router_scale.weight,
+             b.expert_scale.weight]
+    return {k: moe[k] for k in ("router", "router_bias", "experts", "top_k", "renormalize")} | {
+        "beside_norms": [w.float().contiguous() for w in norms],
+        "beside_eps": [b.input_norm.eps, b.mlp_out_norm.eps, b.out_norm.eps, b.router_eps],
+        "router_mult": b.router_mult}, None
 
 
 def _tail_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:

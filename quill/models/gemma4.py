@@ -41,6 +41,7 @@ from quill.layers import (
     AttentionSpec,
     DecoderLayerSpec,
     Embedding,
+    ExpertsBesideSpec,
     KVPools,
     PerLayerInputSpec,
     Projections,
@@ -54,6 +55,7 @@ from quill.layers import (
     check_moe_config,
     linear,
     merged,
+    route,
     unit_rms_norm,
 )
 from quill.layers.stacked_experts import StackedExperts, Vector
@@ -181,12 +183,6 @@ class ModelArgs(llama.ModelArgs):
         return self.intermediate_size * (2 if wide else 1)
 
 
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """A weightless RMSNorm (the router's input), in float32 as transformers computes it."""
-    xf = x.float()
-    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -255,15 +251,16 @@ class MoE(SparseMoeBlock):
                          top_k=args.top_k_experts, renormalize=True, hidden_act=args.hidden_activation)
         self.stacked = StackedExperts(E, H, args.moe_intermediate_size, self.deliver, halves=True)
         self.router_scale, self.per_expert_scale = Vector(H), Vector(E)
-        self.eps = args.rms_norm_eps
+        self.eps, self.hidden = args.rms_norm_eps, H
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] the experts' input, ``residual`` [B, T, H] what the router reads -> [B, T, H]."""
         B, T, H = x.shape
-        r = rms(residual.reshape(-1, H), self.eps) * self.router_scale.weight.to(x.dtype) * H ** -0.5
-        probs = torch.softmax(self.gate(r).float(), dim=-1)  # [BT, E], float32 as transformers
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale.weight[ids]
+        r = unit_rms_norm(residual.reshape(-1, H), self.eps) * self.router_scale.weight.to(x.dtype) * H ** -0.5
+        # transformers' softmax over every expert, top k, renormalized: the softmax over the k (the native
+        # step's routing, in double, rounded once)
+        weights, ids = route(self.gate(r), self.top_k, True)  # [BT, k] each
+        weights = weights * self.per_expert_scale.weight.float()[ids]
         return self.fused(x.reshape(-1, H), ids, weights).reshape(B, T, H)
 
 
@@ -295,9 +292,14 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = norm()
 
     def spec(self) -> DecoderLayerSpec:
-        """Gemma 3's layer with a per-layer input block and a layer scalar after it (the routed experts beside the
-        MLP are not described: the model refuses the native step for them, Model.native_refusal)."""
-        ple = None
+        """Gemma 3's layer (the MoE variant: routed experts beside the MLP) with a per-layer input block and a
+        layer scalar after it."""
+        ple, moe = None, None
+        if self.moe is not None:
+            m = self.moe
+            moe = ExpertsBesideSpec(m.spec(), self.pre_feedforward_layernorm_2, self.post_feedforward_layernorm_1,
+                                    self.post_feedforward_layernorm_2, m.router_scale, m.per_expert_scale, m.eps,
+                                    m.hidden ** -0.5)
         if self.ple:
             ple = PerLayerInputSpec(self.per_layer_input_gate, self.per_layer_projection,
                                     self.post_per_layer_input_norm, self.activation, self.index, self.ple)
@@ -305,7 +307,7 @@ class DecoderLayer(nn.Module):
                                 self.mlp.spec(), SANDWICH_NORM, attention_out_norm=self.post_attention_layernorm,
                                 ffn_out_norm=self.post_feedforward_layernorm,
                                 rope="global" if self.self_attn.window is None else "local",
-                                per_layer_input=ple, layer_scalar=self.layer_scalar)
+                                per_layer_input=ple, layer_scalar=self.layer_scalar, experts_beside=moe)
 
     def forward(self, x, rope, mask, cache, shared, per_layer_input):
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, cache, shared))
@@ -366,13 +368,12 @@ class Model(llama.Model):
         return [a.layer_shape(i) if a.kv_source(i) is None else None for i in range(a.num_hidden_layers)]
 
     def native_refusal(self) -> str | None:
-        """Why the native decode step cannot run this model, what it would need named; None: it can (per-layer
-        inputs, layer scalars, the value norm, per-layer head sizes and KV heads, values from the keys and
-        KV-shared layers are described by the layers' specs and run in the step)."""
-        a, need = self.args, []
-        if a.enable_moe_block:
-            need.append("routed experts beside the dense MLP (Gemma 4's scaled router, per-expert scales, the "
-                        "branches' own norms)")
+        """Why the native decode step cannot run this model, what it would need named; None: nothing Gemma 4 adds
+        is missing (per-layer inputs, layer scalars, the value norm, per-layer head sizes and KV heads, values from
+        the keys, KV-shared layers and the experts beside the MLP are in the layers' specs, and the step runs
+        them; what the kernels chosen at load cannot run, quill.layers.native_step names by layer)."""
+        need: list[str] = []  # (what a later Gemma 4 config adds that the step lacks goes here, named)
+        a = self.args
         return f"Gemma 4 ({a.model_type}): the native decode step lacks " + "; ".join(need) if need else None
 
     def native_decode_step(self, cache: KVPools, states=None):

@@ -11,6 +11,10 @@
 // rows of the engine's state pools.
 // gpt-oss: q/k/v/o biases, each query head's sink logit in its attention softmax, a biased router and
 // routed experts with biases and a clamped SwiGLU (step_moe.h: the Python path's ExpertGroup).
+// Gemma 4: each layer's own head size, KV heads and MLP width; values RMSNormed without a weight, taken from the
+// keys in global layers (step_attn.h); KV-shared layers attending an earlier layer's pools and writing none; a
+// per-layer input block and a layer scalar after the feed-forward residual (step_ple.h); in the MoE variant routed
+// experts beside every dense MLP (step_moe.h).
 //
 // Why: a decode step of a small model spent more time in Python module calls and torch op
 // dispatch around the kernels than in the kernels (default model: ~4 ms of a 12 ms token).
@@ -88,7 +92,10 @@ class DecoderStep {
                  const DeltaNetMixer* mixer, std::optional<at::Tensor> sinks, std::optional<at::Tensor> router_bias,
                  bool local, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double v_norm_eps, bool k_eq_v,
                  bool kv_shared, double layer_scalar, LinearOp* ple_gate, LinearOp* ple_proj,
-                 std::optional<at::Tensor> ple_norm, double ple_eps, int64_t ple_index, const std::string& ple_act) {
+                 std::optional<at::Tensor> ple_norm, double ple_eps, int64_t ple_index, const std::string& ple_act,
+                 const std::vector<at::Tensor>& beside_norms, const std::vector<double>& beside_eps,
+                 double router_mult) {
+    const bool beside = !beside_norms.empty() || !beside_eps.empty();  // Gemma 4: experts beside the dense MLP
     // this layer's attention and MLP sizes (Gemma 4's local and global layers differ); 0: the step's
     const int64_t hkv = kv_heads ? kv_heads : hkv_, d = head_dim ? head_dim : d_, im = intermediate ? intermediate : i_;
     if (hkv < 1 || h_ % hkv || d < 2 || d % 2 || im < 1)
@@ -124,7 +131,9 @@ class DecoderStep {
                   " (one KV cache type for every layer)");
     }
     if (o == nullptr) step_fail("o_proj is required");
-    if ((down == nullptr) != (experts != nullptr)) step_fail("a layer takes either down_proj or routed experts");
+    if (beside ? down == nullptr || experts == nullptr : (down == nullptr) != (experts != nullptr))
+      step_fail(beside ? "experts beside the MLP take down_proj and routed experts"
+                       : "a layer takes either down_proj or routed experts");
     Layer l;
     l.hkv = hkv, l.d = d, l.i = im, l.k_eq_v = k_eq_v, l.kv_shared = kv_shared, l.scalar = float(layer_scalar);
     if (v_norm_eps >= 0) l.v_eps = v_norm_eps, l.v_ones = at::ones({d}, ln1.options());
@@ -143,11 +152,13 @@ class DecoderStep {
       l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d, e_);
     }
     if (experts != nullptr) {
-      set_moe(l, e_, gate_up.size(), router, std::move(router_bias), experts, top_k, renormalize);
+      set_moe(l, e_, beside ? 0 : gate_up.size(), router, std::move(router_bias), experts, top_k, renormalize);
+      set_beside(l, e_, beside_norms, beside_eps, router_mult);  // step_moe.h
       if (shared_down != nullptr)
         set_shared_expert(l, e_, shared_gate_up, shared_gate_up_bias, shared_down, std::move(shared_down_bias),
                           shared_gate, shared_intermediate);
-    } else {
+    }
+    if (down != nullptr) {
       l.gate_up = projs(gate_up, gate_up_bias, e_, {im, im}, "gate/up");
       l.down = make_proj(down, std::move(down_bias), "down_proj", im, e_);
     }
@@ -209,7 +220,7 @@ class DecoderStep {
     }
     const at::Tensor& lctx = lsl ? *local_ctx_slots : ctx_slots;
     const int64_t* rows = state_rows ? state_rows->data_ptr<int64_t>() : nullptr;
-    check_per_layer(per_layer, t);
+    check_per_layer(layers_, per_layer, t);  // step_ple.h
     if (team && team_scratch(t) >= 0)
       return forward_team(h_in, cos, sin, sl, ctx_slots, lens, rows, lsl, lctx, per_layer);
     at::Tensor h = h_in;
@@ -219,7 +230,8 @@ class DecoderStep {
                                    : l.local ? attention(l, x, cos[l.rope], sin[l.rope], lsl, lctx, lens)
                                              : attention(l, x, cos[l.rope], sin[l.rope], sl, ctx_slots, lens);
       h = at::add(h, l.attn_out_norm ? rms_norm(a, *l.attn_out_norm, l.eps_ao) : a);
-      const at::Tensor f = mlp(l, rms_norm(h, l.ln2, l.eps2));
+      at::Tensor f = mlp(l, rms_norm(h, l.ln2, l.eps2));
+      if (l.beside.on) f = beside_ops(l, h, f);  // Gemma 4's experts beside the MLP (step_moe.h)
       h = tail_ops(l, at::add(h, l.ffn_out_norm ? rms_norm(f, *l.ffn_out_norm, l.eps_fo) : f), per_layer);
     }
     return h;
@@ -239,23 +251,13 @@ class DecoderStep {
     return sl;
   }
 
-  // per_layer: float32 [T, L, P] covering every layer's slice (none: no layer has a per-layer input)
-  void check_per_layer(const std::optional<at::Tensor>& u, int64_t t) const {
-    int64_t need = 0, p = 0;
-    for (const Layer& l : layers_)
-      if (l.ple.index >= 0) need = std::max(need, l.ple.index + 1), p = l.ple.p;
-    if (!need) return;
-    if (!u || u->dim() != 3 || u->size(1) < need)
-      step_fail("the per-layer inputs should be float32 [", t, ", >= ", need, ", ", p, "], found ",
-                u ? u->sizes() : at::IntArrayRef{});
-    expect_f32(*u, {t, u->size(1), p}, "per_layer");
-  }
-
   // Scratch bytes every linear's team call of T tokens fits in, or -1 if one cannot take T at once.
   int64_t team_scratch(int64_t t) const {
     int64_t most = 0;
     for (const Layer& l : layers_) {
-      std::vector<const Proj*> ps = {&l.o, l.experts ? &l.router : &l.down};
+      std::vector<const Proj*> ps = {&l.o};
+      if (l.experts) ps.push_back(&l.router);
+      if (l.down.op) ps.push_back(&l.down);
       if (l.mixer)
         for (const Proj& p : l.mixer->proj()) ps.push_back(&p);
       for (const Proj& p : l.qkv) ps.push_back(&p);
@@ -287,34 +289,11 @@ class DecoderStep {
     return l.o(l.mixer->forward(x, rows, *backend_));  // [T, Hv dv] -> [T, E]
   }
 
-  // x [T, E] -> [T, E]
+  // x [T, E] -> [T, E] (step_attn.h)
   at::Tensor attention(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const int64_t* slots, const at::Tensor& ctx_slots, const at::Tensor& lens) const {
-    const int64_t t = x.size(0), d = l.d, row = l.hkv * d;
-    std::vector<at::Tensor> qkv = outputs(l.qkv, x, qkv_widths(l), "q/k/v");
-    const at::Tensor qg = qkv[0].reshape({1, t, h_, l.gated ? 2 * d : d});  // per head: query (, gate)
-    at::Tensor q = qg.narrow(3, 0, d);
-    q = l.q_norm ? rms_norm(q, *l.q_norm, l.qk_eps) : q.contiguous();  // [1, T, H, D]
-    rotate(q, cos, sin, l.rd);
-    if (!l.kv_shared) {  // (a KV-shared layer attends what its source layer stored)
-      at::Tensor k = qkv[1].reshape({1, t, l.hkv, d});
-      at::Tensor v = l.k_eq_v ? qkv[1] : qkv[2];  // [T, Hkv D], rows `v.stride(0)` apart: the keys before their norm
-      if (l.v_eps >= 0) v = rms_norm(v.reshape({t, l.hkv, d}), l.v_ones, l.v_eps).view({t, row});
-      else if (l.k_eq_v) v = v.clone();  // (k may be rotated in place below)
-      k = l.k_norm ? rms_norm(k, *l.k_norm, l.qk_eps) : k.contiguous();  // [1, T, Hkv, D]
-      rotate(k, cos, sin, l.rd);
-      const float* kr = k.data_ptr<float>();
-      const float* vr = v.data_ptr<float>();
-      for (int64_t i = 0; i < t; ++i) {
-        backend_->kv_store(pool_row(l.k_pool, slots[i]), kr + i * row, row, kv_type_);
-        backend_->kv_store(pool_row(l.v_pool, slots[i]), vr + i * v.stride(0), row, kv_type_);
-      }
-    }
-    const std::optional<at::Tensor> sinks = l.sinks.defined() ? std::optional<at::Tensor>(l.sinks) : std::nullopt;
-    const at::Tensor out = paged_decode_attention(q.view({t, h_, 1, d}), l.k_pool, l.v_pool, ctx_slots, lens,
-                                                  scale_, isa_, l.window, sinks);  // [T, H, 1, D]
-    if (!l.gated) return l.o(out.view({t, h_ * d}));
-    return l.o(at::mul(out.view({t, h_ * d}), sigmoid(qg.narrow(3, d, d).reshape({t, h_ * d}))));
+    return attention_ops(l, x, cos, sin, slots, ctx_slots, lens, qkv_widths(l), h_, scale_, isa_, backend_->kv_store,
+                         kv_type_);
   }
 
   int64_t q_width(const Layer& l) const { return (l.gated ? 2 : 1) * h_ * l.d; }  // q_proj's [T, width]
@@ -333,7 +312,7 @@ class DecoderStep {
 
   // x [T, E] -> [T, E]
   at::Tensor mlp(const Layer& l, const at::Tensor& x) const {
-    if (l.experts) return moe_ops(l, x);  // step_moe.h
+    if (l.experts && !l.beside.on) return moe_ops(l, x);  // step_moe.h
     std::vector<at::Tensor> gu = outputs(l.gate_up, x, {l.i, l.i}, "gate/up");
     return l.down(l.act == Act::GeluTanh ? gelu_tanh_mul(gu[0], gu[1]) : silu_mul(gu[0], gu[1]));
   }
@@ -415,9 +394,12 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
     if (!l.mixer) attn_floats = std::max(attn_floats, align64(h_ / l.hkv * (s + l.d + 1) * 4) / 4);
   // [T, E] h, xn, o; [T, wqkv] proj; [T, H D] q, attn; [T, Hkv D] k; [T, 2 I] gu; [T, I] act; [T, H D] output
   // gate; [T, E] shared expert; [T] its gate; [T, C] DeltaNet conv output; [T, Hkv D] normed v; [T, P] the
-  // per-layer input's gate and act; attention / DeltaNet scratch
+  // per-layer input's gate and act; [T, E] the experts' and router's inputs beside an MLP; attention / DeltaNet
+  // scratch
+  int64_t beside = 0;
+  for (const Layer& l : layers_) beside = std::max<int64_t>(beside, l.beside.on);
   const int64_t sizes[] = {t * e_, t * e_, t * wqkv, t * hd, t * kvd, t * attn_w, t * e_, 2 * t * imax, t * imax,
-                           t * hd, t * e_, t, t * dn_c, t * kvd, t * pmax, t * pmax};
+                           t * hd, t * e_, t, t * dn_c, t * kvd, t * pmax, t * pmax, beside * t * e_, beside * t * e_};
   constexpr int n_parts = sizeof(sizes) / sizeof(sizes[0]);
   int64_t total = threads * attn_floats;
   for (int64_t n : sizes) total += align64(n * 4) / 4;
@@ -431,7 +413,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
   }
   float* attn_scratch = at_;
   const TeamBufs bu{parts[0], parts[1], parts[2],  parts[3],  parts[4],  parts[5],  parts[6],  parts[7], parts[8],
-                    parts[9], parts[10], parts[11], parts[12], parts[13], parts[14], parts[15]};
+                    parts[9], parts[10], parts[11], parts[12], parts[13], parts[14], parts[15], parts[16], parts[17]};
   const float* ple_in = per_layer ? per_layer->data_ptr<float>() : nullptr;  // [T, L, P] (checked by forward)
   const int64_t ple_layers = per_layer ? per_layer->size(1) : 0;
   const MoeMem moe = moe_memory(layers_, t, threads, h_in.options());  // (dense models: none)
@@ -513,10 +495,11 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
         if (l.attn_out_norm) rms_norm_f32(bu.o, l.attn_out_norm->data_ptr<float>(), bu.o, e_, float(l.eps_ao), r, r + 1);
         for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
         rms_norm_f32(bu.h, l.ln2.data_ptr<float>(), bu.xn, e_, float(l.eps2), r, r + 1);
+        if (l.beside.on) beside_inputs(l, bu, r, e_);  // the experts' and the router's inputs (step_moe.h)
       }
       bar.wait();
       prof.mark(tid, StepOp::Norm);
-      if (l.experts) {  // router, each token's top-k, the routed experts (+ the shared expert) into bu.o
+      if (l.experts && !l.beside.on) {  // router, each token's top-k, the routed experts (+ the shared expert)
         moe_team(l, bu, moe, t, e_, r0, r1, scratch, tid, nt, bar);
       } else {
         team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * l.i, scratch, tid, nt, bar,
@@ -525,6 +508,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
         bar.wait();
         prof.mark(tid, StepOp::MlpAct);
         team_linears(&l.down, 1, bu.act, t, bu.o, e_, scratch, tid, nt, bar, StepOp::MlpDown);
+        if (l.beside.on) beside_team(l, bu, moe, t, e_, r0, r1, scratch, tid, nt, bar);  // o = out1(o) + out2(moe)
       }
       if (l.ple.index >= 0) {  // Gemma 4: the feed-forward residual now, then the per-layer input block into bu.o
         for (int64_t r = r0; r < r1; ++r) ffn_out_residual(l, bu, r, e_);
@@ -582,6 +566,8 @@ void register_step(pybind11::module_& m) {
            py::arg("k_eq_v") = false, py::arg("kv_shared") = false, py::arg("layer_scalar") = 1.0,
            py::arg("ple_gate") = nullptr, py::arg("ple_proj") = nullptr, py::arg("ple_norm") = std::nullopt,
            py::arg("ple_eps") = 0.0, py::arg("ple_index") = -1, py::arg("ple_activation") = "gelu_pytorch_tanh",
+           py::arg("beside_norms") = std::vector<at::Tensor>{}, py::arg("beside_eps") = std::vector<double>{},
+           py::arg("router_mult") = 1.0,
            py::keep_alive<1, 20>(), py::keep_alive<1, 38>())  // the step holds the experts' and mixer's objects
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
       .def("all_or_nothing", &DecoderStep::all_or_nothing, py::arg("tokens"))

@@ -1,12 +1,18 @@
 // The team path's attention preparation, one token at a time (step.cpp's forward_team): q (and Qwen3.5's
 // output gate), k and v out of the layer's q/k/v row, q and k normed (Qwen3, Gemma) and rotated, v normed
 // without a weight (Gemma 4), k and v stored in the layer's pools.  Each layer has its own head size and
-// KV heads (Gemma 4's global layers are wider); a KV-shared layer (Gemma 4) takes only its query.  The ops
-// of the ops path (step.cpp attention), so the same bits.  Included by step.cpp only (one glue TU).
+// KV heads (Gemma 4's global layers are wider); a KV-shared layer (Gemma 4) takes only its query.  And the ops
+// path's attention (attention_ops), the same ops on tensors, so the same bits.  Included by step.cpp only (one glue TU).
 #pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/mul.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "attention.h"
 #include "ops.h"
@@ -49,6 +55,41 @@ void attn_prep_token(const Layer& l, const TeamBufs& bu, const AttnRow& w, int64
   rope_f32(bu.k, cos, sin, l.hkv, l.rd, d, r, r + 1);
   store(pool_row(l.k_pool, slot), k, kvd, type);
   store(pool_row(l.v_pool, slot), v, kvd, type);
+}
+
+// The ops path: layer l's attention of x [T, E] -> [T, E] (o_proj included); widths: its q/k/v outputs', h query
+// heads; the new k and v rows stored through `store` at pool rows slots[T] unless the layer is KV-shared.
+at::Tensor attention_ops(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                         const int64_t* slots, const at::Tensor& ctx_slots, const at::Tensor& lens,
+                         const std::vector<int64_t>& widths, int64_t h, double scale, const std::string& isa,
+                         KVStore store, KVType type) {
+  const int64_t t = x.size(0), d = l.d, row = l.hkv * d;
+  std::vector<at::Tensor> qkv = outputs(l.qkv, x, widths, "q/k/v");
+  const at::Tensor qg = qkv[0].reshape({1, t, h, l.gated ? 2 * d : d});  // per head: query (, gate)
+  at::Tensor q = qg.narrow(3, 0, d);
+  q = l.q_norm ? rms_norm(q, *l.q_norm, l.qk_eps) : q.contiguous();  // [1, T, H, D]
+  rotate(q, cos, sin, l.rd);
+  if (!l.kv_shared) {  // (a KV-shared layer attends what its source layer stored)
+    at::Tensor k = qkv[1].reshape({1, t, l.hkv, d});
+    at::Tensor v = l.k_eq_v ? qkv[1] : qkv[2];  // [T, Hkv D], rows `v.stride(0)` apart (k_eq_v: the raw keys)
+    if (l.v_eps >= 0)
+      v = rms_norm(v.reshape({t, l.hkv, d}), l.v_ones, l.v_eps).view({t, row});
+    else if (l.k_eq_v)
+      v = v.clone();  // (k may be rotated in place below)
+    k = l.k_norm ? rms_norm(k, *l.k_norm, l.qk_eps) : k.contiguous();  // [1, T, Hkv, D]
+    rotate(k, cos, sin, l.rd);
+    const float* kr = k.data_ptr<float>();
+    const float* vr = v.data_ptr<float>();
+    for (int64_t i = 0; i < t; ++i) {
+      store(pool_row(l.k_pool, slots[i]), kr + i * row, row, type);
+      store(pool_row(l.v_pool, slots[i]), vr + i * v.stride(0), row, type);
+    }
+  }
+  const std::optional<at::Tensor> sinks = l.sinks.defined() ? std::optional<at::Tensor>(l.sinks) : std::nullopt;
+  const at::Tensor out = paged_decode_attention(q.view({t, h, 1, d}), l.k_pool, l.v_pool, ctx_slots, lens, scale,
+                                                isa, l.window, sinks);  // [T, H, 1, D]
+  if (!l.gated) return l.o(out.view({t, h * d}));
+  return l.o(at::mul(out.view({t, h * d}), sigmoid(qg.narrow(3, d, d).reshape({t, h * d}))));
 }
 
 }  // namespace

@@ -90,6 +90,17 @@ struct PerLayerInput {
   Act act = Act::GeluTanh;  // act(gate(h)) * u
 };
 
+// Gemma 4's routed experts beside the dense MLP (an MoE layer's router, experts and top_k): the router reads
+// rms(h) * router_scale * router_mult (h the residual, the norm weightless), its renormalized top-k weights times
+// per-expert scales; the experts read in_norm(h); the feed-forward output is out1(mlp) + out2(experts).
+struct BesideMoE {
+  bool on = false;
+  at::Tensor in_norm, out1, out2, router_scale, ones;  // [E]
+  at::Tensor expert_scale;  // [experts]
+  double in_eps = 0, out1_eps = 0, out2_eps = 0, router_eps = 0;
+  float router_mult = 1;
+};
+
 struct Layer {
   const DeltaNetMixer* mixer = nullptr;  // a recurrent layer's token mixer (no q/k/v, no KV pools); o its out_proj
   at::Tensor ln1, ln2;  // [E]
@@ -129,6 +140,7 @@ struct Layer {
   bool kv_shared = false;  // attends k_pool / v_pool, another layer's, written earlier in the step; writes none
   float scalar = 1.0f;  // the layer's output multiplied by it (Gemma 4's layer_scalar)
   PerLayerInput ple;
+  BesideMoE beside;
 };
 
 // One merged linear over every width, or one linear per width.

@@ -9,8 +9,10 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/mul.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
+#include <vector>
 #include <utility>
 
 #include "ops.h"
@@ -33,6 +35,18 @@ void set_per_layer_input(Layer& l, int64_t e, LinearOp* gate, LinearOp* proj, st
   l.ple.proj = make_proj(proj, std::nullopt, "per_layer_projection", l.ple.p, e);
   expect_f32(*norm, {e}, "post_per_layer_input_norm");
   l.ple.norm = std::move(*norm), l.ple.eps = eps, l.ple.index = index, l.ple.act = activation(act);
+}
+
+// per_layer: float32 [T, L, P] covering every layer's slice (none: no layer has a per-layer input)
+void check_per_layer(const std::vector<Layer>& layers, const std::optional<at::Tensor>& u, int64_t t) {
+  int64_t need = 0, p = 0;
+  for (const Layer& l : layers)
+    if (l.ple.index >= 0) need = std::max(need, l.ple.index + 1), p = l.ple.p;
+  if (!need) return;
+  if (!u || u->dim() != 3 || u->size(1) < need)
+    step_fail("the per-layer inputs should be float32 [", t, ", >= ", need, ", ", p, "], found ",
+              u ? u->sizes() : at::IntArrayRef{});
+  expect_f32(*u, {t, u->size(1), p}, "per_layer");
 }
 
 // The ops path's tail of layer l: h [T, E] (its feed-forward residual added) -> [T, E]; u [T, L, P].

@@ -17,6 +17,7 @@ namespace {
 struct TeamBufs {
   float *h, *xn, *proj, *q, *k, *attn, *o, *gu, *act, *gate, *sh, *sg, *dn_x;
   float *v, *pg, *pa;  // Gemma 4: normed values [T, Hkv D]; the per-layer input's gate and act [T, P]
+  float *x2, *y2;  // Gemma 4: the experts' input and the router's input / the experts' output [T, E]
 };
 
 // y [T, sum widths] (rows ldy apart) = the group's linears of x [T, K]; every thread calls it.  kind: what
