@@ -147,7 +147,7 @@ def test_the_step_reads_only_the_descriptions(llama):
             with_layer(specs, 0, ffn=dataclasses.replace(ffn, activation="gelu")),
         "layer 1: a q norm without a k norm, or a k norm without a q norm (the step runs both or neither)":
             with_layer(specs, 1, attention=dataclasses.replace(attn, q_norm=specs[1].input_norm)),
-        "layer 1: hidden size, heads, head dim or scale differ from layer 0's (one set per step)":
+        "layer 1: hidden size, heads or scale differ from layer 0's (one set per step)":
             with_layer(specs, 1, attention=dataclasses.replace(attn, scale=attn.scale * 2)),
         "layer 1: model.layers.1.mlp: router 'sigmoid' (the step runs 'softmax-top-k')":
             with_layer(specs, 1, ffn=MoESpec("model.layers.1.mlp", attn.o_proj, "sigmoid", 2, True, None)),

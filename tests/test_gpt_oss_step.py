@@ -144,7 +144,7 @@ def test_the_expert_group_runs_biases_and_the_clamped_swiglu(fmt):
 
 def test_the_expert_group_names_bad_activations_and_biases():
     ext = native.load().module
-    with pytest.raises(KernelError, match="activation 'gelu': expected silu or swiglu_clamped"):
+    with pytest.raises(KernelError, match="activation 'gelu': expected silu, gelu_tanh or swiglu_clamped"):
         ext.ExpertGroup(64, 32, "gelu")
     with pytest.raises(KernelError, match="swiglu_clamped: alpha 1.702 and limit 0 should be positive"):
         ext.ExpertGroup(64, 32, "swiglu_clamped", 1.702, 0.0)

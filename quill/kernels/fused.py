@@ -125,6 +125,29 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return rope_torch(q, cos, sin), rope_torch(k, cos, sin)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by cos/sin [B, T, D] (a query without keys: Gemma 4's KV-shared layers); may
+    overwrite x."""
+    ext = _ext()
+    if ext is not None and _native_ok(x, cos, sin) and cos.shape[0] == x.shape[0]:
+        x = x.contiguous()
+        ext.rope_(x, cos.contiguous(), sin.contiguous())
+        return x
+    return rope_torch(x, cos, sin)
+
+
+_ONES: dict = {}
+
+
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight over the last dimension of x [..., D]: :func:`rms_norm` with a weight of ones
+    (exact: 1 * v), the native op the native decode step runs (Gemma 4's value norm)."""
+    key = (x.shape[-1], x.dtype)
+    if key not in _ONES:
+        _ONES[key] = torch.ones(x.shape[-1], dtype=x.dtype)
+    return rms_norm(x, _ONES[key], eps)
+
+
 def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
     """Attention sinks as the native kernels take them: float32 [H], contiguous (None: no sinks)."""
     return None if sinks is None else sinks.float().contiguous()

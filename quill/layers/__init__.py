@@ -9,7 +9,16 @@ load (through :class:`LoadContext`) and never seen by a model or the engine.
 """
 
 from quill.layers.context import LayerInfo, LoadContext
-from quill.layers.decoder import SANDWICH_NORM, AttentionSpec, DecoderLayerSpec, MLPSpec, MoESpec, Projections
+from quill.layers.decoder import (
+    SANDWICH_NORM,
+    AttentionSpec,
+    DecoderLayerSpec,
+    ExpertsBesideSpec,
+    MLPSpec,
+    MoESpec,
+    PerLayerInputSpec,
+    Projections,
+)
 from quill.layers.merged import MergedLinear, merged
 from quill.layers.moe import (
     ExpertSlot,
@@ -18,6 +27,7 @@ from quill.layers.moe import (
     check_moe_config,
     expert_count,
     is_sparse_layer,
+    route,
     swiglu_clamped_name,
 )
 from quill.layers.native_step import KVPools, NativeDecodeStep, build_native_step
@@ -28,17 +38,20 @@ from quill.layers.ops import (
     paged_decode_attention,
     paged_prefill_attention,
     sigmoid,
+    unit_rms_norm,
 )
-from quill.layers.rope import RopeConfig, RotaryEmbedding, apply_rope_qk, rope_inv_freq
+from quill.layers.rope import RopeConfig, RotaryEmbedding, apply_rope_q, apply_rope_qk, rope_inv_freq
 from quill.layers.slots import Embedding, Linear, PostLoad, RMSNorm, Slot, linear, take_rows
 
 __all__ = [
     "ACTIVATIONS", "Embedding", "ExpertSlot", "LayerInfo", "Linear", "LoadContext", "MergedLinear", "PostLoad",
     "RMSNorm", "SANDWICH_NORM", "merged",
-    "AttentionSpec", "DecoderLayerSpec", "KVPools", "MLPSpec", "MoESpec", "NativeDecodeStep", "Projections",
+    "AttentionSpec", "DecoderLayerSpec", "ExpertsBesideSpec", "KVPools", "MLPSpec", "MoESpec", "NativeDecodeStep",
+    "PerLayerInputSpec", "Projections",
     "build_native_step",
-    "RopeConfig", "RotaryEmbedding", "SharedExpertMoeBlock", "Slot", "SparseMoeBlock", "apply_rope_qk", "attend",
+    "RopeConfig", "RotaryEmbedding", "SharedExpertMoeBlock", "Slot", "SparseMoeBlock", "apply_rope_q", "apply_rope_qk",
+    "attend",
     "attention", "paged_decode_attention", "paged_prefill_attention",
-    "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "sigmoid", "swiglu_clamped_name",
-    "take_rows",
+    "check_moe_config", "expert_count", "is_sparse_layer", "linear", "rope_inv_freq", "route", "sigmoid",
+    "swiglu_clamped_name", "take_rows", "unit_rms_norm",
 ]

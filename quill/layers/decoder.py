@@ -54,6 +54,13 @@ class AttentionSpec:
     window: int | None = None
     # gpt-oss: one learned logit per query head in the softmax denominator (a quill.layers Vector), or None
     sinks: object | None = None
+    # Gemma 4: the values RMSNormed without a weight (this eps) before they are stored; None: no value norm
+    value_norm_eps: float | None = None
+    # Gemma 4's attention_k_eq_v: no v projection, the values are the keys before their norm and rope
+    values_from_keys: bool = False
+    # Gemma 4's KV-shared layers: the layer whose KV pool this one attends (written by it earlier in the step);
+    # this layer has only q_proj (and q_norm) and writes no keys or values.  None: its own.
+    kv_source: int | None = None
 
     @property
     def qkv_bias(self) -> bool:
@@ -95,6 +102,37 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class PerLayerInputSpec:
+    """Gemma 4's per-layer input block, after the feed-forward residual:
+    ``h = h + norm(projection(act(gate(h)) * u))``, ``u`` the layer's slice ``index`` of the model's per-token
+    per-layer inputs [T, layers, width] (handed to the step with each call)."""
+
+    gate: Linear  # [E] -> [width]
+    projection: Linear  # [width] -> [E]
+    norm: RMSNorm  # [E]
+    activation: str
+    index: int
+    width: int
+
+
+@dataclass(frozen=True)
+class ExpertsBesideSpec:
+    """Gemma 4's routed experts beside the dense MLP (``ffn``).  The router reads ``rms(h) * router_scale *
+    router_mult`` (h the residual after attention, the norm weightless, eps ``router_eps``); its renormalized top-k
+    weights are multiplied by ``expert_scale[expert]``; the experts read ``input_norm(h)``; the feed-forward output
+    is ``mlp_out_norm(mlp) + out_norm(experts)`` (then the layer's ``ffn_out_norm`` and residual)."""
+
+    moe: MoESpec  # the router, top-k, renormalization and the experts' native group
+    input_norm: RMSNorm
+    mlp_out_norm: RMSNorm
+    out_norm: RMSNorm
+    router_scale: object  # a quill.layers Vector [E]
+    expert_scale: object  # a Vector [experts]
+    router_eps: float
+    router_mult: float
+
+
+@dataclass(frozen=True)
 class RecurrentSpec:
     """A Gated DeltaNet token mixer (quill.layers.deltanet) in place of attention: per-sequence conv and
     delta-rule state instead of a KV cache."""
@@ -117,3 +155,6 @@ class DecoderLayerSpec:
     ffn_out_norm: RMSNorm | None = None
     # the rotary table this layer's q and k turn by: "global", or "local" (Gemma 3's local layers' own base)
     rope: str = "global"
+    per_layer_input: PerLayerInputSpec | None = None  # Gemma 4 (after the feed-forward residual)
+    layer_scalar: object | None = None  # Gemma 4: the layer's output times this one-element Vector; None: 1
+    experts_beside: ExpertsBesideSpec | None = None  # Gemma 4's MoE variant (with an MLPSpec ffn)

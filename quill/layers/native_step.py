@@ -94,10 +94,11 @@ class NativeDecodeStep:
         self.team = True
 
     def __call__(self, layout: StepSlots, h: torch.Tensor, rope: Rope | Mapping[str, Rope],
-                 state_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 state_rows: torch.Tensor | None = None, per_layer: torch.Tensor | None = None) -> torch.Tensor:
         """h [1, T, E] (T decode tokens, one per sequence), rope cos/sin [1, T, D] (or the model's tables by
         name, e.g. Gemma 3's {"global": ..., "local": ...}); state_rows int64 [T]: each token's sequence's
-        recurrent-state slot (models with recurrent layers) -> [1, T, E]."""
+        recurrent-state slot (models with recurrent layers); per_layer [1, T, layers, P]: each token's per-layer
+        inputs (Gemma 4, PerLayerInputSpec) -> [1, T, E]."""
         ropes = {GLOBAL_ROPE: rope} if isinstance(rope, tuple) else rope
         missing = [n for n in self.tables if n not in ropes]
         if missing:
@@ -106,6 +107,8 @@ class NativeDecodeStep:
         sin = [ropes[n][1].contiguous() for n in self.tables]
         local = getattr(layout, "local", None)  # the sliding-window layers' tables
         tables = {} if local is None else {"local_slots": local.slots, "local_ctx_slots": local.decode_slots}
+        if per_layer is not None:
+            tables["per_layer"] = per_layer[0].float().contiguous()  # [T, layers, P]
         if not self.states:
             return self.handle.forward(h[0].contiguous(), cos, sin, layout.slots, layout.decode_slots,
                                        layout.decode_lens, self.team, **tables)[None]
@@ -154,6 +157,9 @@ def _build(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dtype, pools: 
     parts, held = [], []
     for i, spec in enumerate(specs):
         p, why = _layer_parts(spec)
+        src = getattr(spec.attention, "kv_source", None)
+        if p is not None and src is not None and not (0 <= src < i and _owns_kv(specs[src])):
+            p, why = None, f"its keys and values are layer {src}'s, not an earlier layer computing its own"
         if p is not None and isinstance(spec.attention, RecurrentSpec):
             p, why = _mixer(ext, spec.attention, p, states.pools.get(i) if states is not None else None)
         if p is None:
@@ -168,17 +174,24 @@ def _build(specs: Sequence[DecoderLayerSpec] | None, dtype: torch.dtype, pools: 
     step = ext.DecoderStep(*sizes, pools.isa)
     local = getattr(pools, "local_layers", frozenset())
     for i, (p, spec) in enumerate(zip(parts, specs)):
-        rope = tables.index(spec.rope) if isinstance(spec.attention, AttentionSpec) else 0
-        step.add_layer(**p, k_pool=pools.keys[i], v_pool=pools.values[i], rope=rope, local=i in local)
+        attention = isinstance(spec.attention, AttentionSpec)
+        rope = tables.index(spec.rope) if attention else 0
+        src = spec.attention.kv_source if attention and spec.attention.kv_source is not None else i  # its pools
+        step.add_layer(**p, k_pool=pools.keys[src], v_pool=pools.values[src], rope=rope, local=src in local)
     return NativeDecodeStep(step, tables, held), None
 
 
+def _owns_kv(spec: DecoderLayerSpec) -> bool:
+    return isinstance(spec.attention, AttentionSpec) and spec.attention.kv_source is None
+
+
 def _sizes(specs: Sequence[DecoderLayerSpec]) -> tuple[tuple | None, str | None]:
-    """(hidden, heads, kv heads, head dim, MLP intermediate, scale): the C++ step holds one set for every
-    layer; (None, what differs) otherwise."""
+    """(hidden, heads, kv heads, head dim, MLP intermediate, scale): the C++ step's sizes, the first attention
+    layer's (each layer passes its own KV heads, head dim and intermediate: Gemma 4's differ); hidden size, heads
+    and scale are one set for every layer, (None, what differs) otherwise."""
     def shape(s: DecoderLayerSpec) -> tuple:
         a = s.attention
-        return s.input_norm.dim, a.heads, a.kv_heads, a.head_dim, a.scale
+        return s.input_norm.dim, a.heads, a.scale
 
     attention = [(i, s) for i, s in enumerate(specs) if isinstance(s.attention, AttentionSpec)]
     if not attention:
@@ -186,14 +199,13 @@ def _sizes(specs: Sequence[DecoderLayerSpec]) -> tuple[tuple | None, str | None]
     first = attention[0][1]
     for i, s in attention:
         if shape(s) != shape(first):
-            return None, (f"layer {i}: hidden size, heads, head dim or scale differ from layer {attention[0][0]}'s "
+            return None, (f"layer {i}: hidden size, heads or scale differ from layer {attention[0][0]}'s "
                           "(one set per step)")
-    dense = sorted({s.ffn.intermediate for s in specs if isinstance(s.ffn, MLPSpec)})
-    if len(dense) > 1:
-        return None, f"MLP intermediate sizes {dense} differ between layers (the step runs one)"
-    hidden, heads, kv_heads, head_dim, scale = shape(first)
+    dense = [s.ffn.intermediate for s in specs if isinstance(s.ffn, MLPSpec)]
+    hidden, heads, scale = shape(first)
+    a = first.attention
     # an all-MoE stack has no gated-MLP buffers to size: 1 is the step's smallest valid size
-    return (hidden, heads, kv_heads, head_dim, dense[0] if dense else 1, scale), None
+    return (hidden, heads, a.kv_heads, a.head_dim, dense[0] if dense else 1, scale), None
 
 
 def _unsupported(spec: DecoderLayerSpec) -> str | None:
@@ -211,12 +223,20 @@ def _unsupported(spec: DecoderLayerSpec) -> str | None:
     rd = a.rotary_dim if isinstance(a, AttentionSpec) else None
     if rd is not None and not (0 < rd <= a.head_dim and rd % 2 == 0):
         why.append(f"partial rotary of {a.rotary_dim} of {a.head_dim} channels (the step turns an even count)")
-    if isinstance(a, AttentionSpec) and (a.q_norm is None) != (a.k_norm is None):
+    if isinstance(a, AttentionSpec) and a.kv_source is None and (a.q_norm is None) != (a.k_norm is None):
         why.append("a q norm without a k norm, or a k norm without a q norm (the step runs both or neither)")
+    if isinstance(a, AttentionSpec) and a.kv_source is not None and (a.output_gate or a.sinks is not None):
+        why.append("a KV-shared layer with an output gate or sinks (the step runs neither there)")
+    ple = spec.per_layer_input
+    if ple is not None and ple.activation not in _NATIVE_ACTIVATIONS:
+        why.append(f"per-layer input activation '{ple.activation}' (the step runs {', '.join(_NATIVE_ACTIVATIONS)})")
     if isinstance(ffn, MLPSpec) and ffn.activation not in _NATIVE_ACTIVATIONS:
         why.append(f"feed-forward activation '{ffn.activation}' (the step runs {', '.join(_NATIVE_ACTIVATIONS)})")
     if isinstance(ffn, MoESpec) and ffn.router_kind != SOFTMAX_TOP_K:
         why.append(f"{ffn.name}: router '{ffn.router_kind}' (the step runs '{SOFTMAX_TOP_K}')")
+    beside = spec.experts_beside
+    if beside is not None and beside.moe.router_kind != SOFTMAX_TOP_K:
+        why.append(f"{beside.moe.name}: router '{beside.moe.router_kind}' (the step runs '{SOFTMAX_TOP_K}')")
     if isinstance(ffn, MoESpec) and ffn.shared_expert is not None and ffn.shared_expert.activation != "silu":
         why.append(f"{ffn.name}: shared expert activation '{ffn.shared_expert.activation}' (the step runs silu)")
     if isinstance(ffn, MoESpec) and ffn.shared_expert is not None and ffn.shared_gate is None:
@@ -234,7 +254,11 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
     sandwich = spec.residual == SANDWICH_NORM
     out_norms = [spec.attention_out_norm, spec.ffn_out_norm] if sandwich else [None, None]
     norms = [spec.input_norm.weight, spec.post_attention_norm.weight] + [n.weight for n in out_norms if n is not None]
-    qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if not recurrent and attn.q_norm is not None else [None, None]
+    qk_norms = [None, None]
+    if not recurrent:
+        qk_norms = [None if n is None else n.weight for n in (attn.q_norm, attn.k_norm)]
+    if spec.per_layer_input is not None:
+        norms.append(spec.per_layer_input.norm.weight)
     if any(w is not None and w.dtype != torch.float32 for w in norms + qk_norms):
         return None, "a norm weight is not float32"
     sinks = None if recurrent or attn.sinks is None else attn.sinks.weight  # gpt-oss: [H], one per query head
@@ -251,6 +275,12 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
     o, why = _linears_of([("out_proj", attn.layer.out_proj.impl)] if recurrent else [("o_proj", attn.o_proj.impl)])
     if o is None:
         return None, why
+    tail, why = _tail_parts(spec)
+    if tail is None:
+        return None, why
+    beside, why = _beside_parts(spec)
+    if beside is None:
+        return None, why
     return {
         "ln1": norms[0].contiguous(), "eps1": spec.input_norm.eps,
         "ln2": norms[1].contiguous(), "eps2": spec.post_attention_norm.eps,
@@ -264,7 +294,51 @@ def _layer_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
         # Qwen3.5: q_proj gives each head its query and an output gate; rotary over the first rotary_dim channels
         "output_gate": not recurrent and attn.output_gate, "rotary_dim": 0 if recurrent else attn.rotary_dim or 0,
         "sinks": None if sinks is None else sinks.contiguous(),
+        # this layer's sizes (Gemma 4's local and global layers differ) and Gemma 4's attention
+        **({} if recurrent else {
+            "kv_heads": attn.kv_heads, "head_dim": attn.head_dim, "k_eq_v": attn.values_from_keys,
+            "v_norm_eps": -1.0 if attn.value_norm_eps is None else attn.value_norm_eps,
+            "kv_shared": attn.kv_source is not None}),
+        **({"intermediate": spec.ffn.intermediate} if isinstance(spec.ffn, MLPSpec) else {}), **tail, **beside,
     }, None
+
+
+def _beside_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
+    """Gemma 4's experts beside the MLP ({} without them): the router and expert group, their norms and scales,
+    or (None, why not)."""
+    b = spec.experts_beside
+    if b is None:
+        return {}, None
+    if not isinstance(spec.ffn, MLPSpec):
+        return None, f"{b.moe.name}: experts beside routed experts (the step runs them beside a dense MLP)"
+    if b.moe.shared_expert is not None:
+        return None, f"{b.moe.name}: a shared expert beside the MLP's experts"
+    moe, why = _moe_parts(b.moe)
+    if moe is None:
+        return None, why
+    norms = [b.input_norm.weight, b.mlp_out_norm.weight, b.out_norm.weight, b.router_scale.weight,
+             b.expert_scale.weight]
+    return {k: moe[k] for k in ("router", "router_bias", "experts", "top_k", "renormalize")} | {
+        "beside_norms": [w.float().contiguous() for w in norms],
+        "beside_eps": [b.input_norm.eps, b.mlp_out_norm.eps, b.out_norm.eps, b.router_eps],
+        "router_mult": b.router_mult}, None
+
+
+def _tail_parts(spec: DecoderLayerSpec) -> tuple[dict | None, str | None]:
+    """Gemma 4's layer tail: the per-layer input block and the layer scalar ({} without them), or (None, why)."""
+    parts = {}
+    if spec.layer_scalar is not None:
+        parts["layer_scalar"] = float(spec.layer_scalar.weight.float().reshape(-1)[0])
+    ple = spec.per_layer_input
+    if ple is None:
+        return parts, None
+    linears, why = _linears_of([("per_layer_input_gate", ple.gate.impl), ("per_layer_projection", ple.projection.impl)])
+    if linears is None:
+        return None, why
+    if any(b is not None for b in linears[1]):
+        return None, "the per-layer input's linears have biases"
+    return {**parts, "ple_gate": linears[0][0], "ple_proj": linears[0][1], "ple_norm": ple.norm.weight.contiguous(),
+            "ple_eps": ple.norm.eps, "ple_index": ple.index, "ple_activation": ple.activation}, None
 
 
 def _mixer(ext, spec: RecurrentSpec, parts: dict, pools: list[torch.Tensor] | None) -> tuple[dict | None, str | None]:

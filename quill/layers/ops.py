@@ -6,7 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from quill.kernels import fused
-from quill.kernels.fused import sigmoid  # noqa: F401  (models gate through quill.layers)
+from quill.kernels.fused import (
+    sigmoid,  # noqa: F401  (models gate through quill.layers)
+    unit_rms_norm,  # noqa: F401  (a weightless RMSNorm: Gemma 4's values)
+)
 
 # hidden_act -> fused activation-and-multiply of a gated MLP
 ACTIVATIONS = {"silu": fused.silu_mul, "gelu_pytorch_tanh": fused.gelu_tanh_mul}

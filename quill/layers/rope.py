@@ -133,6 +133,11 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def apply_rope_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q [B, T, Hq, D] rotated by cos/sin [B, T, D] (a query without keys; may reuse q)."""
+    return fused.rope(q, cos, sin)
+
+
 def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, Hq, D] and k [B, T, Hk, D] rotated by cos/sin [B, T, D] (one fused call; may reuse q, k)."""

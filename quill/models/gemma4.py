@@ -41,17 +41,22 @@ from quill.layers import (
     AttentionSpec,
     DecoderLayerSpec,
     Embedding,
+    ExpertsBesideSpec,
     KVPools,
+    PerLayerInputSpec,
     Projections,
     RMSNorm,
     RopeConfig,
     RotaryEmbedding,
     SparseMoeBlock,
+    apply_rope_q,
     apply_rope_qk,
     attend,
     check_moe_config,
     linear,
     merged,
+    route,
+    unit_rms_norm,
 )
 from quill.layers.stacked_experts import StackedExperts, Vector
 from quill.models import llama
@@ -66,8 +71,6 @@ TEXT_DEFAULTS = dict(vocab_size=262_144, hidden_size=2304, intermediate_size=921
 # transformers' rope defaults per layer kind (Gemma4TextConfig.__post_init__)
 DEFAULT_ROPE = {LOCAL: {"rope_type": "default", "rope_theta": 10_000.0},
                 GLOBAL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
-# what this file's DecoderLayerSpec says the residual is (no native step computes it)
-PLE_RESIDUAL = f"{SANDWICH_NORM}, then a per-layer-input block and a layer scalar (Gemma 4)"
 
 
 @dataclass
@@ -180,19 +183,6 @@ class ModelArgs(llama.ModelArgs):
         return self.intermediate_size * (2 if wide else 1)
 
 
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """A weightless RMSNorm (the values'), in float32 as transformers computes it."""
-    xf = x.float()
-    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
-
-
-def rotate_q(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """q [B, T, H, D] turned by cos / sin [B, T, D] (rotate-half): a KV-shared layer's query, with no keys."""
-    cos, sin = cos[:, :, None], sin[:, :, None]
-    q1, q2 = q.chunk(2, dim=-1)
-    return q * cos + torch.cat([-q2, q1], dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -202,7 +192,8 @@ class Attention(nn.Module):
         self.n_kv_heads, self.head_dim = args.layer_shape(layer)
         self.scale = 1.0  # transformers' scaling = 1.0: the q/k norms set the logits' size
         self.eps = args.rms_norm_eps
-        self.shared = args.kv_source(layer) is not None
+        self.kv_source = args.kv_source(layer)
+        self.shared = self.kv_source is not None
         hidden, bias, hd = args.hidden_size, args.attention_bias, self.head_dim
         self.q_proj = linear(hidden, self.n_heads * hd, bias)
         self.q_norm = RMSNorm(hd, args.rms_norm_eps)
@@ -224,7 +215,8 @@ class Attention(nn.Module):
     def spec(self) -> AttentionSpec:
         return AttentionSpec(self.n_heads, self.n_kv_heads, self.head_dim, self.scale,
                              Projections(self.names, self.qkv), self.o_proj, q_norm=self.q_norm,
-                             k_norm=getattr(self, "k_norm", None), window=self.window)
+                             k_norm=getattr(self, "k_norm", None), window=self.window, value_norm_eps=self.eps,
+                             values_from_keys=self.k_eq_v, kv_source=self.kv_source)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: LayerCache | None, shared: dict) -> torch.Tensor:
@@ -234,14 +226,14 @@ class Attention(nn.Module):
         out = self.qkv(x)
         q = self.q_norm(out[0].reshape(B, T, self.n_heads, self.head_dim))
         if self.shared:
-            q = rotate_q(q, *rope).transpose(1, 2)  # [B, H, T, D]
+            q = apply_rope_q(q, *rope).transpose(1, 2)  # [B, H, T, D]
             k = v = None
             if cache is None:
                 k, v = shared[self.kind]
         else:
             k = out[1].reshape(B, T, self.n_kv_heads, self.head_dim)
             v = k if self.k_eq_v else out[2].reshape(B, T, self.n_kv_heads, self.head_dim)
-            v = rms(v, self.eps)  # before k's norm and rope: with attention_k_eq_v, the raw keys
+            v = unit_rms_norm(v, self.eps)  # before k's norm and rope: with attention_k_eq_v, the raw keys
             q, k = apply_rope_qk(q, self.k_norm(k), *rope)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
             shared[self.kind] = (k, v)
@@ -259,15 +251,16 @@ class MoE(SparseMoeBlock):
                          top_k=args.top_k_experts, renormalize=True, hidden_act=args.hidden_activation)
         self.stacked = StackedExperts(E, H, args.moe_intermediate_size, self.deliver, halves=True)
         self.router_scale, self.per_expert_scale = Vector(H), Vector(E)
-        self.eps = args.rms_norm_eps
+        self.eps, self.hidden = args.rms_norm_eps, H
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] the experts' input, ``residual`` [B, T, H] what the router reads -> [B, T, H]."""
         B, T, H = x.shape
-        r = rms(residual.reshape(-1, H), self.eps) * self.router_scale.weight.to(x.dtype) * H ** -0.5
-        probs = torch.softmax(self.gate(r).float(), dim=-1)  # [BT, E], float32 as transformers
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale.weight[ids]
+        r = unit_rms_norm(residual.reshape(-1, H), self.eps) * self.router_scale.weight.to(x.dtype) * H ** -0.5
+        # transformers' softmax over every expert, top k, renormalized: the softmax over the k (the native
+        # step's routing, in double, rounded once)
+        weights, ids = route(self.gate(r), self.top_k, True)  # [BT, k] each
+        weights = weights * self.per_expert_scale.weight.float()[ids]
         return self.fused(x.reshape(-1, H), ids, weights).reshape(B, T, H)
 
 
@@ -276,6 +269,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        self.index = layer
         self.self_attn = Attention(args, layer)
         # KV-shared layers' MLP is twice as wide with use_double_wide_mlp
         self.mlp = llama.MLP(SimpleNamespace(hidden_size=args.hidden_size, mlp_bias=False,
@@ -287,6 +281,7 @@ class DecoderLayer(nn.Module):
         self.layer_scalar = Vector(1)
         self.ple = args.hidden_size_per_layer_input
         if self.ple:
+            self.activation = args.hidden_activation
             self.act = ACTIVATIONS[args.hidden_activation]  # act(gate) * per-layer input, fused
             self.per_layer_input_gate = linear(args.hidden_size, self.ple, False)
             self.per_layer_projection = linear(self.ple, args.hidden_size, False)
@@ -297,10 +292,22 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = norm()
 
     def spec(self) -> DecoderLayerSpec:
+        """Gemma 3's layer (the MoE variant: routed experts beside the MLP) with a per-layer input block and a
+        layer scalar after it."""
+        ple, moe = None, None
+        if self.moe is not None:
+            m = self.moe
+            moe = ExpertsBesideSpec(m.spec(), self.pre_feedforward_layernorm_2, self.post_feedforward_layernorm_1,
+                                    self.post_feedforward_layernorm_2, m.router_scale, m.per_expert_scale, m.eps,
+                                    m.hidden ** -0.5)
+        if self.ple:
+            ple = PerLayerInputSpec(self.per_layer_input_gate, self.per_layer_projection,
+                                    self.post_per_layer_input_norm, self.activation, self.index, self.ple)
         return DecoderLayerSpec(self.input_layernorm, self.self_attn.spec(), self.pre_feedforward_layernorm,
-                                self.mlp.spec(), PLE_RESIDUAL, attention_out_norm=self.post_attention_layernorm,
+                                self.mlp.spec(), SANDWICH_NORM, attention_out_norm=self.post_attention_layernorm,
                                 ffn_out_norm=self.post_feedforward_layernorm,
-                                rope="global" if self.self_attn.window is None else "local")
+                                rope="global" if self.self_attn.window is None else "local",
+                                per_layer_input=ple, layer_scalar=self.layer_scalar, experts_beside=moe)
 
     def forward(self, x, rope, mask, cache, shared, per_layer_input):
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, cache, shared))
@@ -360,28 +367,19 @@ class Model(llama.Model):
         a = self.args
         return [a.layer_shape(i) if a.kv_source(i) is None else None for i in range(a.num_hidden_layers)]
 
-    def native_refusal(self) -> str:
-        """Why the native decode step cannot run this model: what it would need, named."""
-        a, need = self.args, []
-        if a.hidden_size_per_layer_input:
-            need.append("per-layer input embeddings (a gated projection of each layer's PLE slice added after "
-                        "the MLP)")
-        need.append("a per-layer output scalar (layer_scalar)")
-        need.append("a weightless RMSNorm of the values")
-        if {a.layer_shape(i) for i in range(a.num_hidden_layers)} != {a.layer_shape(0)}:
-            need.append(f"per-layer head sizes / KV heads (local {a.layer_shape(0)}, global "
-                        f"{(a.global_kv_heads, a.global_head_dim)}; the step holds one set)")
-        if a.attention_k_eq_v:
-            need.append("values taken from the keys (attention_k_eq_v)")
-        if a.enable_moe_block:
-            need.append("routed experts beside the dense MLP (Gemma 4's scaled router, per-expert scales)")
-        if a.num_kv_shared_layers:
-            need.append(f"KV-shared layers (the last {a.num_kv_shared_layers} read earlier layers' pools and "
-                        "write none)")
-        return f"Gemma 4 ({a.model_type}): the native decode step lacks " + "; ".join(need)
+    def native_refusal(self) -> str | None:
+        """Why the native decode step cannot run this model, what it would need named; None: nothing Gemma 4 adds
+        is missing (per-layer inputs, layer scalars, the value norm, per-layer head sizes and KV heads, values from
+        the keys, KV-shared layers and the experts beside the MLP are in the layers' specs, and the step runs
+        them; what the kernels chosen at load cannot run, quill.layers.native_step names by layer)."""
+        need: list[str] = []  # (what a later Gemma 4 config adds that the step lacks goes here, named)
+        a = self.args
+        return f"Gemma 4 ({a.model_type}): the native decode step lacks " + "; ".join(need) if need else None
 
     def native_decode_step(self, cache: KVPools, states=None):
         why = self.native_refusal()
+        if why is None:
+            return super().native_decode_step(cache, states)
         log.info("native decode step: not built, the Python layers run (%s)", why)
         return None, why
 
@@ -401,7 +399,7 @@ class Model(llama.Model):
 
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, all_logits: bool = True) -> torch.Tensor:
         """tokens int64 [B, T] -> float32 logits (as ``llama.Model.forward``)."""
-        if ctx.layers is not None:
+        if ctx.layers is not None and self.native_refusal() is not None:
             raise ModelError(self.native_refusal())
         emb = self.model.embed_tokens
         e = emb(tokens, emb.table_dtype)
@@ -410,7 +408,9 @@ class Model(llama.Model):
         ple = self.per_layer_inputs(tokens, h)
         ropes = {GLOBAL: self.rotary(ctx.positions, self.dtype), LOCAL: self.local_rotary(ctx.positions, self.dtype)}
         shared: dict = {}
-        for i, layer in enumerate(self.model.layers):
+        if ctx.layers is not None:  # the native step: each layer turns by the table its spec names
+            h = ctx.layers(h, {"global": ropes[GLOBAL], "local": ropes[LOCAL]}, per_layer=ple)
+        for i, layer in enumerate(self.model.layers if ctx.layers is None else ()):
             source = self.args.kv_source(i)
             cache = ctx.layer_cache(i if source is None else source)
             h = layer(h, ropes[self.args.layer_types[i]], ctx.mask, cache, shared,

@@ -52,6 +52,8 @@ def native_activation(name: str) -> tuple[str, float, float] | None:
     no such activation."""
     if name == "silu":
         return "silu", 0.0, 0.0
+    if name == "gelu_pytorch_tanh":
+        return "gelu_tanh", 0.0, 0.0
     m = _CLAMPED.fullmatch(name)
     return ("swiglu_clamped", float(m.group(1)), float(m.group(2))) if m else None
 

@@ -73,7 +73,7 @@ def _native_op(fn: Fn | None):
 
 def native_group(experts: list[GroupedExpert], hidden_act: str) -> object | None:
     """An ExpertGroup over ``experts`` when every one has a stacked gate_up and a down on native kernels
-    and the activation is one csrc/moe.cpp computes (SiLU, gpt-oss's clamped SwiGLU); else None (the
+    and the activation is one csrc/moe.cpp computes (SiLU, gelu-tanh, gpt-oss's clamped SwiGLU); else None (the
     per-expert path runs).  The linears' biases are the group's (gpt-oss's experts have them)."""
     ext = native.load()
     act = native_activation(hidden_act)

@@ -81,9 +81,11 @@ struct ExpertGroup::Work {
 };
 
 ExpertGroup::ExpertGroup(int64_t hidden, int64_t intermediate, const std::string& act, double alpha, double limit)
-    : h_(hidden), i_(intermediate), clamped_(act == "swiglu_clamped"), alpha_(float(alpha)), limit_(float(limit)) {
+    : h_(hidden), i_(intermediate), clamped_(act == "swiglu_clamped"), gelu_(act == "gelu_tanh"), alpha_(float(alpha)),
+      limit_(float(limit)) {
   if (h_ < 1 || i_ < 1) moe_fail("hidden ", h_, " and intermediate ", i_, " should be positive");
-  if (act != "silu" && !clamped_) moe_fail("activation '", act, "': expected silu or swiglu_clamped");
+  if (act != "silu" && !clamped_ && !gelu_)
+    moe_fail("activation '", act, "': expected silu, gelu_tanh or swiglu_clamped");
   if (clamped_ && !(alpha > 0 && limit > 0))
     moe_fail("swiglu_clamped: alpha ", alpha, " and limit ", limit, " should be positive");
 }
@@ -122,6 +124,8 @@ void ExpertGroup::add_expert(LinearOp* gate_up, LinearOp* down, const std::optio
 void ExpertGroup::act(const float* gu, float* y, int64_t b, int64_t e) const {
   if (clamped_)
     swiglu_clamped_f32(gu, gu + i_, y, alpha_, limit_, b, e);
+  else if (gelu_)  // Gemma 4's experts
+    gelu_tanh_mul_f32(gu, gu + i_, y, b, e);
   else
     silu_mul_f32(gu, gu + i_, y, b, e);
 }

@@ -26,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor> route_tokens(const at::Tensor& logits, int64_
 
 // y = sum_j w_j * down_j(act(gate_j x, up_j x)) over each token's routed experts, gate and up
 // stacked into one [2I, H] linear per expert, each linear with its bias or none.  act: "silu",
-// silu(gate) * up; or "swiglu_clamped" (gpt-oss), gate clamped above at `limit`, up to [-limit, limit],
+// silu(gate) * up; "gelu_tanh", gelu(gate) (tanh approximation) * up (Gemma 4); or "swiglu_clamped" (gpt-oss), gate clamped above at `limit`, up to [-limit, limit],
 // (up + 1) * gate * sigmoid(alpha * gate).  The linears are borrowed (the Python object holds their owners).
 class ExpertGroup {
  public:
@@ -67,7 +67,8 @@ class ExpertGroup {
   static const float* ptr(const at::Tensor& bias) { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
 
   int64_t h_, i_;
-  bool clamped_ = false;  // the activation: swiglu_clamped(alpha_, limit_), else silu
+  bool clamped_ = false;  // the activation: swiglu_clamped(alpha_, limit_), gelu_tanh, else silu
+  bool gelu_ = false;
   float alpha_ = 0, limit_ = 0;
   std::vector<LinearOp*> gate_up_, down_;
   std::vector<at::Tensor> gate_up_bias_, down_bias_;  // float32 [2I] / [H] per expert, undefined: none

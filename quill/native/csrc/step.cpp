@@ -11,6 +11,10 @@
 // rows of the engine's state pools.
 // gpt-oss: q/k/v/o biases, each query head's sink logit in its attention softmax, a biased router and
 // routed experts with biases and a clamped SwiGLU (step_moe.h: the Python path's ExpertGroup).
+// Gemma 4: each layer's own head size, KV heads and MLP width; values RMSNormed without a weight, taken from the
+// keys in global layers (step_attn.h); KV-shared layers attending an earlier layer's pools and writing none; a
+// per-layer input block and a layer scalar after the feed-forward residual (step_ple.h); in the MoE variant routed
+// experts beside every dense MLP (step_moe.h).
 //
 // Why: a decode step of a small model spent more time in Python module calls and torch op
 // dispatch around the kernels than in the kernels (default model: ~4 ms of a 12 ms token).
@@ -32,6 +36,7 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/ones.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <sched.h>
@@ -51,8 +56,10 @@
 #include "linear_op.h"
 #include "moe.h"
 #include "ops.h"
+#include "step_attn.h"
 #include "step_layers.h"
 #include "step_moe.h"
+#include "step_ple.h"
 #include "step_prof.h"
 #include "step_recurrent.h"
 #include "step_team.h"
@@ -83,56 +90,77 @@ class DecoderStep {
                  const std::vector<std::optional<at::Tensor>>& shared_gate_up_bias, LinearOp* shared_down,
                  std::optional<at::Tensor> shared_down_bias, LinearOp* shared_gate, int64_t shared_intermediate,
                  const DeltaNetMixer* mixer, std::optional<at::Tensor> sinks, std::optional<at::Tensor> router_bias,
-                 bool local) {
+                 bool local, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double v_norm_eps, bool k_eq_v,
+                 bool kv_shared, double layer_scalar, LinearOp* ple_gate, LinearOp* ple_proj,
+                 std::optional<at::Tensor> ple_norm, double ple_eps, int64_t ple_index, const std::string& ple_act,
+                 const std::vector<at::Tensor>& beside_norms, const std::vector<double>& beside_eps,
+                 double router_mult) {
+    const bool beside = !beside_norms.empty() || !beside_eps.empty();  // Gemma 4: experts beside the dense MLP
+    // this layer's attention and MLP sizes (Gemma 4's local and global layers differ); 0: the step's
+    const int64_t hkv = kv_heads ? kv_heads : hkv_, d = head_dim ? head_dim : d_, im = intermediate ? intermediate : i_;
+    if (hkv < 1 || h_ % hkv || d < 2 || d % 2 || im < 1)
+      step_fail("layer ", layers_.size(), ": kv_heads ", hkv, ", head_dim ", d, ", intermediate ", im,
+                ": expected ", h_, " heads a multiple of kv_heads, an even head_dim and a positive intermediate");
+    if ((kv_shared || k_eq_v || v_norm_eps >= 0) && mixer != nullptr)
+      step_fail("a recurrent layer takes no value norm, values from keys or another layer's KV");
     if (window < 0) step_fail("window ", window, ": expected 0 (global) or a positive number of positions");
     if (local && (mixer != nullptr || window == 0))
       step_fail("only a sliding-window attention layer keeps its pools in the local block group");
     if (rope < 0) step_fail("rope table ", rope, ": expected an index >= 0 into forward's tables");
-    if (rotary_dim < 0 || rotary_dim > d_ || rotary_dim % 2)
-      step_fail("rotary_dim ", rotary_dim, ": expected 0 (all ", d_, " channels) or an even count up to it");
+    if (rotary_dim < 0 || rotary_dim > d || rotary_dim % 2)
+      step_fail("rotary_dim ", rotary_dim, ": expected 0 (all ", d, " channels) or an even count up to it");
     expect_f32(ln1, {e_}, "input_layernorm");
     expect_f32(ln2, {e_}, "post_attention_layernorm");
-    if (q_norm.has_value() != k_norm.has_value()) step_fail("q_norm and k_norm come together");
-    if (q_norm) expect_f32(*q_norm, {d_}, "q_norm");
+    // (a KV-shared layer computes no keys: its q norm comes alone)
+    if (kv_shared ? k_norm.has_value() : q_norm.has_value() != k_norm.has_value())
+      step_fail(kv_shared ? "a KV-shared layer takes no k_norm" : "q_norm and k_norm come together");
+    if (q_norm) expect_f32(*q_norm, {d}, "q_norm");
     if (sinks && mixer != nullptr) step_fail("a recurrent layer takes no attention sinks");
     if (sinks) expect_f32(*sinks, {h_}, "sinks");  // [H] float32 (the Python path's Vector slot)
     if (router_bias && experts == nullptr) step_fail("a router bias without routed experts");
-    if (k_norm) expect_f32(*k_norm, {d_}, "k_norm");
+    if (k_norm) expect_f32(*k_norm, {d}, "k_norm");
     if (mixer != nullptr && (!qkv.empty() || mixer->hidden() != e_))
       step_fail("a recurrent layer takes its mixer's in-projections from hidden size ", e_, " and no q/k/v; found ",
                 qkv.size(), " q/k/v linears, hidden size ", mixer->hidden());
     if (mixer == nullptr) {  // an attention layer: its KV pools
-      if (k_pool.dim() != 3 || k_pool.size(1) != hkv_)
-        step_fail("'k_pool' should be [N, ", hkv_, ", ", d_, "], found ", k_pool.sizes());
-      if (const std::string problem = pools_problem(k_pool, v_pool, d_); !problem.empty()) step_fail(problem);
+      if (k_pool.dim() != 3 || k_pool.size(1) != hkv)
+        step_fail("'k_pool' should be [N, ", hkv, ", ", d, "], found ", k_pool.sizes());
+      if (const std::string problem = pools_problem(k_pool, v_pool, d); !problem.empty()) step_fail(problem);
       if ((pool_rows_[0] >= 0 || pool_rows_[1] >= 0) && pool_type(k_pool) != kv_type_)
         step_fail("layer ", layers_.size(), "'s pools are ", k_pool.dtype(), "; an earlier layer's differ",
                   " (one KV cache type for every layer)");
     }
     if (o == nullptr) step_fail("o_proj is required");
-    if ((down == nullptr) != (experts != nullptr)) step_fail("a layer takes either down_proj or routed experts");
+    if (beside ? down == nullptr || experts == nullptr : (down == nullptr) != (experts != nullptr))
+      step_fail(beside ? "experts beside the MLP take down_proj and routed experts"
+                       : "a layer takes either down_proj or routed experts");
     Layer l;
+    l.hkv = hkv, l.d = d, l.i = im, l.k_eq_v = k_eq_v, l.kv_shared = kv_shared, l.scalar = float(layer_scalar);
+    if (v_norm_eps >= 0) l.v_eps = v_norm_eps, l.v_ones = at::ones({d}, ln1.options());
+    set_per_layer_input(l, e_, ple_gate, ple_proj, std::move(ple_norm), ple_eps, ple_index, ple_act);  // step_ple.h
     l.ln1 = std::move(ln1), l.ln2 = std::move(ln2), l.eps1 = eps1, l.eps2 = eps2, l.window = window, l.local = local;
     l.attn_out_norm = opt_norm(std::move(attn_out_norm), e_, "attention output norm"), l.eps_ao = attn_out_eps;
     l.ffn_out_norm = opt_norm(std::move(ffn_out_norm), e_, "feed-forward output norm"), l.eps_fo = ffn_out_eps;
     l.act = activation(act), l.rope = rope;
     tables_ = std::max(tables_, rope + 1);
-    l.gated = output_gate, l.rd = rotary_dim ? rotary_dim : d_, l.mixer = mixer;
+    l.gated = output_gate, l.rd = rotary_dim ? rotary_dim : d, l.mixer = mixer;
     if (mixer) {
       l.o = make_proj(o, std::move(o_bias), "out_proj", mixer->out_width(), e_);
       recurrent_ = true;
     } else {
-      l.qkv = projs(qkv, qkv_bias, e_, {q_width(l), hkv_ * d_, hkv_ * d_}, "q/k/v");
-      l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d_, e_);
+      l.qkv = projs(qkv, qkv_bias, e_, qkv_widths(l), "q/k/v");
+      l.o = make_proj(o, std::move(o_bias), "o_proj", h_ * d, e_);
     }
     if (experts != nullptr) {
-      set_moe(l, e_, gate_up.size(), router, std::move(router_bias), experts, top_k, renormalize);
+      set_moe(l, e_, beside ? 0 : gate_up.size(), router, std::move(router_bias), experts, top_k, renormalize);
+      set_beside(l, e_, beside_norms, beside_eps, router_mult);  // step_moe.h
       if (shared_down != nullptr)
         set_shared_expert(l, e_, shared_gate_up, shared_gate_up_bias, shared_down, std::move(shared_down_bias),
                           shared_gate, shared_intermediate);
-    } else {
-      l.gate_up = projs(gate_up, gate_up_bias, e_, {i_, i_}, "gate/up");
-      l.down = make_proj(down, std::move(down_bias), "down_proj", i_, e_);
+    }
+    if (down != nullptr) {
+      l.gate_up = projs(gate_up, gate_up_bias, e_, {im, im}, "gate/up");
+      l.down = make_proj(down, std::move(down_bias), "down_proj", im, e_);
     }
     l.q_norm = std::move(q_norm), l.k_norm = std::move(k_norm), l.qk_eps = qk_eps;
     if (!mixer) {
@@ -155,13 +183,15 @@ class DecoderStep {
   // h [T, E]; cos, sin: the rotary tables, each [1, T, D] (a layer turns by table `rope`); slots int64 [T];
   // ctx_slots int64 [T, S]; lens int64 [T]; state_rows int64 [T] (recurrent layers: each token's sequence's row
   // of the state pools, updated in place); local_slots int64 [T], local_ctx_slots int64 [T, S]: the same for
-  // the layers of the sliding-window block group (required when there are such layers) -> [T, E].
+  // the layers of the sliding-window block group (required when there are such layers); per_layer float32
+  // [T, L, P]: each token's per-layer inputs (Gemma 4; required when a layer has one) -> [T, E].
   // team: run the step inside one parallel region (below); false, or when a linear cannot take T
   // tokens in one call, runs the ops one after another (each splitting its own work) -- the same bits.
   at::Tensor forward(const at::Tensor& h_in, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                      const at::Tensor& slots, const at::Tensor& ctx_slots, const at::Tensor& lens, bool team,
                      const std::optional<at::Tensor>& state_rows, const std::optional<at::Tensor>& local_slots,
-                     const std::optional<at::Tensor>& local_ctx_slots) const {
+                     const std::optional<at::Tensor>& local_ctx_slots,
+                     const std::optional<at::Tensor>& per_layer) const {
     if (h_in.dim() != 2) step_fail("'h' should be float32 [T, ", e_, "], found ", h_in.sizes());
     const int64_t t = h_in.size(0);
     expect_f32(h_in, {t, e_}, "h");
@@ -190,7 +220,9 @@ class DecoderStep {
     }
     const at::Tensor& lctx = lsl ? *local_ctx_slots : ctx_slots;
     const int64_t* rows = state_rows ? state_rows->data_ptr<int64_t>() : nullptr;
-    if (team && team_scratch(t) >= 0) return forward_team(h_in, cos, sin, sl, ctx_slots, lens, rows, lsl, lctx);
+    check_per_layer(layers_, per_layer, t);  // step_ple.h
+    if (team && team_scratch(t) >= 0)
+      return forward_team(h_in, cos, sin, sl, ctx_slots, lens, rows, lsl, lctx, per_layer);
     at::Tensor h = h_in;
     for (const Layer& l : layers_) {
       const at::Tensor x = rms_norm(h, l.ln1, l.eps1);
@@ -198,8 +230,9 @@ class DecoderStep {
                                    : l.local ? attention(l, x, cos[l.rope], sin[l.rope], lsl, lctx, lens)
                                              : attention(l, x, cos[l.rope], sin[l.rope], sl, ctx_slots, lens);
       h = at::add(h, l.attn_out_norm ? rms_norm(a, *l.attn_out_norm, l.eps_ao) : a);
-      const at::Tensor f = mlp(l, rms_norm(h, l.ln2, l.eps2));
-      h = at::add(h, l.ffn_out_norm ? rms_norm(f, *l.ffn_out_norm, l.eps_fo) : f);
+      at::Tensor f = mlp(l, rms_norm(h, l.ln2, l.eps2));
+      if (l.beside.on) f = beside_ops(l, h, f);  // Gemma 4's experts beside the MLP (step_moe.h)
+      h = tail_ops(l, at::add(h, l.ffn_out_norm ? rms_norm(f, *l.ffn_out_norm, l.eps_fo) : f), per_layer);
     }
     return h;
   }
@@ -222,13 +255,16 @@ class DecoderStep {
   int64_t team_scratch(int64_t t) const {
     int64_t most = 0;
     for (const Layer& l : layers_) {
-      std::vector<const Proj*> ps = {&l.o, l.experts ? &l.router : &l.down};
+      std::vector<const Proj*> ps = {&l.o};
+      if (l.experts) ps.push_back(&l.router);
+      if (l.down.op) ps.push_back(&l.down);
       if (l.mixer)
         for (const Proj& p : l.mixer->proj()) ps.push_back(&p);
       for (const Proj& p : l.qkv) ps.push_back(&p);
       for (const Proj& p : l.gate_up) ps.push_back(&p);
       if (l.shared_down.op) ps.insert(ps.end(), {&l.shared_down, &l.shared_gate});
       for (const Proj& p : l.shared_gate_up) ps.push_back(&p);
+      if (l.ple.index >= 0) ps.insert(ps.end(), {&l.ple.gate, &l.ple.proj});
       if (l.experts) {
         const int64_t b = l.experts->team_scratch(t);
         if (b < 0) return -1;
@@ -246,45 +282,38 @@ class DecoderStep {
   at::Tensor forward_team(const at::Tensor& h_in, const std::vector<at::Tensor>& cos,
                           const std::vector<at::Tensor>& sin, const int64_t* slots, const at::Tensor& ctx_slots,
                           const at::Tensor& lens, const int64_t* state_rows, const int64_t* local_slots,
-                          const at::Tensor& local_ctx_slots) const;
+                          const at::Tensor& local_ctx_slots, const std::optional<at::Tensor>& per_layer) const;
 
   // x [T, E] -> [T, E]: the layer's DeltaNet mixer, state rows `rows` [T] (checked) updated in place
   at::Tensor recurrent(const Layer& l, const at::Tensor& x, const int64_t* rows) const {
     return l.o(l.mixer->forward(x, rows, *backend_));  // [T, Hv dv] -> [T, E]
   }
 
-  // x [T, E] -> [T, E]
+  // x [T, E] -> [T, E] (step_attn.h)
   at::Tensor attention(const Layer& l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const int64_t* slots, const at::Tensor& ctx_slots, const at::Tensor& lens) const {
-    const int64_t t = x.size(0);
-    std::vector<at::Tensor> qkv = outputs(l.qkv, x, {q_width(l), hkv_ * d_, hkv_ * d_}, "q/k/v");
-    const at::Tensor qg = qkv[0].reshape({1, t, h_, l.gated ? 2 * d_ : d_});  // per head: query (, gate)
-    at::Tensor q = qg.narrow(3, 0, d_), k = qkv[1].reshape({1, t, hkv_, d_});
-    q = l.q_norm ? rms_norm(q, *l.q_norm, l.qk_eps) : q.contiguous();  // [1, T, H, D]
-    k = l.k_norm ? rms_norm(k, *l.k_norm, l.qk_eps) : k.contiguous();  // [1, T, Hkv, D]
-    rotate(q, cos, sin, l.rd);
-    rotate(k, cos, sin, l.rd);
-    const at::Tensor& v = qkv[2];  // [T, Hkv D], rows `v.stride(0)` apart
-    const int64_t row = hkv_ * d_;
-    const float* kr = k.data_ptr<float>();
-    const float* vr = v.data_ptr<float>();
-    for (int64_t i = 0; i < t; ++i) {
-      backend_->kv_store(pool_row(l.k_pool, slots[i]), kr + i * row, row, kv_type_);
-      backend_->kv_store(pool_row(l.v_pool, slots[i]), vr + i * v.stride(0), row, kv_type_);
-    }
-    const std::optional<at::Tensor> sinks = l.sinks.defined() ? std::optional<at::Tensor>(l.sinks) : std::nullopt;
-    const at::Tensor out = paged_decode_attention(q.view({t, h_, 1, d_}), l.k_pool, l.v_pool, ctx_slots, lens,
-                                                  scale_, isa_, l.window, sinks);  // [T, H, 1, D]
-    if (!l.gated) return l.o(out.view({t, h_ * d_}));
-    return l.o(at::mul(out.view({t, h_ * d_}), sigmoid(qg.narrow(3, d_, d_).reshape({t, h_ * d_}))));
+    return attention_ops(l, x, cos, sin, slots, ctx_slots, lens, qkv_widths(l), h_, scale_, isa_, backend_->kv_store,
+                         kv_type_);
   }
 
-  int64_t q_width(const Layer& l) const { return (l.gated ? 2 : 1) * h_ * d_; }  // q_proj's [T, width]
+  int64_t q_width(const Layer& l) const { return (l.gated ? 2 : 1) * h_ * l.d; }  // q_proj's [T, width]
+  // q/k/v's widths: q, k, v; q, k (the values are the keys: Gemma 4's attention_k_eq_v); q alone (KV-shared)
+  std::vector<int64_t> qkv_widths(const Layer& l) const {
+    const int64_t kvd = l.hkv * l.d;
+    if (l.kv_shared) return {q_width(l)};
+    if (l.k_eq_v) return {q_width(l), kvd};
+    return {q_width(l), kvd, kvd};
+  }
+  int64_t qkv_width(const Layer& l) const {  // the q/k/v row
+    int64_t w = 0;
+    for (int64_t x : qkv_widths(l)) w += x;
+    return w;
+  }
 
   // x [T, E] -> [T, E]
   at::Tensor mlp(const Layer& l, const at::Tensor& x) const {
-    if (l.experts) return moe_ops(l, x);  // step_moe.h
-    std::vector<at::Tensor> gu = outputs(l.gate_up, x, {i_, i_}, "gate/up");
+    if (l.experts && !l.beside.on) return moe_ops(l, x);  // step_moe.h
+    std::vector<at::Tensor> gu = outputs(l.gate_up, x, {l.i, l.i}, "gate/up");
     return l.down(l.act == Act::GeluTanh ? gelu_tanh_mul(gu[0], gu[1]) : silu_mul(gu[0], gu[1]));
   }
 
@@ -315,14 +344,20 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
                                      const std::vector<at::Tensor>& sin, const int64_t* slots,
                                      const at::Tensor& ctx_slots, const at::Tensor& lens,
                                      const int64_t* state_rows, const int64_t* local_slots,
-                                     const at::Tensor& local_ctx_slots) const {
+                                     const at::Tensor& local_ctx_slots,
+                                     const std::optional<at::Tensor>& per_layer) const {
   StepProfile& prof = step_profile();
   prof.start();
-  const int64_t t = h_in.size(0), kvd = hkv_ * d_, hd = h_ * d_;
-  int64_t wqkv = hd + 2 * kvd, imax = i_;  // the widest q/k/v row (gated: 2 H D + 2 Hkv D), MLP (or shared expert)
-  int64_t attn_w = hd, dn_c = 0, dn_scratch = 0;  // the mixer's output row ([T, H D], or [T, Hv dv]); DeltaNet conv
+  const int64_t t = h_in.size(0);
+  // the widest rows of any layer: q [T, H D], k and v [T, Hkv D], q/k/v (gated: 2 H D + 2 Hkv D), MLP (or shared
+  // expert), the mixer's output ([T, H D], or [T, Hv dv]), DeltaNet conv, the per-layer input [T, P]
+  int64_t hd = 1, kvd = 1, wqkv = 1, imax = 1, attn_w = 1, dn_c = 0, dn_scratch = 0, pmax = 0, dmax = 2;
   for (const Layer& l : layers_) {
-    wqkv = std::max(wqkv, q_width(l) + 2 * kvd), imax = std::max(imax, l.si);
+    imax = std::max({imax, l.i, l.si}), pmax = std::max(pmax, l.ple.p);
+    if (!l.mixer) {
+      hd = std::max(hd, h_ * l.d), kvd = std::max(kvd, l.hkv * l.d), dmax = std::max(dmax, l.d);
+      wqkv = std::max(wqkv, qkv_width(l)), attn_w = std::max(attn_w, h_ * l.d);
+    }
     if (l.mixer) {
       const DeltaNetArgs& d = l.mixer->args();
       wqkv = std::max(wqkv, l.mixer->width()), attn_w = std::max(attn_w, l.mixer->out_width());
@@ -352,12 +387,19 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
   int threads = 1;
   for (const Layer& l : layers_) threads = std::max<int>(threads, int(l.o.op->threads()));
   threads = std::max(1, std::min(threads, at::get_num_threads()));
-  // per thread: a (sequence, KV head) call's G (S + D) floats, + G sink weights (attention.h)
-  const int64_t g = h_ / hkv_, attn_floats = std::max(align64(g * (s + d_ + 1) * 4) / 4, dn_scratch);
+  // per thread: a (sequence, KV head) call's G (S + D) floats, + G sink weights (attention.h), for the layer
+  // needing most
+  int64_t attn_floats = dn_scratch;
+  for (const Layer& l : layers_)
+    if (!l.mixer) attn_floats = std::max(attn_floats, align64(h_ / l.hkv * (s + l.d + 1) * 4) / 4);
   // [T, E] h, xn, o; [T, wqkv] proj; [T, H D] q, attn; [T, Hkv D] k; [T, 2 I] gu; [T, I] act; [T, H D] output
-  // gate; [T, E] shared expert; [T] its gate; [T, C] DeltaNet conv output; attention / DeltaNet scratch
+  // gate; [T, E] shared expert; [T] its gate; [T, C] DeltaNet conv output; [T, Hkv D] normed v; [T, P] the
+  // per-layer input's gate and act; [T, E] the experts' and router's inputs beside an MLP; attention / DeltaNet
+  // scratch
+  int64_t beside = 0;
+  for (const Layer& l : layers_) beside = std::max<int64_t>(beside, l.beside.on);
   const int64_t sizes[] = {t * e_, t * e_, t * wqkv, t * hd, t * kvd, t * attn_w, t * e_, 2 * t * imax, t * imax,
-                           t * hd, t * e_, t, t * dn_c};
+                           t * hd, t * e_, t, t * dn_c, t * kvd, t * pmax, t * pmax, beside * t * e_, beside * t * e_};
   constexpr int n_parts = sizeof(sizes) / sizeof(sizes[0]);
   int64_t total = threads * attn_floats;
   for (int64_t n : sizes) total += align64(n * 4) / 4;
@@ -370,8 +412,10 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
     at_ += align64(sizes[i] * 4) / 4;
   }
   float* attn_scratch = at_;
-  const TeamBufs bu{parts[0], parts[1], parts[2], parts[3],  parts[4],  parts[5], parts[6],
-                    parts[7], parts[8], parts[9], parts[10], parts[11], parts[12]};
+  const TeamBufs bu{parts[0], parts[1], parts[2],  parts[3],  parts[4],  parts[5],  parts[6],  parts[7], parts[8],
+                    parts[9], parts[10], parts[11], parts[12], parts[13], parts[14], parts[15], parts[16], parts[17]};
+  const float* ple_in = per_layer ? per_layer->data_ptr<float>() : nullptr;  // [T, L, P] (checked by forward)
+  const int64_t ple_layers = per_layer ? per_layer->size(1) : 0;
   const MoeMem moe = moe_memory(layers_, t, threads, h_in.options());  // (dense models: none)
   std::copy(h_in.data_ptr<float>(), h_in.data_ptr<float>() + t * e_, bu.h);
   char* scratch = static_cast<char*>(scratch_mem.data_ptr());
@@ -379,9 +423,8 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
   for (size_t i = 0; i < cos.size(); ++i) cp.push_back(cos[i].data_ptr<float>()), sp.push_back(sin[i].data_ptr<float>());
   AttnArgs a;
   a.q = bu.q, a.out = bu.attn;
-  a.kh = a.vh = d_, a.ks = a.vs = kvd;
   a.slots = cs, a.lens = ln, a.slot_b = s;
-  a.b = t, a.h = h_, a.hkv = hkv_, a.s = s, a.d = d_;
+  a.b = t, a.h = h_, a.s = s;  // (each layer's KV heads and head size below)
   a.scale = float(scale_);
 
   SpinBarrier bar;
@@ -414,33 +457,16 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
         bar.wait();
         prof.mark(tid, StepOp::DnHeads);
       } else {
-        const int64_t qw = q_width(l), lw = qw + 2 * kvd;  // this layer's q_proj and q/k/v row widths
-        team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, lw, scratch, tid, nt, bar, StepOp::AttnQkv);
-        for (int64_t r = r0; r < r1; ++r) {  // q (, gate), k out of the projections (normed: Qwen3), rotated; k, v stored
-          float* q = bu.q + r * hd;
-          float* k = bu.k + r * kvd;
-          const float* row = bu.proj + r * lw;
-          if (l.gated)  // per head [query D, gate D]
-            for (int64_t j = 0; j < h_; ++j) {
-              std::copy(row + j * 2 * d_, row + j * 2 * d_ + d_, q + j * d_);
-              std::copy(row + j * 2 * d_ + d_, row + (j + 1) * 2 * d_, bu.gate + r * hd + j * d_);
-            }
-          else
-            std::copy(row, row + hd, q);
-          std::copy(row + qw, row + qw + kvd, k);
-          if (l.q_norm) {
-            rms_norm_f32(q, l.q_norm->data_ptr<float>(), q, d_, float(l.qk_eps), 0, h_);
-            rms_norm_f32(k, l.k_norm->data_ptr<float>(), k, d_, float(l.qk_eps), 0, hkv_);
-          }
-          rope_f32(bu.q, cp[l.rope], sp[l.rope], h_, l.rd, d_, r, r + 1);
-          rope_f32(bu.k, cp[l.rope], sp[l.rope], hkv_, l.rd, d_, r, r + 1);
-          const int64_t slot = l.local ? local_slots[r] : slots[r];
-          backend_->kv_store(pool_row(l.k_pool, slot), k, kvd, kv_type_);
-          backend_->kv_store(pool_row(l.v_pool, slot), row + qw + kvd, kvd, kv_type_);
-        }
+        const AttnRow w{h_, q_width(l), qkv_width(l)};
+        team_linears(l.qkv.data(), l.qkv.size(), bu.xn, t, bu.proj, w.lw, scratch, tid, nt, bar, StepOp::AttnQkv);
+        for (int64_t r = r0; r < r1; ++r)  // q (, gate), k out of the projections (normed), rotated; k, v stored
+          attn_prep_token(l, bu, w, r, cp[l.rope], sp[l.rope], l.local ? local_slots[r] : slots[r],
+                          backend_->kv_store, kv_type_);
         bar.wait();
         prof.mark(tid, StepOp::AttnPrep);
         AttnArgs la = a;
+        const int64_t g = h_ / l.hkv, hd = h_ * l.d;
+        la.kh = la.vh = l.d, la.ks = la.vs = l.hkv * l.d, la.hkv = l.hkv, la.d = l.d;
         set_pools(la, l.k_pool, l.v_pool);
         la.window = l.window;
         if (l.local) la.slots = lcs;
@@ -450,7 +476,7 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
         for (int64_t p = q0 / g; p * g < q1; ++p) {  // (token, KV head) pairs, each for its share of heads
           la.g_begin = std::max(q0, p * g) - p * g;
           la.g_end = std::min(q1, (p + 1) * g) - p * g;
-          head(la, p / hkv_, p % hkv_, my_attn);
+          head(la, p / l.hkv, p % l.hkv, my_attn);
         }
         bar.wait();
         prof.mark(tid, StepOp::Attn);
@@ -469,19 +495,27 @@ at::Tensor DecoderStep::forward_team(const at::Tensor& h_in, const std::vector<a
         if (l.attn_out_norm) rms_norm_f32(bu.o, l.attn_out_norm->data_ptr<float>(), bu.o, e_, float(l.eps_ao), r, r + 1);
         for (int64_t i = 0; i < e_; ++i) bu.h[r * e_ + i] += bu.o[r * e_ + i];
         rms_norm_f32(bu.h, l.ln2.data_ptr<float>(), bu.xn, e_, float(l.eps2), r, r + 1);
+        if (l.beside.on) beside_inputs(l, bu, r, e_);  // the experts' and the router's inputs (step_moe.h)
       }
       bar.wait();
       prof.mark(tid, StepOp::Norm);
-      if (l.experts) {  // router, each token's top-k, the routed experts (+ the shared expert) into bu.o
+      if (l.experts && !l.beside.on) {  // router, each token's top-k, the routed experts (+ the shared expert)
         moe_team(l, bu, moe, t, e_, r0, r1, scratch, tid, nt, bar);
-        continue;
+      } else {
+        team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * l.i, scratch, tid, nt, bar,
+                     StepOp::MlpGateUp);
+        team_act(l.act, bu.gu, bu.act, t, l.i, tid, nt);
+        bar.wait();
+        prof.mark(tid, StepOp::MlpAct);
+        team_linears(&l.down, 1, bu.act, t, bu.o, e_, scratch, tid, nt, bar, StepOp::MlpDown);
+        if (l.beside.on) beside_team(l, bu, moe, t, e_, r0, r1, scratch, tid, nt, bar);  // o = out1(o) + out2(moe)
       }
-      team_linears(l.gate_up.data(), l.gate_up.size(), bu.xn, t, bu.gu, 2 * i_, scratch, tid, nt, bar,
-                   StepOp::MlpGateUp);
-      team_act(l.act, bu.gu, bu.act, t, i_, tid, nt);
-      bar.wait();
-      prof.mark(tid, StepOp::MlpAct);
-      team_linears(&l.down, 1, bu.act, t, bu.o, e_, scratch, tid, nt, bar, StepOp::MlpDown);
+      if (l.ple.index >= 0) {  // Gemma 4: the feed-forward residual now, then the per-layer input block into bu.o
+        for (int64_t r = r0; r < r1; ++r) ffn_out_residual(l, bu, r, e_);
+        bar.wait();
+        prof.mark(tid, StepOp::Norm);
+        ple_team(l, bu, ple_in, ple_layers, t, e_, r0, r1, scratch, tid, nt, bar);  // (step_ple.h)
+      }
     }
     for (int64_t r = r0; r < r1; ++r) ffn_residual(layers_.back(), bu, r, e_);
   }
@@ -527,14 +561,20 @@ void register_step(pybind11::module_& m) {
            py::arg("shared_gate_up_bias") = std::vector<std::optional<at::Tensor>>{}, py::arg("shared_down") = nullptr,
            py::arg("shared_down_bias") = std::nullopt, py::arg("shared_gate") = nullptr,
            py::arg("shared_intermediate") = 0, py::arg("mixer") = nullptr, py::arg("sinks") = std::nullopt,
-           py::arg("router_bias") = std::nullopt, py::arg("local") = false,
+           py::arg("router_bias") = std::nullopt, py::arg("local") = false, py::arg("kv_heads") = 0,
+           py::arg("head_dim") = 0, py::arg("intermediate") = 0, py::arg("v_norm_eps") = -1.0,
+           py::arg("k_eq_v") = false, py::arg("kv_shared") = false, py::arg("layer_scalar") = 1.0,
+           py::arg("ple_gate") = nullptr, py::arg("ple_proj") = nullptr, py::arg("ple_norm") = std::nullopt,
+           py::arg("ple_eps") = 0.0, py::arg("ple_index") = -1, py::arg("ple_activation") = "gelu_pytorch_tanh",
+           py::arg("beside_norms") = std::vector<at::Tensor>{}, py::arg("beside_eps") = std::vector<double>{},
+           py::arg("router_mult") = 1.0,
            py::keep_alive<1, 20>(), py::keep_alive<1, 38>())  // the step holds the experts' and mixer's objects
       .def_property_readonly("num_layers", &DecoderStep::num_layers)
       .def("all_or_nothing", &DecoderStep::all_or_nothing, py::arg("tokens"))
       .def("forward", &DecoderStep::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("ctx_slots"), py::arg("lens"), py::arg("team") = true,
            py::arg("state_rows") = std::nullopt, py::arg("local_slots") = std::nullopt,
-           py::arg("local_ctx_slots") = std::nullopt, py::call_guard<py::gil_scoped_release>());
+           py::arg("local_ctx_slots") = std::nullopt, py::arg("per_layer") = std::nullopt, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace quill

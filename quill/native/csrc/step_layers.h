@@ -78,6 +78,29 @@ Proj make_proj(LinearOp* op, std::optional<at::Tensor> bias, const char* what, i
 
 class DeltaNetMixer;  // step_recurrent.h
 
+// Gemma 4's per-layer input: after the feed-forward residual, h += norm(proj(act(gate(h)) * u)), u the layer's
+// slice [T, P] of forward's per-layer inputs [T, L, P] (computed in Python: an embedding lookup per token).
+struct PerLayerInput {
+  Proj gate;  // [T, E] -> [T, P]
+  Proj proj;  // [T, P] -> [T, E]
+  at::Tensor norm;  // [E]
+  double eps = 0;
+  int64_t index = -1;  // the layer's slice of the inputs; -1: no per-layer input
+  int64_t p = 0;
+  Act act = Act::GeluTanh;  // act(gate(h)) * u
+};
+
+// Gemma 4's routed experts beside the dense MLP (an MoE layer's router, experts and top_k): the router reads
+// rms(h) * router_scale * router_mult (h the residual, the norm weightless), its renormalized top-k weights times
+// per-expert scales; the experts read in_norm(h); the feed-forward output is out1(mlp) + out2(experts).
+struct BesideMoE {
+  bool on = false;
+  at::Tensor in_norm, out1, out2, router_scale, ones;  // [E]
+  at::Tensor expert_scale;  // [experts]
+  double in_eps = 0, out1_eps = 0, out2_eps = 0, router_eps = 0;
+  float router_mult = 1;
+};
+
 struct Layer {
   const DeltaNetMixer* mixer = nullptr;  // a recurrent layer's token mixer (no q/k/v, no KV pools); o its out_proj
   at::Tensor ln1, ln2;  // [E]
@@ -108,7 +131,16 @@ struct Layer {
   // its pools are the engine's sliding-window block group: forward's local_slots / local_ctx_slots address them
   bool local = false;
   at::Tensor sinks;    // gpt-oss: float32 [H], one logit per query head in its softmax's denominator; undefined: none
-  at::Tensor k_pool, v_pool;  // [N, Hkv, D]
+  at::Tensor k_pool, v_pool;  // [N, Hkv, D] (a KV-shared layer: the pools of the layer it reads)
+  int64_t hkv = 0, d = 0, i = 0;  // this layer's KV heads, head dim and MLP intermediate (Gemma 4's differ)
+  // Gemma 4: values RMSNormed without a weight (v_ones: [D] ones, the norm's weight) before they are stored
+  double v_eps = -1;  // < 0: no value norm
+  at::Tensor v_ones;
+  bool k_eq_v = false;  // the values are the keys before their norm and rope (no v_proj)
+  bool kv_shared = false;  // attends k_pool / v_pool, another layer's, written earlier in the step; writes none
+  float scalar = 1.0f;  // the layer's output multiplied by it (Gemma 4's layer_scalar)
+  PerLayerInput ple;
+  BesideMoE beside;
 };
 
 // One merged linear over every width, or one linear per width.

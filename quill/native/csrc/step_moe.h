@@ -10,6 +10,7 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/ones.h>
 
 #include <algorithm>
 #include <optional>
@@ -46,6 +47,44 @@ void set_moe(Layer& l, int64_t e, size_t dense_gate_up, LinearOp* router, std::o
               ", top_k ", top_k);
   l.router = make_proj(router, std::move(router_bias), "router", e, experts->num_experts());
   l.experts = experts, l.top_k = top_k, l.renormalize = renormalize;
+}
+
+// Gemma 4: the experts beside layer l's dense MLP (its router and experts set by set_moe).  norms: the experts'
+// input norm, the MLP's and the experts' output norms, the router's input scale [E] and the per-expert scales
+// [experts]; eps: those three norms', the router input's; router_mult: what the router's input is multiplied by.
+void set_beside(Layer& l, int64_t e, const std::vector<at::Tensor>& norms, const std::vector<double>& eps,
+                double router_mult) {
+  if (norms.empty() && eps.empty()) return;
+  if (norms.size() != 5 || eps.size() != 4 || l.experts == nullptr)
+    step_fail("experts beside the MLP take routed experts, 5 tensors (input norm, the two output norms, router ",
+              "scale, per-expert scales) and 4 eps; found ", norms.size(), " and ", eps.size());
+  BesideMoE& b = l.beside;
+  const char* what[] = {"experts' input norm", "MLP output norm", "experts' output norm", "router scale"};
+  for (int i = 0; i < 4; ++i) expect_f32(norms[i], {e}, what[i]);
+  expect_f32(norms[4], {l.experts->num_experts()}, "per-expert scales");
+  b.on = true, b.in_norm = norms[0], b.out1 = norms[1], b.out2 = norms[2], b.router_scale = norms[3];
+  b.expert_scale = norms[4], b.ones = at::ones({e}, norms[0].options());
+  b.in_eps = eps[0], b.out1_eps = eps[1], b.out2_eps = eps[2], b.router_eps = eps[3];
+  b.router_mult = float(router_mult);
+}
+
+// The ops path of the experts beside the MLP: h [T, E] the residual, f [T, E] the MLP's output -> [T, E].
+at::Tensor beside_ops(const Layer& l, const at::Tensor& h, const at::Tensor& f) {
+  const BesideMoE& b = l.beside;
+  const at::Tensor r = at::mul(at::mul(rms_norm(h, b.ones, b.router_eps), b.router_scale), double(b.router_mult));
+  auto [w, ids] = route_tokens(l.router(r), l.top_k, l.renormalize);  // [T, k] each
+  w = at::mul(w, b.expert_scale.index_select(0, ids.reshape(-1)).view(ids.sizes()));
+  const at::Tensor y = l.experts->forward(rms_norm(h, b.in_norm, b.in_eps), ids, w, false);  // [T, E]
+  return at::add(rms_norm(f, b.out1, b.out1_eps), rms_norm(y, b.out2, b.out2_eps));
+}
+
+// The team path: token r's experts' input x2 and router input y2 from the residual bu.h (before a barrier).
+void beside_inputs(const Layer& l, const TeamBufs& bu, int64_t r, int64_t e) {
+  const BesideMoE& b = l.beside;
+  rms_norm_f32(bu.h, b.in_norm.data_ptr<float>(), bu.x2, e, float(b.in_eps), r, r + 1);
+  rms_norm_f32(bu.h, b.ones.data_ptr<float>(), bu.y2, e, float(b.router_eps), r, r + 1);
+  const float* s = b.router_scale.data_ptr<float>();
+  for (int64_t i = 0; i < e; ++i) bu.y2[r * e + i] = (bu.y2[r * e + i] * s[i]) * b.router_mult;
 }
 
 // The ops path: x [T, E] (the normed hidden states) -> [T, E].
@@ -108,6 +147,29 @@ void moe_team(const Layer& l, const TeamBufs& bu, const MoeMem& m, int64_t t, in
     float sg;
     sigmoid_f32(bu.sg + r, &sg, 0, 1);
     for (int64_t i = 0; i < e; ++i) bu.o[r * e + i] += sg * bu.sh[r * e + i];
+  }
+}
+
+// Every thread of the team: the experts beside layer l's MLP, whose output is in bu.o; after it
+// bu.o = out1(o) + out2(experts), this thread's tokens r0..r1 (no barrier after).
+void beside_team(const Layer& l, const TeamBufs& bu, const MoeMem& m, int64_t t, int64_t e, int64_t r0, int64_t r1,
+                 char* scratch, int tid, int nt, SpinBarrier& bar) {
+  const BesideMoE& b = l.beside;
+  const int64_t ne = l.experts->num_experts(), k = l.top_k;
+  const float* es = b.expert_scale.data_ptr<float>();
+  team_linears(&l.router, 1, bu.y2, t, m.logits, ne, scratch, tid, nt, bar, StepOp::Router);
+  for (int64_t r = r0; r < r1; ++r) {
+    route_token(m.logits + r * ne, ne, k, l.renormalize, m.ids + r * k, m.w + r * k);
+    for (int64_t j = 0; j < k; ++j) m.w[r * k + j] *= es[m.ids[r * k + j]];
+  }
+  bar.wait();
+  step_profile().mark(tid, StepOp::Route);
+  l.experts->team_forward(bu.x2, t, m.ids, m.w, k, bu.y2, m.work, scratch, tid, nt, bar);  // (ends with a barrier)
+  step_profile().mark(tid, StepOp::Experts);
+  for (int64_t r = r0; r < r1; ++r) {
+    rms_norm_f32(bu.o, b.out1.data_ptr<float>(), bu.o, e, float(b.out1_eps), r, r + 1);
+    rms_norm_f32(bu.y2, b.out2.data_ptr<float>(), bu.y2, e, float(b.out2_eps), r, r + 1);
+    for (int64_t i = 0; i < e; ++i) bu.o[r * e + i] += bu.y2[r * e + i];
   }
 }
 

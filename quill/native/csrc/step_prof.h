@@ -18,13 +18,15 @@ namespace {
 // shared-expert add falls into the next layer's Norm: it ends without a barrier).
 enum class StepOp : int {
   Setup, Norm, Prepare, DnProj, DnConv, DnHeads, DnOut, AttnQkv, AttnPrep, Attn, AttnGate, AttnOut,
-  MlpGateUp, MlpAct, MlpDown, Router, Route, Experts, SharedGateUp, SharedAct, SharedDown, SharedGate, Count
+  MlpGateUp, MlpAct, MlpDown, Router, Route, Experts, SharedGateUp, SharedAct, SharedDown, SharedGate,
+  PleGate, PleAct, PleProj, Count
 };
 
 constexpr const char* STEP_OP_NAMES[] = {
     "setup", "norm", "prepare", "dn_in_proj", "dn_conv", "dn_heads", "dn_out_proj", "attn_qkv", "attn_qk_rope_kv",
     "attn", "attn_gate", "attn_o_proj", "mlp_gate_up", "mlp_act", "mlp_down", "moe_router", "moe_route",
-    "moe_experts", "shared_gate_up", "shared_act", "shared_down", "shared_gate"};
+    "moe_experts", "shared_gate_up", "shared_act", "shared_down", "shared_gate",
+    "ple_gate", "ple_act", "ple_proj"};
 static_assert(sizeof(STEP_OP_NAMES) / sizeof(STEP_OP_NAMES[0]) == int(StepOp::Count), "a name per op");
 
 struct StepProfile {

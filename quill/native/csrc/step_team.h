@@ -16,6 +16,8 @@ namespace {
 // float32 buffers of one step, carved from one allocation
 struct TeamBufs {
   float *h, *xn, *proj, *q, *k, *attn, *o, *gu, *act, *gate, *sh, *sg, *dn_x;
+  float *v, *pg, *pa;  // Gemma 4: normed values [T, Hkv D]; the per-layer input's gate and act [T, P]
+  float *x2, *y2;  // Gemma 4: the experts' input and the router's input / the experts' output [T, E]
 };
 
 // y [T, sum widths] (rows ldy apart) = the group's linears of x [T, K]; every thread calls it.  kind: what
@@ -47,9 +49,22 @@ void team_act(Act act, const float* gu, float* y, int64_t t, int64_t i, int tid,
 }
 
 // h[r] += the feed-forward output o[r] of layer l (normed first: sandwich norms); token r's row only
-void ffn_residual(const Layer& l, const TeamBufs& bu, int64_t r, int64_t e) {
+void ffn_out_residual(const Layer& l, const TeamBufs& bu, int64_t r, int64_t e) {
   if (l.ffn_out_norm) rms_norm_f32(bu.o, l.ffn_out_norm->data_ptr<float>(), bu.o, e, float(l.eps_fo), r, r + 1);
   for (int64_t i = 0; i < e; ++i) bu.h[r * e + i] += bu.o[r * e + i];
+}
+
+// Layer l's last residual, deferred to the next layer's first op: the feed-forward output's, or with a per-layer
+// input (Gemma 4) that block's (its feed-forward residual added before it, step_ple.h); then h *= layer_scalar.
+void ffn_residual(const Layer& l, const TeamBufs& bu, int64_t r, int64_t e) {
+  if (l.ple.index < 0) {
+    ffn_out_residual(l, bu, r, e);
+  } else {
+    rms_norm_f32(bu.o, l.ple.norm.data_ptr<float>(), bu.o, e, float(l.ple.eps), r, r + 1);
+    for (int64_t i = 0; i < e; ++i) bu.h[r * e + i] += bu.o[r * e + i];
+  }
+  if (l.scalar != 1.0f)
+    for (int64_t i = 0; i < e; ++i) bu.h[r * e + i] *= l.scalar;
 }
 
 }  // namespace
