@@ -40,7 +40,8 @@ def test_subcommand_help_does_not_import_torch(command):
     (["--stream-interval", "0"], "--stream-interval: expected an integer >= 1, found 0"),
     (["--replicas", "2", "--header-timeout", "5"], "--header-timeout: not available with replicas"),
     (["--replicas", "2", "--min-replicas", "1"], "--replicas fixes the count"),
-    (["--min-replicas", "1", "--max-replicas", "2", "--autoscaling-config", "[1]"], "--autoscaling-config: expected a JSON object"),
+    (["--min-replicas", "1", "--max-replicas", "2", "--autoscaling-config", "[1]"],
+     "--autoscaling-config: expected a JSON object"),
 ])
 def test_serve_refuses_bad_flags_before_importing_torch(flags, message):
     """A mistyped flag is refused at once (it took 3-4 s of importing torch on a 2-core machine)."""

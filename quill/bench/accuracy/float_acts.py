@@ -20,8 +20,8 @@ native quantizer rounds) or cast to bf16 / fp16.  Two controls: ``exact`` (float
 emulation itself would be in doubt.  ``native16`` is the native kernel's own 16-bit image (built after
 this study: ``activation_quant="none"``, the float default).  Text: pydoc_data.topics (every CPython
 has it), tokenized by the default model's tokenizer; the AWQ cut keeps the first 4096 ids of that
-vocabulary, so its text is the same tokens with the others dropped.  Numbers: mean KL (top-128 of the base, the rest one outcome),
-top-1 agreement; targets of the issue: mean KL <= 1e-5 and top-1 >= 99.9 %.
+vocabulary, so its text is the same tokens with the others dropped.  Numbers: mean KL (top-128 of the
+base, the rest one outcome), top-1 agreement; targets of the issue: mean KL <= 1e-5 and top-1 >= 99.9 %.
 """
 
 from __future__ import annotations
