@@ -73,17 +73,15 @@ LIMITS = """## Known limits
   a row. Decode ratios of the larger files follow the DRAM's state: at a low probe both wait on memory.
 * Q4_K_M on AVX2 (Zen 3): level with llama.cpp on decode, 0.87-0.91x on prefill at int8-group; Q4_0
   stays ahead (1.08-1.21x). The 8B-shaped rows exist for Zen 3 only.
-* Float activations (the float column): two int8 products per weight (a 16-bit image; the exact mode,
-  `--act-quant exact`, three) where llama.cpp's costs one; rows before the twenty-first session ran the
-  exact mode. Sapphire Rapids, 1.2B, prompt 128 (spr/float16-1b-p128.json): float prefill 1.28x
-  llama.cpp (exact 0.94x); `--isa avx2` against the AVX2 wheel 0.80x (exact 0.62x). int8-group is the
-  comparison in kind.
+* Float activations: two int8 products per weight (a 16-bit image; `--act-quant exact`: three) where
+  llama.cpp's costs one; rows before the twenty-first session ran the exact mode. Sapphire Rapids, 1.2B,
+  prompt 128 (spr/float16-1b-p128.json): float prefill 1.28x llama.cpp (exact 0.94x); `--isa avx2`
+  against the AVX2 wheel 0.80x (exact 0.62x).
 * The 1.2B and 8B-shaped files have random weights (speed does not depend on them; their text is noise).
 * The JSON-schema serving rows hold every request to one schema (64+ list items, so no request ends
   before its token count); the free rows are a separate run minutes apart, not alternated with them.
 * The Zen 4 runs predate int8-group activations and the native decode step: they show an older quill.
-* JSON written before `quill.bench.meta` records no date, commit, torch or llama.cpp version (shown
-  "—"); the notebook sections linked under each table say when and on which build each session ran.
+* JSON written before `quill.bench.meta` records no date, commit, torch or llama.cpp version ("—").
 """
 
 
