@@ -171,7 +171,7 @@ def _autoscaled(args) -> bool:
 
 
 def run(args) -> int:
-    check(args)  # (again, when called on its own)
+    """(quill.cli runs ``check`` first.)"""
     if _on_ray(args):
         return run_ray(args)
     http = http_options(args)
