@@ -13,7 +13,7 @@ UV_PIP = $(UV) pip install -q -p $(1)/bin/python $(foreach d,$(FIND_LINKS),--fin
 RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: install native llamacpp test demo clean
+.PHONY: install native native-best llamacpp test demo clean
 
 # After the runtime, the test extras, the native build and llama.cpp's virtualenv are independent: made side
 # by side, the installs hide behind the compiler.  (The build imports quill from this tree, not from .venv,
@@ -44,6 +44,11 @@ $(STAMP): $(RUNTIME)
 native: $(RUNTIME)
 	-$(BIN)/python -m quill.native.build
 
+# What running needs: only this CPU's best variant (an AVX-512 host skips the AVX2 kernels, which only
+# --isa avx2 runs; `make native` or `make test` adds them).
+native-best: $(RUNTIME)
+	-$(BIN)/python -m quill.native.build --best
+
 # everything `make test` runs on
 install: $(STAMP) native
 
@@ -71,7 +76,7 @@ test: install llamacpp
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(XDIST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Ask the default model a question through its chat template (greedy, streamed): runtime only.
-demo: $(RUNTIME) native
+demo: $(RUNTIME) native-best
 	$(BIN)/quill generate "What is the capital of France? Answer in one sentence." --max-tokens 64
 
 clean:

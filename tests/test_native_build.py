@@ -88,3 +88,30 @@ def test_the_extension_holds_the_variants_this_cpu_runs():
             with pytest.raises(KernelError, match=f"decode_attention: ISA '{name}' needs .*, which this CPU lacks"):
                 native.load().module.decode_attention(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 2, 8),
                                                       torch.zeros(1, 1, 2, 8), None, 1.0, name)
+
+
+def test_best_builds_this_cpus_best_variant_and_keeps_the_others_already_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "BUILD", tmp_path)
+    monkeypatch.setattr(build, "native_variants", lambda: ["avx512", "avx2"])  # an AVX-512 host
+    assert build.best_variants() == ["avx512"]  # make demo: no AVX2 kernels to compile
+    for name in build.VARIANT_SOURCES["avx2"]:
+        (tmp_path / (Path(name).stem + ".o")).write_text("obj")
+    assert build.best_variants() == ["avx512", "avx2"]  # after a full build: not dropped from the link
+    monkeypatch.setattr(build, "native_variants", lambda: [])  # no AVX2: the scalar twins alone
+    assert build.best_variants() == []
+
+
+def test_a_variant_not_built_is_why_the_native_kernels_refuse(monkeypatch):
+    if native.load().module is None:
+        pytest.skip(native.load().error)
+    from quill.kernels.dense import NativeDenseKernel
+    from quill.kernels.native import NativeW4A8Kernel
+
+    zen4 = parse_cpuinfo((DATA / "zen4_epyc9654_2s4c16t.txt").read_text())
+    monkeypatch.setattr(native, "built_variants", lambda: ("avx512", "scalar"))  # make demo's build
+    assert native.unsupported(zen4) is None and NativeW4A8Kernel.supported(zen4) is None
+    why = native.unsupported(zen4.limited_to("avx2"))  # --isa avx2
+    assert why == ("the avx2 kernels are not built into this install (built: avx512, scalar); `make native` "
+                   "(python -m quill.native.build) builds every variant this CPU runs")
+    assert NativeW4A8Kernel.supported(zen4.limited_to("avx2")) == why
+    assert NativeDenseKernel.supported(zen4.limited_to("avx2")) == why

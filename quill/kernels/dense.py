@@ -86,12 +86,7 @@ class NativeDenseKernel:
     @classmethod
     def supported(cls, platform: Platform) -> str | None:
         from quill import native
-        ext = native.load()
-        if ext.module is None:
-            return f"the native extension is not built ({ext.error})"
-        if native.isa_for(platform) is None:
-            return f"needs {native.isa_requirement()}, which this CPU lacks"
-        return None
+        return native.unsupported(platform)
 
     @classmethod
     def can_implement(cls, cfg: DenseLayerConfig) -> str | None:

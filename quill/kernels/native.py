@@ -101,12 +101,7 @@ class _NativeKernel(LinearKernel):
 
     @classmethod
     def supported(cls, platform: Platform) -> str | None:
-        ext = native.load()
-        if ext.error:
-            return ext.error
-        if native.isa_for(platform) is None:
-            return f"needs {native.isa_requirement()}, which this CPU lacks"
-        return None
+        return native.unsupported(platform)
 
     @classmethod
     def variant(cls, platform: Platform) -> str:

@@ -92,4 +92,4 @@ class LoadContext:
         The one decision (``quill.native.isa_for``): linear and dense kernels take it through their
         layer config, decode attention through the engine's KV cache."""
         from quill import native
-        return native.isa_for(self.platform) if native.load().module is not None else None
+        return native.isa_for(self.platform) if native.unsupported(self.platform) is None else None

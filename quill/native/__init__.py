@@ -55,6 +55,22 @@ def isa_for(platform: Platform) -> str | None:
     return None
 
 
+def unsupported(platform: Platform) -> str | None:
+    """Why no native kernel runs on ``platform``, or None: the extension is not built, the CPU lacks the weakest
+    variant's ISA, or the variant it would run was not compiled (``make demo`` builds only this CPU's best)."""
+    ext = load()
+    if ext.module is None:
+        return ext.error
+    isa = isa_for(platform)
+    if isa is None:
+        return f"needs {isa_requirement()}, which this CPU lacks"
+    built = built_variants()
+    if isa not in built:
+        return (f"the {isa} kernels are not built into this install (built: {', '.join(built)}); "
+                "`make native` (python -m quill.native.build) builds every variant this CPU runs")
+    return None
+
+
 def variant_status(platform: Platform) -> dict[str, str | None]:
     """Every ISA variant, best first ('scalar' last) -> None when ``platform`` runs it, else why not. The build
     compiles the variants this CPU runs (quill.native.build), so AVX-512 hosts keep the AVX2 one for --isa avx2."""

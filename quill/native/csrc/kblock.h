@@ -19,17 +19,17 @@ constexpr int MT_MAX = 6;           // widest token tile of the AVX-512 kernels
 constexpr int KBLOCK_CHUNKS = 64;   // chunks per K block (4 KiB of codes per row block)
 // PREFETCH_BYTES (common.h): how far ahead the tiles prefetch their code stream.
 
-// f(std::integral_constant<int, mt>{}) for a tile of mt tokens, 1 <= mt <= MT_MAX: the token
-// count a tile template is instantiated for (its accumulator arrays are sized by it)
-template <class F>
+// f(std::integral_constant<int, mt>{}) for a tile of mt tokens, 1 <= mt <= MAXT: the token count a tile
+// template is instantiated for (its accumulator arrays are sized by it).  MAXT bounds what is compiled:
+// every width is a tile function of its own, and they are most of the AVX-512 build's time.
+template <int MAXT = MT_MAX, int T = 1, class F>
 inline void by_tokens(int mt, const F& f) {
-  switch (mt) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    default: return f(std::integral_constant<int, 6>{});
+  static_assert(MAXT >= 1 && MAXT <= MT_MAX && T <= MAXT, "tiles of 1 .. MT_MAX tokens");
+  if constexpr (T == MAXT) {
+    f(std::integral_constant<int, T>{});
+  } else {
+    if (mt == T) return f(std::integral_constant<int, T>{});
+    by_tokens<MAXT, T + 1>(mt, f);
   }
 }
 

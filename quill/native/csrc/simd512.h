@@ -10,6 +10,13 @@
 namespace quill {
 namespace v512 {
 
+// 4 activation bytes broadcast to every 32-bit lane (vpdpbusd's signed operand).
+QUILL_INLINE __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 // 16 consecutive values of dtype t starting at element i, as float32.
 QUILL_INLINE __m512 load16(const void* p, DType t, int64_t i) {
   switch (t) {
