@@ -263,7 +263,8 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool sh
 // The per-group epilogue's token side (group_terms [S, M, 2]) of this thread's calls: grow-only.
 thread_local FloatScratch group_terms_buf;
 
-// Row blocks [nb0, nb1) x all tokens in tiles of up to 4 tokens (8: 4-bit codes x int8 activations).
+// Row blocks [nb0, nb1) x all tokens in tiles of up to 4 tokens (8: 4-bit codes x int8 activations; 2: the 24-bit
+// image of the opt-in exact float activations).
 template <int BITS, int PARTS, class Acts, int EPI = 0>
 void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   const bool short_segs = BITS == 4 && PARTS == 1 && a.m >= 8 && w.short_segments;
@@ -273,10 +274,14 @@ void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   for (int nb = nb0; nb < nb1; ++nb)
     for (int m0 = 0; m0 < a.m;) {
       const int left = a.m - m0;
-      if (BITS == 4 && PARTS == 1 && left >= 8) { tile<BITS, PARTS, EPI, 8>(w, a, o, nb, m0, short_segs, gz); m0 += 8; }
-      else if (left >= 4) { tile<BITS, PARTS, EPI, 4>(w, a, o, nb, m0, short_segs, gz); m0 += 4; }
-      else if (left == 3) { tile<BITS, PARTS, EPI, 3>(w, a, o, nb, m0, short_segs, gz); m0 += 3; }
-      else if (left == 2) { tile<BITS, PARTS, EPI, 2>(w, a, o, nb, m0, short_segs, gz); m0 += 2; }
+      if constexpr (BITS == 4 && PARTS == 1) {
+        if (left >= 8) { tile<BITS, PARTS, EPI, 8>(w, a, o, nb, m0, short_segs, gz); m0 += 8; continue; }
+      }
+      if constexpr (PARTS != SPLIT_PARTS) {  // the opt-in 24-bit image: tiles of 1-2 tokens (fewer to compile)
+        if (left >= 4) { tile<BITS, PARTS, EPI, 4>(w, a, o, nb, m0, short_segs, gz); m0 += 4; continue; }
+        if (left == 3) { tile<BITS, PARTS, EPI, 3>(w, a, o, nb, m0, short_segs, gz); m0 += 3; continue; }
+      }
+      if (left >= 2) { tile<BITS, PARTS, EPI, 2>(w, a, o, nb, m0, short_segs, gz); m0 += 2; }
       else { tile<BITS, PARTS, EPI, 1>(w, a, o, nb, m0, short_segs, gz); m0 += 1; }
     }
 }
