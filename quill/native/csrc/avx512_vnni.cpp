@@ -144,7 +144,8 @@ constexpr int PAIRED_I8_TOKENS = 32;
 template <int BITS, bool FOLD = false, int GZ = -1>
 void run_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1, const float* gz = nullptr) {
   auto tiles = [&](int mt, int rb, int nb, int m0, int c0, int c1, int s, LaneState<int32_t>* const* st) {
-    if (rb == 2 && mt >= 2 && BITS >= 4) return tile_i8_mt<BITS, FOLD, 2, GZ>(mt, w, a, nb, m0, c0, c1, s, st, gz);
+    if constexpr (BITS >= 4)  // (compile-time: 2/3-bit codes never pair, so their paired tiles are not compiled)
+      if (rb == 2 && mt >= 2) return tile_i8_mt<BITS, FOLD, 2, GZ>(mt, w, a, nb, m0, c0, c1, s, st, gz);
     for (int r = 0; r < rb; ++r) tile_i8_mt<BITS, FOLD, 1, GZ>(mt, w, a, nb + r, m0, c0, c1, s, st + r, gz);
   };
   auto finish = [&](int nb, int m, const LaneState<int32_t>& st) {
