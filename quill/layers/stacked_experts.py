@@ -19,6 +19,14 @@ Gemma 4's (transformers' ``Gemma4TextExperts``) are ``nn.functional.linear`` wei
 which then build the layer as for any per-expert checkpoint.  The model aliases the stacked names onto
 ``<block>.stacked.<proj>`` (see ``quill.models.gpt_oss``), so a dense ``<block>.stacked.gate_up_proj``
 arrives here and a quantized layer of that name at the child slot.
+
+GPTQModel (since 5.8, through defuser's split of any fused ``gate_up_proj`` into its two halves, whatever the
+layout: transformers marks gpt-oss's ``is_concatenated=False``, defuser ignores it) writes gpt-oss's experts per
+expert as ``experts.<e>.gate_proj`` = rows 0 .. I - 1 of the fused [2 * I, hidden] projection and ``up_proj`` =
+rows I .. 2I - 1, so each holds gates and ups interleaved, not the gate and the up its name says.
+:class:`ExpertHalves` takes them (the model aliases them to ``<block>.halves.<e>.<proj>`` for such checkpoints),
+joins each expert's two halves back into the fused projection (exact: rows are independent) and cuts it into the
+real gate (rows 0, 2, 4 ...) and up (rows 1, 3, 5 ...).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from quill.errors import CheckpointError
 from quill.layers.context import LoadContext
 from quill.layers.slots import Slot, checked
 from quill.moe import DenseWeight
+from quill.moe.experts import Proj, stack_gate_up
 
 Deliver = Callable[[int, str, object, LoadContext], None]  # (expert, projection, weight, ctx)
 
@@ -150,6 +159,92 @@ class StackedExperts(nn.Module, Slot):
     def finish(self, name: str, ctx: LoadContext) -> bool:
         built = self.gate_up_proj.finish(f"{name}.gate_up_proj", ctx)
         return self.down_proj.finish(f"{name}.down_proj", ctx) or built
+
+
+class _Half(nn.Module, Slot):
+    """One of an expert's two stored halves of its fused gate_up projection ([I, hidden], a bias if the experts
+    have one), handed to its :class:`ExpertHalves` as soon as it is whole."""
+
+    def __init__(self, owner: "ExpertHalves", expert: int, part: int):
+        super().__init__()
+        self.expert, self.part = expert, part
+        self.owner = [owner]  # a list, so the owner is not registered as a submodule of its own child
+        self._pending: dict[str, torch.Tensor] = {}
+
+    @property
+    def filled(self) -> bool:
+        return True  # a half that never arrives leaves its expert's gate and up empty: the MoE block says which
+
+    def check_filled(self, name: str, ctx: LoadContext) -> None:
+        """Missing halves are reported by the MoE block (post_load), as the expert projections they fill."""
+
+    def load_tensor(self, name: str, attr: str, tensor: torch.Tensor, ctx: LoadContext) -> bool:
+        if attr not in ("weight", "bias"):
+            return False
+        self._pending[attr] = tensor
+        return True
+
+    def load_quantized(self, name: str, weight: QuantizedWeight, ctx: LoadContext) -> bool:
+        if weight.bias is None and "bias" in self._pending:  # a bias stored beside, not inside, the weight
+            weight = weight.with_(bias=self._pending["bias"])
+        self._pending = {}
+        self.owner[0].offer(self.expert, self.part, weight, ctx)
+        return True
+
+    def finish(self, name: str, ctx: LoadContext) -> bool:
+        parts, self._pending = self._pending, {}
+        if "weight" not in parts:
+            return False
+        self.owner[0].offer(self.expert, self.part, DenseWeight(parts["weight"], parts.get("bias")), ctx)
+        return True
+
+    def save(self, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        return {}, {}  # what it filled lives in (and is saved by) the MoE block
+
+    def restore(self, name: str, facts: dict, tensors: dict[str, torch.Tensor], ctx: LoadContext) -> None:
+        pass
+
+
+class ExpertHalves(nn.Module):
+    """``<block>.halves``: per expert ``<e>.gate_proj`` and ``<e>.up_proj`` holding the first and second half of the
+    rows of its fused gate_up projection, gates and ups interleaved (GPTQModel's gpt-oss; module docstring).  When
+    both halves of an expert are in, it joins them and delivers rows 0, 2, 4 ... as the gate, 1, 3, 5 ... as the up."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int, deliver: Deliver, name: str):
+        super().__init__()
+        self.hidden, self.intermediate, self.deliver, self.name = hidden, intermediate, deliver, name
+        for e in range(experts):  # slots <block>.halves.<e>.gate_proj / .up_proj
+            self.add_module(str(e), nn.ModuleDict({"gate_proj": _Half(self, e, 0), "up_proj": _Half(self, e, 1)}))
+        self._offers: dict[int, dict[int, Proj]] = {}
+
+    def offer(self, expert: int, part: int, weight: Proj, ctx: LoadContext) -> None:
+        """Half ``part`` (0: rows 0 .. I - 1, 1: the rest) of expert ``expert``'s fused gate_up projection."""
+        names = [f"{self.name}.experts.{expert}.{p}" for p in ("gate_proj", "up_proj")]  # as the checkpoint names them
+        if (weight.out_features, weight.in_features) != (self.intermediate, self.hidden):
+            raise CheckpointError(f"{ctx.where}: expert projection '{names[part]}' is [{weight.out_features}, "
+                                  f"{weight.in_features}], the model expects [{self.intermediate}, {self.hidden}] "
+                                  "(half of the expert's fused gate_up projection)")
+        offers = self._offers.setdefault(expert, {})
+        if part in offers:
+            raise CheckpointError(f"{ctx.where}: expert projection '{names[part]}' is provided twice by the checkpoint")
+        offers[part] = weight
+        if len(offers) < 2:
+            return
+        del self._offers[expert]
+        fused = stack_gate_up(offers[0], offers[1], f"{self.name}.experts.{expert}.gate_up_proj")
+        if fused is None:
+            kinds = ["quantized" if isinstance(w, QuantizedWeight) else "dense" for w in (offers[0], offers[1])]
+            raise CheckpointError(
+                f"{ctx.where}: '{names[0]}' ({kinds[0]}) and '{names[1]}' ({kinds[1]}) are the two halves of expert "
+                f"{expert}'s fused gate_up projection (GPTQModel's gpt-oss layout: the gate and up rows interleaved "
+                "across both) and cannot be joined exactly (one dense and one quantized, or quantized with different "
+                "bits, groups or act-order g_idx); such a checkpoint is not supported")
+        for part, name in ((0, "gate_proj"), (1, "up_proj")):
+            ids = torch.arange(part, 2 * self.intermediate, 2)
+            rows = (fused.take_rows(ids) if isinstance(fused, QuantizedWeight)
+                    else DenseWeight(fused.weight.index_select(0, ids),
+                                     None if fused.bias is None else fused.bias.index_select(0, ids)))
+            self.deliver(expert, name, rows, ctx)
 
 
 class Vector(nn.Module, Slot):

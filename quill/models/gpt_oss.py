@@ -13,7 +13,11 @@ src/models/openai-moe-iswa.cpp, computes the same):
 * experts with biases and a clamped SwiGLU: gate clamped above at ``limit``, up to [-limit, limit],
   ``(up + 1) * gate * sigmoid(alpha * gate)`` (alpha 1.702, limit 7);
 * HF checkpoints stack each projection of a layer's experts in one tensor (gate and up interleaved),
-  split per expert on load (quill.layers.stacked_experts); GGUF files name each expert's rows.
+  split per expert on load (quill.layers.stacked_experts); GGUF files name each expert's rows;
+  llm-compressor and auto-round write one linear per expert and projection.  GPTQModel does too, but its
+  ``gate_proj`` / ``up_proj`` are the two halves of the interleaved fused projection (defuser's split), not the
+  gate and up: a checkpoint whose ``quantization_config.meta.quantizer`` names gptqmodel has them regrouped
+  (quill.layers.stacked_experts.ExpertHalves).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch import nn
 from quill.errors import ModelError
 from quill.layers import SparseMoeBlock, attend, check_moe_config, expert_count, swiglu_clamped_name
 from quill.layers.rope import apply_rope_qk
-from quill.layers.stacked_experts import StackedExperts, Vector
+from quill.layers.stacked_experts import ExpertHalves, StackedExperts, Vector
 from quill.models import llama
 from quill.models.base import LayerCache
 
@@ -50,6 +54,15 @@ class ModelArgs(llama.ModelArgs):
     attention_bias: bool = True
     rms_norm_eps: float = 1e-5
     head_dim: int | None = 64
+    # set by from_dict: the checkpoint was quantized by GPTQModel, whose per-expert gate_proj / up_proj are the
+    # halves of the fused gate_up projection (module docstring)
+    experts_in_halves: bool = False
+
+    @classmethod
+    def from_dict(cls, params) -> "ModelArgs":
+        args = super().from_dict(params)
+        args.experts_in_halves = quantized_by_gptqmodel(params.get("quantization_config"))
+        return args
 
     def __post_init__(self):
         if self.rope_parameters is None and self.rope_scaling is None:
@@ -111,6 +124,8 @@ class MoE(SparseMoeBlock):
                          hidden_act=args.expert_activation, router_bias=True, expert_bias=True)
         self.stacked = StackedExperts(args.num_local_experts, args.hidden_size, args.intermediate_size,
                                       self.deliver)
+        self.halves = ExpertHalves(args.num_local_experts, args.hidden_size, args.intermediate_size, self.deliver,
+                                   self.name)
 
 
 class Model(llama.Model):
@@ -125,5 +140,20 @@ class Model(llama.Model):
         (r"(\.self_attn\.sinks)$", r"\1.weight"),  # a bare parameter in HF, a vector slot here
     )
 
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32):
+        super().__init__(args, dtype)
+        if args.experts_in_halves:  # GPTQModel's experts.<e>.gate_proj / up_proj: halves, regrouped by the block
+            self.checkpoint_aliases = ((r"(\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj)(?=\.|$)", r"\1.halves.\2.\3"),
+                                       *type(self).checkpoint_aliases)
+
     def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
         return MoE(args, layer)
+
+
+def quantized_by_gptqmodel(qcfg) -> bool:
+    """Whether a ``quantization_config`` says GPTQModel wrote the checkpoint (``meta.quantizer``: a list of
+    "tool:version" strings, or one)."""
+    meta = qcfg.get("meta") if isinstance(qcfg, dict) else None
+    quantizer = meta.get("quantizer") if isinstance(meta, dict) else None
+    names = quantizer if isinstance(quantizer, list) else [quantizer]
+    return any(isinstance(q, str) and q.strip().lower().startswith("gptqmodel:") for q in names)
