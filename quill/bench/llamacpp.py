@@ -210,9 +210,10 @@ ENGINES = (*QUILL_MODES, "llama.cpp")
 
 def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: int, probe, log,
             platform=None, lib: Path | None = None, kv_cache_dtype: str = "auto", modes: dict | None = None,
-            peers: tuple = ()) -> dict:
+            peers: tuple = (), llm_options: dict | None = None) -> dict:
     """``modes``: the quill engines to run (a subset of ``QUILL_MODES``; default all); ``peers``: more engines
-    run through their own llama-bench (quill.bench.peers.Peer), in the same rounds."""
+    run through their own llama-bench (quill.bench.peers.Peer), in the same rounds; ``llm_options``: more
+    ``quill.LLM`` keywords (e.g. ``cache=False``: no prepacked cache written beside a large file)."""
     import quill
     from quill.bench import settled
     from quill.engine.core import EngineConfig
@@ -221,7 +222,7 @@ def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: 
     # (llama.cpp starts each run in a fresh process)
     cfg = EngineConfig(enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     llms = {e: settled(quill.LLM(str(path), threads=threads, progress=False, activation_quant=aq, platform=platform,
-                                 engine_config=cfg)) for e, aq in (modes or QUILL_MODES).items()}
+                                 engine_config=cfg, **(llm_options or {}))) for e, aq in (modes or QUILL_MODES).items()}
     engines = (*llms, "llama.cpp", *(p.name for p in peers))
     held, stored = quill_linear_bytes(next(iter(llms.values()))), file_linear_bytes(path)
     log(f"  weights read per token: quill {held / 1e6:.2f} MB, file {stored / 1e6:.2f} MB ({held / stored:.3f}x)")
@@ -313,10 +314,12 @@ def main(argv: list[str] | None = None) -> int:
 def report(results: list[dict], args, platform, threads: int, command: str, argv: list[str] | None) -> None:
     """The table of medians against llama.cpp; the JSON (``{"meta", "results"}``) when ``args.json`` is set."""
     print(f"\n{'file':<34} {'engine':<12} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs llama.cpp':>14}")
+    prompts = len({res["prompt"] for res in results}) > 1  # one file at several prompt lengths: say which
     for res in results:
         lc = res["median"]["llama.cpp"]
+        label = Path(res["file"]).name + (f" p{res['prompt']}" if prompts else "")
         for e, m in res["median"].items():
-            print(f"{Path(res['file']).name:<34} {e:<12} {m['prefill_tps']:13.1f} {m['decode_tps']:12.1f} "
+            print(f"{label:<34} {e:<12} {m['prefill_tps']:13.1f} {m['decode_tps']:12.1f} "
                   f"{m['prefill_tps'] / lc['prefill_tps']:6.2f}x {m['decode_tps'] / lc['decode_tps']:6.2f}x")
     if args.json:
         from quill.bench.meta import run_metadata

@@ -35,13 +35,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from quill.bench.llamacpp import QUILL_MODES, compare, quantize_with_llamacpp, report
+from quill.bench.llamacpp import QUILL_MODES, compare, report
+from quill.bench.random_gguf import TensorSpec, bf16_values, copy_tokenizer, quantize_source, uniform, write_gguf
 
 QWEN35_VOCAB = 248320
 MROPE_SECTIONS = [11, 11, 10, 0]  # the converter's default for Qwen3.5 (_Qwen35MRopeMixin)
@@ -182,39 +182,15 @@ def _metadata(w, s: Qwen35Shape, f32: bool) -> None:
     w.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
 
 
-def _tokenizer(w, tokenizer_from: Path, vocab: int) -> None:
-    """``tokenizer_from``'s tokenizer keys, its token list padded with UNUSED tokens to ``vocab`` entries."""
-    import gguf
-
-    from quill.formats.gguf.file import GGUFFile
-
-    src = GGUFFile(tokenizer_from)  # quill's reader: a fraction of gguf-py's time on a 49k-token vocabulary
-    for key, value in src.metadata.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = src.value_types[key]
-        sub = gguf.GGUFValueType[vtype[1].upper()] if isinstance(vtype, tuple) else None
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            if len(value) > vocab:
-                raise ValueError(f"{tokenizer_from} has {len(value)} tokens, more than the {vocab} asked for")
-            pad = vocab - len(value)
-            value = value + ([f"<|quill_unused_{i}|>" for i in range(pad)] if key.endswith("tokens")
-                             else [int(gguf.TokenType.UNUSED)] * pad if key.endswith("token_type") else [0.0] * pad)
-        w.add_key_value(key, value, gguf.GGUFValueType.ARRAY if sub else gguf.GGUFValueType[vtype.upper()],
-                        sub_type=sub)
-
-
 def _data(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Random values that keep the forward finite: matrices uniform with the variance 1 / fan-in (uniform: twice
-    as fast to draw as normal), norms as the converter stores them (1 + w), ``ssm_a = -exp(A_log)``."""
+    """Random values that keep the forward finite: matrices uniform with the variance 1 / fan-in, norms as the
+    converter stores them (1 + w), ``ssm_a = -exp(A_log)``."""
     leaf = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
     if leaf.endswith("norm"):
         return np.ones(shape, np.float32)
     if leaf.endswith("ssm_a"):
         return -np.exp(rng.uniform(-1.0, 1.5, shape)).astype(np.float32)
-    x = rng.random(shape, dtype=np.float32)
-    x -= np.float32(0.5)
-    x *= np.float32(12 ** 0.5 * (1.0 if leaf.endswith("ssm_dt") else shape[-1] ** -0.5))
+    x = uniform(rng, shape, 1.0 if leaf.endswith("ssm_dt") else shape[-1] ** -0.5)
     if leaf.endswith(ROUTERS):
         x = bf16_values(x)
     return x
@@ -226,40 +202,18 @@ def _data(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nda
 ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")
 
 
-def bf16_values(x: np.ndarray) -> np.ndarray:
-    """float32 ``x`` rounded to the nearest bfloat16 values (ties to even, as torch's ``.to(torch.bfloat16)``)."""
-    u = x.astype(np.float32).view(np.uint32)
-    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return u.view(np.float32)
-
-
 def write_qwen35_gguf(out: Path, shape: Qwen35Shape, tokenizer_from: Path, seed: int = 0, f32: bool = False,
                       name: str | None = None) -> Path:
     """``out / name`` (default ``<shape.name>.F16.gguf``): the GGUF llama.cpp's converter writes for a Qwen3.5
     checkpoint of ``shape``, with random weights; written tensor by tensor (memory: the largest one), once."""
-    import gguf
-
     path = out / (name or f"{shape.name}.{'F32' if f32 else 'F16'}.gguf")
-    if path.exists():
-        return path
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    specs = tensor_specs(shape)
-    w = gguf.GGUFWriter(str(tmp), shape.arch)
-    for tname, tshape, keep_f32 in specs:
-        dt = np.dtype(np.float32 if f32 or keep_f32 else np.float16)
-        w.add_tensor_info(tname, tshape, dt, int(np.prod(tshape)) * dt.itemsize)
-    _metadata(w, shape, f32)
-    _tokenizer(w, tokenizer_from, shape.vocab)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for tname, tshape, keep_f32 in specs:
-        w.write_tensor_data(_data(rng, tname, tshape).astype(np.float32 if f32 or keep_f32 else np.float16))
-    w.close()
-    tmp.rename(path)
-    return path
+    specs = [TensorSpec(n, t, np.float32 if f32 or keep_f32 else np.float16) for n, t, keep_f32 in tensor_specs(shape)]
+
+    def metadata(w) -> None:
+        _metadata(w, shape, f32)
+        copy_tokenizer(w, tokenizer_from, shape.vocab)
+
+    return write_gguf(path, shape.arch, specs, metadata, lambda rng, s: _data(rng, s.name, s.shape), seed)
 
 
 def write_models(out: Path, models: list[str], types: list[str], llama_python: str, tokenizer_from: Path,
@@ -270,21 +224,11 @@ def write_models(out: Path, models: list[str], types: list[str], llama_python: s
         shape = (TINY if tiny else SHAPES)[m]
         if shape.lin_k_dim != shape.lin_v_dim:  # llama.cpp reads both as ssm.state_size (Qwen3.5's are 128)
             raise ValueError(f"{shape.name}: llama.cpp runs Qwen3.5 only with equal DeltaNet key and value head dims")
-        targets = [out / f"{shape.name}.{t.upper()}.gguf" for t in types]
-        if all(t.exists() for t in targets):
-            files += [(t, shape) for t in targets]
-            continue
-        t0 = time.perf_counter()
-        src = write_qwen35_gguf(out, shape, tokenizer_from)
-        log(f"{src.name}: {weight_counts(shape)['weights'] / 1e9:.3f}B weights, "
-            f"{src.stat().st_size / 1e9:.2f} GB, written in {time.perf_counter() - t0:.1f} s")
-        for t, dst in zip(types, targets):
-            t0 = time.perf_counter()
-            quantize_with_llamacpp(llama_python, src, dst, t)
-            log(f"{dst.name}: {dst.stat().st_size / 1e9:.2f} GB, quantized in {time.perf_counter() - t0:.1f} s")
-            files.append((dst, shape))
-        if not keep_f16:
-            src.unlink()
+        targets = {t: out / f"{shape.name}.{t.upper()}.gguf" for t in types}
+        log(f"{shape.name}: {weight_counts(shape)['weights'] / 1e9:.3f}B weights")
+        made = quantize_source(lambda: write_qwen35_gguf(out, shape, tokenizer_from), targets, llama_python,
+                               keep_f16, log)
+        files += [(p, shape) for p in made]
     return files
 
 
