@@ -246,6 +246,23 @@ def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: 
             "quill_weight_bytes_per_token": held, "file_weight_bytes": stored}
 
 
+def bench_setup(args):
+    """(platform, threads, DRAM probe) of a comparison run, after printing its header line: this CPU (limited to
+    AVX2 for ``--isa avx2``), ``--threads`` or its physical cores."""
+    from quill.bench import memory
+    from quill.platform import detect
+
+    platform = detect()
+    if args.isa == "avx2":
+        platform = platform.limited_to("avx2")
+    threads = args.threads or platform.default_threads
+    probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
+    print(f"CPU: {platform.summary()}; quill ISA {args.isa}; llama.cpp from "
+          f"{args.llama_lib or 'the llama-cpp-python wheel'}; quill KV cache {args.kv_cache_dtype}, llama.cpp's "
+          f"float16", flush=True)
+    return platform, threads, probe
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")
@@ -273,13 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.isa == "avx2":  # before torch is imported
         os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
-    from quill.bench import memory
-    from quill.platform import detect
-
-    platform = detect()
-    if args.isa == "avx2":
-        platform = platform.limited_to("avx2")
-    threads = args.threads or platform.default_threads
     files = list(args.gguf or [default_gguf()])
     if args.write_1b:
         files.append(write_1b_gguf(args.write_1b, default_gguf()))
@@ -296,12 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     from quill.bench.peers import Peer
 
     peers = tuple(Peer.parse(spec) for spec in args.peer)
-    probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
     for peer in peers:
         print(f"peer {peer.describe()}")
-    print(f"CPU: {platform.summary()}; quill ISA {args.isa}; llama.cpp from "
-          f"{args.llama_lib or 'the llama-cpp-python wheel'}; quill KV cache {args.kv_cache_dtype}, llama.cpp's "
-          f"float16", flush=True)
+    platform, threads, probe = bench_setup(args)
     results = []
     for f in files:
         print(f"{f.name}: prompt {args.prompt}, {args.gen} decoded, {threads} threads", flush=True)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quill.bench.llamacpp import QUILL_MODES, compare, report
+from quill.bench.llamacpp import QUILL_MODES, bench_setup, compare, report
 from quill.bench.random_gguf import TensorSpec, bf16_values, copy_tokenizer, quantize_source, uniform, write_gguf
 
 QWEN35_VOCAB = 248320
@@ -266,17 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.keep_f16)
     if args.write_only:
         return 0
-    from quill.bench import memory
-    from quill.platform import detect
-
-    platform = detect()
-    if args.isa == "avx2":
-        platform = platform.limited_to("avx2")
-    threads = args.threads or platform.default_threads
-    probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
-    print(f"CPU: {platform.summary()}; quill ISA {args.isa}; llama.cpp from "
-          f"{args.llama_lib or 'the llama-cpp-python wheel'}; quill KV cache {args.kv_cache_dtype}, llama.cpp's "
-          f"float16", flush=True)
+    platform, threads, probe = bench_setup(args)
     results = []
     for f, shape in files:
         counts = weight_counts(shape)

@@ -43,7 +43,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from quill.bench.llamacpp import QUILL_MODES, compare, file_linear_bytes, report, run_llamacpp
+from quill.bench.llamacpp import QUILL_MODES, bench_setup, compare, file_linear_bytes, report, run_llamacpp
 from quill.bench.windowed_gguf import GEMMA3_TYPES, SHAPES, weight_counts, write_models
 
 # every quill load here: no prepacked cache (neither read nor written), no tokenizer (token-id prompts)
@@ -181,17 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.tiny, args.keep_f16)
     if args.write_only:
         return 0
-    from quill.bench import memory
-    from quill.platform import detect
-
-    platform = detect()
-    if args.isa == "avx2":
-        platform = platform.limited_to("avx2")
-    threads = args.threads or platform.default_threads
-    probe = memory.Probe(platform.cache("L3") or (32 << 20), threads)
-    print(f"CPU: {platform.summary()}; quill ISA {args.isa}; llama.cpp from "
-          f"{args.llama_lib or 'the llama-cpp-python wheel'}; quill KV cache {args.kv_cache_dtype}, llama.cpp's "
-          f"float16", flush=True)
+    platform, threads, probe = bench_setup(args)
     results = []
     for f, shape in files:
         counts = weight_counts(shape)
