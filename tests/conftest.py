@@ -2,6 +2,8 @@
 
 import functools
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -26,6 +28,8 @@ def pytest_configure(config):
     one (quill's threads, torch's pool, the native team), instead of two teams of two spinning against
     each other on the same cores."""
     worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is None:  # the run's own process (pytest-xdist's workers inherit the variable)
+        config._quill_tools = os.environ["QUILL_TEST_TOOLS"] = tempfile.mkdtemp(prefix="quill-tools-")
     if worker is not None and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
         os.environ["QUILL_TEST_CPUS"] = ",".join(map(str, cpus))  # for `unpinned`
@@ -33,6 +37,12 @@ def pytest_configure(config):
             os.sched_setaffinity(0, {cpus[int(worker.removeprefix("gw")) % len(cpus)]})
         os.environ["OMP_NUM_THREADS"] = "1"
     _cache_gguf_name_maps()  # after the pin: gguf imports numpy, whose BLAS sizes its threads on import
+
+
+def pytest_unconfigure(config):
+    """The run's llama.cpp tool outputs (tests/llamacpp_util.py) go with it."""
+    if hasattr(config, "_quill_tools"):
+        shutil.rmtree(config._quill_tools, ignore_errors=True)
 
 
 # The modules that take longest (seconds on a 2-core Zen 3, one process), run first: pytest-xdist hands

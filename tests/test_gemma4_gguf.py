@@ -109,19 +109,26 @@ def test_the_files_gemma4_tokenizer_encodes_as_the_hf_one(converted):
         assert ours.decode(hf.encode(text, add_special_tokens=False), skip_special_tokens=False) == text
 
 
-def test_the_moe_variant_from_gguf(tmp_path):
-    """enable_moe_block through the converter (gate and up stacked as ffn_gate_up_exps, the router's scale and
-    the per-expert scales as .scale vectors) and Q8_0, against transformers on the file's weights."""
+def moe_gguf(d):
+    """The MoE variant (3 layers, 4 experts of which 2 per token, random router and per-expert scales) saved in
+    ``d`` with its tokenizer, converted and quantized to Q8_0 by llama.cpp: (the transformers model, the file)."""
     hf = hf_gemma4(seed=6, **{**GGUF_TEXT, "num_hidden_layers": 3, "layer_types": [L, G, G],
                               "num_kv_shared_layers": 1}, enable_moe_block=True, num_experts=4, top_k_experts=2,
                    moe_intermediate_size=32)
+    g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith(("router.scale", "per_expert_scale")):
-                p.copy_(torch.rand_like(p) + 0.5)
-    d = save_hf_dir(hf, tmp_path / "hf", tokenizer=False)
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    save_hf_dir(hf, d, tokenizer=False)
     save_byte_fallback_tokenizer(d)
-    path = quantize(convert(d, d / "f32.gguf", "f32"), d / "q8.gguf", "Q8_0")
+    return hf, quantize(convert(d, d / "f32.gguf", "f32"), d / "q8.gguf", "Q8_0")
+
+
+def test_the_moe_variant_from_gguf(tmp_path):
+    """enable_moe_block through the converter (gate and up stacked as ffn_gate_up_exps, the router's scale and
+    the per-expert scales as .scale vectors) and Q8_0, against transformers on the file's weights."""
+    hf, path = moe_gguf(tmp_path / "hf")
     cfg = GGUFCheckpoint(path).config
     assert cfg["enable_moe_block"] and (cfg["num_experts"], cfg["top_k_experts"]) == (4, 2)
     llm = quill.LLM(str(path), skip_tokenizer_init=True, kv_cache_dtype="float32", activation_quant="none")

@@ -154,20 +154,18 @@ def test_experts_that_cannot_run_natively_say_why(moe_saved):
     assert why in report(llm)
 
 
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory):
+    from tests.test_gemma4_gguf import moe_gguf
+
+    return moe_gguf(tmp_path_factory.mktemp("gemma4_moe_gguf") / "hf")[1]
+
+
 @pytest.mark.parametrize("activation", ["none", "int8-group"])
-def test_the_moe_variant_from_gguf_gives_the_python_layers_bits(tmp_path_factory, activation):
+def test_the_moe_variant_from_gguf_gives_the_python_layers_bits(moe_gguf, activation):
     """llama.cpp's Q8_0 file of the MoE variant (experts stacked as ffn_gate_up_exps, quantized): the experts one
     native group on quantized kernels, float and int8 activations."""
-    from tests.llamacpp_util import convert, quantize
-    from tests.test_gemma4_gguf import GGUF_TEXT, save_byte_fallback_tokenizer
-    L, G = "sliding_attention", "full_attention"
-    hf = hf_gemma4(seed=6, **{**GGUF_TEXT, "num_hidden_layers": 3, "layer_types": [L, G, G],
-                              "num_kv_shared_layers": 1}, enable_moe_block=True, num_experts=4, top_k_experts=2,
-                   moe_intermediate_size=32)
-    d = save_hf_dir(hf, tmp_path_factory.mktemp("gemma4_moe_gguf"), tokenizer=False)
-    save_byte_fallback_tokenizer(d)
-    path = quantize(convert(d, d / "f32.gguf", "f32"), d / "q8.gguf", "Q8_0")
-    llm = quill.LLM(str(path), skip_tokenizer_init=True, kv_cache_dtype="float32", threads=2,
+    llm = quill.LLM(str(moe_gguf), skip_tokenizer_init=True, kv_cache_dtype="float32", threads=2,
                     activation_quant=activation)
     assert llm.engine.native_step is not None, llm.engine.native_step_reason
     assert llm.model.decoder_layer_specs()[0].experts_beside.moe.native_group is not None
