@@ -21,12 +21,14 @@ quill runs ``--act-quant`` (default int8-group: llama.cpp's arithmetic), never w
 file would be packed and cached again: ``cache=False``), and without a tokenizer (the prompt is token ids).
 
 Memory: quill holds a loaded file's weights in its own memory (its kernels' layouts) while llama.cpp maps the
-same file (MAP_POPULATE: the whole file in the page cache); for gpt-oss-20b the two do not fit 24 GB together,
-and llama.cpp then decodes from a file the page cache keeps evicting.  ``--isolate`` runs each engine in its own
-process, one after the other, in every round (quill loads, warms up and runs once, then exits; llama.cpp runs
-in its own process anyway); load times are never in the rates.  ``auto`` (default) isolates when twice the file
-is more than 0.8 of the available memory (gpt-oss-20b on 24 GB; not Gemma, nor the tiny files).  Each isolated
-quill run reports its resident memory after loading (``quill_rss_after_load`` in the JSON).
+same file (MAP_POPULATE: the whole file in the page cache).  For gpt-oss-20b that does not fit 24 GB: quill's
+resident memory after loading it is 12.1-12.4 GB (anonymous; the load peaks at 20.9 GB of RSS, the file's
+pages mapped while they are repacked), llama.cpp's mapping another 12.1 GB, and llama.cpp would then decode
+from a file the page cache keeps evicting.  ``--isolate`` runs each engine in its own process, one after the
+other, in every round (quill loads, warms up and runs once, then exits; llama.cpp runs in its own process
+anyway); load times are never in the rates.  ``auto`` (default) isolates when twice the file is more than 0.8
+of the available memory (gpt-oss-20b on 24 GB; not Gemma, nor the tiny files).  Each isolated quill run
+reports its resident memory after loading (``quill_rss_after_load`` in the JSON).
 
 ``--tiny`` writes test-size files in seconds (quill.bench.windowed_gguf.TINY).  The JSON is llamacpp.py's
 (``{"meta", "results"}``), each result with its ``model``, ``shape`` and weight counts.
