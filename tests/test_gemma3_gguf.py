@@ -1,7 +1,8 @@
 """Gemma 3 as GGUF files written by llama.cpp's own converter and quantizer (Q8_0, Q4_0), against transformers'
 float32 forward on the same (dequantized) weights.  The converter stores every norm as 1 + w (undone on load)
-and drops what llama.cpp assumes: the query scale (1 / sqrt(head_dim)), which layers are local (each 6th is
-global) and the local rope base (10000); the model here is made with those values."""
+and drops what llama.cpp assumes: the query scale (1 / sqrt(head_dim)) and which layers are local (each 6th is
+global); the model here is made with those values.  The local layers' rope base it writes
+(``gemma3.rope.freq_base_swa``)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from tests.model_util import save_hf_dir
 from tests.test_gemma3 import WINDOW, hf_gemma3
 
 GGUF_VOCAB = 49152  # the SmolLM2 tokenizer the converter recognises
-# what a GGUF file can say: the query scale is 1 / sqrt(head_dim), local layers every layer but each 6th,
-# their rope base 10000 (llama.cpp's defaults for the keys the converter does not write); rows of whole Q4_0 blocks
+# what a GGUF file can say: the query scale is 1 / sqrt(head_dim), local layers every layer but each 6th
+# (llama.cpp's defaults for what the converter does not write); rows of whole Q4_0 blocks
 GGUF_TEXT = dict(vocab_size=GGUF_VOCAB, num_hidden_layers=6, hidden_size=96, intermediate_size=160,
                  query_pre_attn_scalar=16, layer_types=None, sliding_window_pattern=6,
                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
