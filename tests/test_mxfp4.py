@@ -221,3 +221,46 @@ def test_mxfp4_moe_model_on_native_kernels_int8_group(mx_gguf):
     # 3.6e-3 on one position.  A wrong code, scale or group moves every position far beyond that.
     err = (got - ref).abs().amax(-1)[0]  # [7]: per position
     assert int((err > 1e-3).sum()) <= 1 and float(err.max()) < 2e-2, err
+
+
+def test_pack_layout_four_columns_per_lane():
+    """codes [NB, G, 4 jj, 16 r, 4 b]: byte = q[16 nb + r][32 g + 4 jj + b] | q[..][.. + 16] << 4 (mxfp4.h)."""
+    w = _weight(20, 64, seed=30)  # 20 rows: the second row block padded with zero codes
+    p = pack_mxfp4(w)
+    assert p.codes.shape == (2, 2, 4, 16, 4) and p.scales.shape == (2, 2, 16)
+    q = torch.cat([w.codes, w.codes.new_zeros(12, 64)])
+    for nb, g, jj, r, b in ((0, 0, 0, 0, 0), (0, 1, 3, 15, 3), (1, 0, 2, 3, 1), (1, 1, 1, 7, 2)):
+        col = 32 * g + 4 * jj + b
+        assert int(p.codes[nb, g, jj, r, b]) == int(q[16 * nb + r, col]) | int(q[16 * nb + r, col + 16]) << 4
+    assert not p.codes[1, :, :, 4:].any()  # rows 20..31: zero codes
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6])  # every tile width, alone and after a full tile
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("n,bias", [(17, True), (16, False)])
+def test_native_kernel_one_group_every_tile(m, int8, n, bias):
+    w = _weight(n, 32, seed=40 + m)  # K = 32: one group
+    b = w.bias if bias else None
+    x = torch.randn(m, 32, generator=torch.Generator().manual_seed(50 + m))
+    xr = fake_quantize_activations(x, GROUP_ACT, torch.zeros(32, dtype=torch.long)) if int8 else x
+    ref = (xr.double() @ w.dequantize().double().T + (b.double() if bias else 0)).float()
+    packed = pack_mxfp4(w)
+    outs = {isa: make_handle(packed, "w", isa, 1, int8).forward(x, b) for isa in ISAS}
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), isa
+    torch.testing.assert_close(outs["scalar"], ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("code", [7, 15])  # kv +12 / -12: the SIMD codes' bias at 24 and 0
+def test_native_int8_sums_at_their_extremes(code):
+    """Every activation at -128 or 127 (x = -1 / +1 per group) against |kv| = 12: the largest int16
+    partial sums of the AVX2 kernel (8 products: 24 x 128 x 8) and the int32 bias term, exact."""
+    blocks = torch.full((16, 64, 16), code * 17, dtype=torch.uint8)  # 16 rows, K = 2048: the code in both nibbles
+    w = mxfp4_weight(blocks, torch.full((16, 64), 127, dtype=torch.uint8), name="w").validate()
+    x = torch.tensor([[-1.0] * 2048, [1.0] * 2048, [-1.0, 1.0] * 1024])
+    ref = fake_quantize_activations(x, GROUP_ACT, torch.arange(2048) // 32).double() @ w.dequantize().double().T
+    packed = pack_mxfp4(w)
+    outs = {isa: make_handle(packed, "w", isa, 1, True).forward(x) for isa in ISAS}
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), isa
+    torch.testing.assert_close(outs["scalar"], ref.float(), rtol=1e-6, atol=0)

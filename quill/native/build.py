@@ -56,7 +56,7 @@ VARIANT_SOURCES: dict[str, dict[str, list[str]]] = {
     "avx512": {"avx512_vnni.cpp": AVX512 + ["-mavx512vnni"], "avx512_split.cpp": AVX512 + ["-mavx512vnni"],
                "avx512_quant.cpp": AVX512,
                "dense_avx512.cpp": AVX512, "attention_avx512.cpp": AVX512, "deltanet_avx512.cpp": AVX512,
-               "mxfp4_avx512.cpp": AVX512},
+               "mxfp4_avx512.cpp": AVX512 + ["-mavx512vnni"]},
     "avx2": {"avx2.cpp": AVX2, "avx2_quant.cpp": AVX2, "dense_avx2.cpp": AVX2, "attention_avx2.cpp": AVX2,
              "deltanet_avx2.cpp": AVX2, "mxfp4_avx2.cpp": AVX2},
     "scalar": {"scalar.cpp": [], "dense_scalar.cpp": [], "attention_scalar.cpp": [], "deltanet_scalar.cpp": [],

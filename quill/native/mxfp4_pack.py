@@ -1,8 +1,11 @@
 """Repack an MXFP4 :class:`QuantizedWeight` (FP4 E2M1 codes, E8M0 scales, groups of 32) into the
 native MXFP4 layout (``csrc/mxfp4.h``), once, after loading: 4.25 bits per weight, as stored.
 
-    codes  uint8 [NB, G, 16 j, 16 r]  q[16 nb + r][32 g + j] | q[16 nb + r][32 g + j + 16] << 4
-    scales uint8 [NB, G, 16 r]        the E8M0 exponent of row 16 nb + r, group g
+    codes  uint8 [NB, G, 4 jj, 16 r, 4 b]  q[16 nb + r][32 g + 4 jj + b] | q[16 nb + r][32 g + 4 jj + b + 16] << 4
+    scales uint8 [NB, G, 16 r]               the E8M0 exponent of row 16 nb + r, group g
+
+One 32-bit lane holds 4 consecutive columns of one row (and the 4 sixteen columns on), so a 64-byte
+load of a quad ``jj`` is 16 rows x 4 columns: one ``vpdpbusd`` per token and nibble.
 
 Rows are padded to whole blocks of 16 with code 0 (value 0) and exponent 0.
 """
@@ -21,7 +24,7 @@ LANES, GROUP = 16, 32
 
 @dataclass
 class PackedMxfp4:
-    codes: torch.Tensor  # uint8 [NB, G, 16, 16]
+    codes: torch.Tensor  # uint8 [NB, G, 4, 16, 4]
     scales: torch.Tensor  # uint8 [NB, G, 16]
     out_features: int
     in_features: int
@@ -48,6 +51,6 @@ def pack_mxfp4(w: QuantizedWeight) -> PackedMxfp4:
     if nb * LANES != n:
         codes = torch.cat([codes, codes.new_zeros(nb * LANES - n, k)])
         scales = torch.cat([scales, scales.new_zeros(nb * LANES - n, g)])
-    q = codes.view(nb, LANES, g, 2, 16)  # [nb, r, g, half, j]
-    packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1).contiguous()  # [nb, g, j, r]
+    q = codes.view(nb, LANES, g, 2, 4, 4)  # [nb, r, g, half, jj, b]: column 32 g + 16 half + 4 jj + b
+    packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [nb, g, jj, r, b]
     return PackedMxfp4(packed, scales.view(nb, LANES, g).transpose(1, 2).contiguous(), n, k)

@@ -30,7 +30,7 @@ template <class... A>
 
 class NativeMxfp4 final : public LinearOp {
  public:
-  // codes uint8 [NB, G, 16, 16], scales uint8 [NB, G, 16] (mxfp4.h); act "float" or "int8"
+  // codes uint8 [NB, G, 4, 16, 4], scales uint8 [NB, G, 16] (mxfp4.h); act "float" or "int8"
   NativeMxfp4(at::Tensor codes, at::Tensor scales, int64_t n, int64_t k, std::string act, std::string isa,
               int64_t threads)
       : codes_(std::move(codes)), scales_(std::move(scales)), isa_(isa) {
@@ -41,7 +41,7 @@ class NativeMxfp4 final : public LinearOp {
     int8_ = act == "int8";
     if (n <= 0 || k <= 0 || k % MX_GROUP) mxfp4_fail("native mxfp4: a [", n, ", ", k, "] weight; in_features must be a positive multiple of 32");
     const int64_t nb = (n + LANES - 1) / LANES, g = k / MX_GROUP;
-    check(codes_, {nb, g, 16, LANES}, "codes");
+    check(codes_, {nb, g, 4, LANES, 4}, "codes");
     check(scales_, {nb, g, LANES}, "scales");
     w_.codes = codes_.data_ptr<uint8_t>();
     w_.scales = scales_.data_ptr<uint8_t>();
@@ -132,11 +132,15 @@ class NativeMxfp4 final : public LinearOp {
     }
   }
 
+  // byte offsets in the scratch of M tokens (team_scratch): group scales [M, G], then sums [M, G]
+  int64_t gscale_at(int64_t m) const { return align64(m * k_); }
+  int64_t qsum_at(int64_t m) const { return align64(m * k_) + align64(m * w_.groups * 4); }
+
   // tokens [b, e) of x [M, K] quantized into scratch (codes, group scales, sums)
   void quantize(const float* x, int64_t m, char* scratch, int b, int e) const {
     int8_t* q = reinterpret_cast<int8_t*>(scratch);
-    float* gscale = reinterpret_cast<float*>(scratch + align64(m * k_));
-    int32_t* qsum = reinterpret_cast<int32_t*>(scratch + align64(m * k_) + align64(m * w_.groups * 4));
+    float* gscale = reinterpret_cast<float*>(scratch + gscale_at(m));
+    int32_t* qsum = reinterpret_cast<int32_t*>(scratch + qsum_at(m));
     RawX in;
     in.x = x;
     in.dtype = DType::F32;
@@ -158,7 +162,8 @@ class NativeMxfp4 final : public LinearOp {
     a.m = int32_t(m);
     if (int8_) {
       a.q = reinterpret_cast<const int8_t*>(scratch);
-      a.gscale = reinterpret_cast<const float*>(scratch + align64(m * k_));
+      a.gscale = reinterpret_cast<const float*>(scratch + gscale_at(m));
+      a.qsum = reinterpret_cast<const int32_t*>(scratch + qsum_at(m));  // the SIMD kernels' bias term
     }
     return a;
   }

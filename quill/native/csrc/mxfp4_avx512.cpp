@@ -1,9 +1,8 @@
-// The MXFP4 kernels in the AVX-512 variant: the AVX2 code (mxfp4_v256.h), compiled with the
-// variant's flags.  No AVX-512 instructions of its own: none could be run here (a Zen 3 host).
-#include "mxfp4_v256.h"
+// The MXFP4 kernels (mxfp4_tile.h) on AVX-512 F/BW + VNNI (mxfp4_v512.h: one zmm per 16 rows).
+#include "mxfp4_v512.h"
 
 namespace quill {
 
-const Mxfp4Kernels& mxfp4_avx512() { return mx::kernels<V256x2>(); }
+const Mxfp4Kernels& mxfp4_avx512() { return mx::kernels<V512>(); }
 
 }  // namespace quill

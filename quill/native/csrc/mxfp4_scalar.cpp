@@ -1,5 +1,6 @@
 // The MXFP4 kernels (mxfp4_tile.h) one lane at a time: the twin every SIMD variant must match
-// bit for bit (std::fma rounds once, as vfmadd does).
+// bit for bit (std::fma rounds once, as vfmadd does).  Its int8 sum is the definition,
+// sum_j kv[q_j] x8_j in column order, with signed codes (the SIMD ones bias them: the same integer).
 #include <cmath>
 #include <cstring>
 
@@ -10,11 +11,14 @@ namespace {
 
 constexpr int8_t KV[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // kvalues_mxfp4
 
+// The code byte of row (lane) r and column j (0..15: its low nibble; j + 16: its high nibble) of
+// one group's 256 bytes [4 jj, 16 r, 4 b] (mxfp4.h).
+inline uint8_t code_byte(const uint8_t* group, int r, int j) {
+  return group[MX_QUAD_BYTES * (j / 4) + 4 * r + j % 4];
+}
+
 struct VScalar {
   float v[LANES];
-  struct W {
-    int32_t lo[LANES], hi[LANES];
-  };
   struct I {
     int32_t v[LANES];
   };
@@ -42,10 +46,13 @@ struct VScalar {
   static void store(const VScalar& a, float* out) {
     for (int l = 0; l < LANES; ++l) out[l] = a.v[l];
   }
-  static void decode(const uint8_t* b, VScalar& lo, VScalar& hi) {
+  using Q = const uint8_t*;  // quad [16 r, 4 b]
+  static Q quad(const uint8_t* codes) { return codes; }
+  template <int B>  // kv of columns 4 jj + B and 4 jj + B + 16
+  static void column(Q quad, VScalar& lo, VScalar& hi) {
     for (int l = 0; l < LANES; ++l) {
-      lo.v[l] = float(KV[b[l] & 15]);
-      hi.v[l] = float(KV[b[l] >> 4]);
+      lo.v[l] = float(KV[quad[4 * l + B] & 15]);
+      hi.v[l] = float(KV[quad[4 * l + B] >> 4]);
     }
   }
   static VScalar scale(const uint8_t* e) {
@@ -56,19 +63,18 @@ struct VScalar {
     }
     return r;
   }
-  static W wdecode(const uint8_t* b) {
-    W w;
-    for (int l = 0; l < LANES; ++l) {
-      w.lo[l] = KV[b[l] & 15];
-      w.hi[l] = KV[b[l] >> 4];
-    }
-    return w;
-  }
-  static I izero() { return {}; }
-  static I idot(const W& w, int8_t a, int8_t b, const I& acc) {
-    I r;
-    for (int l = 0; l < LANES; ++l) r.v[l] = acc.v[l] + w.lo[l] * a + w.hi[l] * b;
-    return r;
+  // group [256] codes, q[T] -> 32 int8 each: d[t] = sum_j kv[q_j] q[t][j] (qsum unused: no bias here)
+  template <int T>
+  static void group_i8(const uint8_t* group, const int8_t* const* q, const int32_t* /*qsum*/, I* d) {
+    for (int t = 0; t < T; ++t)
+      for (int l = 0; l < LANES; ++l) {
+        int32_t s = 0;
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t c = code_byte(group, l, j);
+          s += KV[c & 15] * q[t][j] + KV[c >> 4] * q[t][j + 16];
+        }
+        d[t].v[l] = s;
+      }
   }
   static VScalar cvt(const I& d) {
     VScalar r;

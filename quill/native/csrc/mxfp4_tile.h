@@ -1,15 +1,20 @@
 // The MXFP4 kernels (mxfp4.h) written once over a 16-lane vector type V (lane = output row),
-// instantiated by mxfp4_scalar.cpp, mxfp4_avx2.cpp and mxfp4_avx512.cpp.  V provides:
+// instantiated by mxfp4_scalar.cpp, mxfp4_avx2.cpp (mxfp4_v256.h) and mxfp4_avx512.cpp
+// (mxfp4_v512.h).  V provides:
 //
 //   V::zero(), V::fma(a, float b, acc) = acc + a * b and V::fmav(a, b, acc) (one rounding),
 //   V::add(a, b), V::mul(a, float b), V::store(v, float[16]),
-//   V::decode(bytes[16], lo, hi): the 16 lanes' kv values (float) of the low / high nibbles,
+//   V::Q V::quad(codes[64]): one quad of a group (mxfp4.h: 16 rows x 4 columns) loaded, and
+//   V::column<b>(Q, lo, hi): its 16 lanes' kv values (float) of columns 4 jj + b and 4 jj + b + 16
+//     (one column at a time: the AVX2 type has 16 ymm registers for the decoded values and sums),
 //   V::scale(e[16]): 2^(e - 128) per lane,
-//   V::W / V::I: decoded codes for integer dot products / 16 int32 accumulators:
-//   V::wdecode(bytes[16]) -> W, V::izero(), V::idot(W, int8 a, int8 b, I) = I + lo * a + hi * b,
+//   V::I: 16 int32 sums; V::group_i8<T>(codes[256], q[T], qsum[T], d[T]): per token t, the exact
+//     d[t] = sum_j kv[code of column j] * q[t][j] over the group's 32 columns (q[t] its 32 int8
+//     activations, qsum[t] their sum), in any order (an exact integer),
 //   V::cvt(I) -> V.
 //
-// Every lane performs the same operations in the same order whatever the variant.
+// The float sums keep one order (per lane: columns 0..15 into one chain, 16..31 into another, each in
+// column order), so every variant returns the same bits; the int8 sums are exact, so their order is free.
 #pragma once
 
 #include <algorithm>
@@ -34,25 +39,36 @@ void store_tile(const Mxfp4Weights& w, const Out& o, int nb, int m0, int mt, con
   }
 }
 
+// Column k0 + B (and k0 + B + 16) of one quad into T tokens' two chains, plo / phi.
+template <class V, int T, int B>
+QUILL_INLINE void column(const typename V::Q& quad, const Mxfp4Acts& a, int m0, int64_t k0, V* plo, V* phi) {
+  V lo, hi;
+  V::template column<B>(quad, lo, hi);
+  QUILL_UNROLL for (int m = 0; m < T; ++m) {
+    const float* x = a.x + (m0 + m) * a.ld + k0 + B;
+    plo[m] = V::fma(lo, x[0], plo[m]);
+    phi[m] = V::fma(hi, x[16], phi[m]);
+  }
+}
+
+// Tokens m0 .. m0 + T of row block nb, float activations.
 template <class V, int T>
 void tile_f32(const Mxfp4Weights& w, const Mxfp4Acts& a, const Out& o, int nb, int m0) {
   V acc[T];
   QUILL_UNROLL for (int m = 0; m < T; ++m) acc[m] = V::zero();
-  const uint8_t* codes = w.codes + int64_t(nb) * w.groups * 256;
+  const uint8_t* codes = w.codes + int64_t(nb) * w.groups * MX_GROUP_BYTES;
   const uint8_t* scales = w.scales + int64_t(nb) * w.groups * LANES;
   for (int g = 0; g < w.groups; ++g) {
-    V plo[T], phi[T];
+    V plo[T], phi[T];  // columns 0..15 / 16..31 of the group, each summed in column order
     QUILL_UNROLL for (int m = 0; m < T; ++m) plo[m] = phi[m] = V::zero();
-    const uint8_t* blk = codes + int64_t(g) * 256;
+    const uint8_t* blk = codes + int64_t(g) * MX_GROUP_BYTES;
     __builtin_prefetch(blk + PREFETCH_BYTES, 0, 2);
-    for (int j = 0; j < 16; ++j) {
-      V lo, hi;
-      V::decode(blk + 16 * j, lo, hi);
-      QUILL_UNROLL for (int m = 0; m < T; ++m) {
-        const float* x = a.x + (m0 + m) * a.ld + MX_GROUP * g + j;
-        plo[m] = V::fma(lo, x[0], plo[m]);
-        phi[m] = V::fma(hi, x[16], phi[m]);
-      }
+    _Pragma("GCC unroll 1") for (int jj = 0; jj < 4; ++jj) {  // unrolled, gcc spilled the AVX2 sums
+      const typename V::Q quad = V::quad(blk + MX_QUAD_BYTES * jj);
+      column<V, T, 0>(quad, a, m0, MX_GROUP * g + 4 * jj, plo, phi);
+      column<V, T, 1>(quad, a, m0, MX_GROUP * g + 4 * jj, plo, phi);
+      column<V, T, 2>(quad, a, m0, MX_GROUP * g + 4 * jj, plo, phi);
+      column<V, T, 3>(quad, a, m0, MX_GROUP * g + 4 * jj, plo, phi);
     }
     const V s = V::scale(scales + g * LANES);
     QUILL_UNROLL for (int m = 0; m < T; ++m) acc[m] = V::fmav(V::add(plo[m], phi[m]), s, acc[m]);
@@ -60,27 +76,29 @@ void tile_f32(const Mxfp4Weights& w, const Mxfp4Acts& a, const Out& o, int nb, i
   store_tile(w, o, nb, m0, T, acc);
 }
 
+// Tokens m0 .. m0 + T of row block nb, int8 activations (one scale per token and group).
 template <class V, int T>
 void tile_i8(const Mxfp4Weights& w, const Mxfp4Acts& a, const Out& o, int nb, int m0) {
   V acc[T];
   QUILL_UNROLL for (int m = 0; m < T; ++m) acc[m] = V::zero();
-  const uint8_t* codes = w.codes + int64_t(nb) * w.groups * 256;
+  const uint8_t* codes = w.codes + int64_t(nb) * w.groups * MX_GROUP_BYTES;
   const uint8_t* scales = w.scales + int64_t(nb) * w.groups * LANES;
   for (int g = 0; g < w.groups; ++g) {
-    typename V::I d[T];
-    QUILL_UNROLL for (int m = 0; m < T; ++m) d[m] = V::izero();
-    const uint8_t* blk = codes + int64_t(g) * 256;
+    const uint8_t* blk = codes + int64_t(g) * MX_GROUP_BYTES;
     __builtin_prefetch(blk + PREFETCH_BYTES, 0, 2);
-    for (int j = 0; j < 16; ++j) {
-      const typename V::W c = V::wdecode(blk + 16 * j);
-      QUILL_UNROLL for (int m = 0; m < T; ++m) {
-        const int8_t* q = a.q + (m0 + m) * a.ld + MX_GROUP * g + j;
-        d[m] = V::idot(c, q[0], q[16], d[m]);
-      }
+    const int8_t* q[T];   // each token's 32 activations of group g
+    int32_t qsum[T];      // and their sum
+    float gs[T];          // and their scale
+    QUILL_UNROLL for (int m = 0; m < T; ++m) {
+      const int64_t i = int64_t(m0 + m) * w.groups + g;
+      q[m] = a.q + (m0 + m) * a.ld + MX_GROUP * g;
+      qsum[m] = a.qsum[i];
+      gs[m] = a.gscale[i];
     }
+    typename V::I d[T];
+    V::template group_i8<T>(blk, q, qsum, d);
     const V s = V::scale(scales + g * LANES);
-    QUILL_UNROLL for (int m = 0; m < T; ++m)
-      acc[m] = V::fmav(V::mul(V::cvt(d[m]), a.gscale[int64_t(m0 + m) * w.groups + g]), s, acc[m]);
+    QUILL_UNROLL for (int m = 0; m < T; ++m) acc[m] = V::fmav(V::mul(V::cvt(d[m]), gs[m]), s, acc[m]);
   }
   store_tile(w, o, nb, m0, T, acc);
 }
