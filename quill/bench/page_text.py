@@ -28,20 +28,15 @@ METHOD = """## Method
 * Same GGUF file, same thread count (2: each machine is a 2-core VM), same ISA for both engines:
   AVX-512 rows run llama.cpp built from its sources with `GGML_NATIVE` (without AMX where it crashed),
   AVX2 rows run quill's AVX2 kernels (`--isa avx2`, `ATEN_CPU_CAPABILITY=avx2`) against llama.cpp's AVX2 wheel.
-* A prompt of fixed token ids, then greedy decoding (the tokens column); no prefix cache, so every run
-  computes its prompt. llama.cpp runs through llama-cpp-python in its own virtualenv, a fresh process
-  per run.
-* The engines alternate run by run (quill's arithmetics, then llama.cpp, then again), 3-5 runs;
-  the tables show medians. The machines are shared with other VMs, so alternating keeps a ratio fair
-  while the absolute rates move.
-* Before each run a probe reads 8 x L3 from DRAM with every thread; the roofline of a run is the
-  highest bandwidth any probe read in that run (the "best probe" column). Decode of the 1.2B and larger
-  models is a race for that bandwidth.
-* Serving: closed-loop clients, each sending its next streamed `/v1/completions` request when the last
-  one finished; prompts of 48-192 random English words, 32-128 output tokens, greedy, `ignore_eos`;
-  rounds alternate the servers and draw new prompts, medians of the rounds. llama-server gets
-  continuous batching and one slot per client. Output tok/s is generated tokens over the round's wall
-  time; inter-token latency (ITL) is measured at the client. The load generator shares the 2 cores.
+* A prompt of fixed token ids, then greedy decoding (the tokens column); no prefix cache. llama.cpp runs
+  through llama-cpp-python in its own virtualenv, a fresh process per run. The engines alternate run by
+  run, 3-5 runs, medians: on shared hosts alternating keeps a ratio fair while the absolute rates move.
+* Before each run a probe reads 8 x L3 from DRAM with every thread; a run's roofline is the highest
+  bandwidth any of its probes read (the "best probe" column), which decode of 1B+ models races for.
+* Serving: closed-loop clients, each sending its next streamed `/v1/completions` when the last one
+  finished; prompts of 48-192 random English words, 32-128 output tokens, greedy, `ignore_eos`; rounds
+  alternate the servers, medians. llama-server gets continuous batching and one slot per client. Output
+  tok/s: generated tokens over the round's wall time; ITL measured at the client, on the same 2 cores.
 """
 
 COMMANDS = """## Commands
@@ -51,16 +46,13 @@ The commands behind the tables (each machine's notebook section has the exact on
 ```
 make llamacpp       # llama-cpp-python 0.3.36 into .venv-llamacpp: llama.cpp's quantizer and AVX2 peer
 B=".venv/bin/python -m quill.bench.llamacpp --llama-python .venv-llamacpp/bin/python --runs 3"
-# default model, 1.2B and 8B-shaped Q4_0 (random weights); AVX-512 rows add --llama-lib LL (a GGML_NATIVE,
-# BUILD_SHARED_LIBS llama.cpp build's bin/), AVX2 rows on an AVX-512 host add --isa avx2
-$B --write-1b /work/gguf --write-8b /work/gguf --json docs/bench/MACHINE/q40.json
-# Q4_K_M rows: llama.cpp's own quantizer requantizes the Q4_0 files first
-$B --gguf /work/gguf/llama-1b-q4_0.gguf --gguf /work/gguf/llama-8b-q4_0.gguf --types q4_k_m --json ...
-# serving rows (LS: llama-server from the same llama.cpp build); --serve-arg=--act-quant --serve-arg=none
-# for float activations, --json-schema docs/bench/schemas/long-list.json for the JSON-schema rows
+# AVX-512 rows add --llama-lib LL (a GGML_NATIVE, BUILD_SHARED_LIBS llama.cpp build's bin/), AVX2 rows --isa avx2
+$B --write-1b /work/gguf --write-8b /work/gguf --json docs/bench/MACHINE/q40.json    # Q4_0, random weights
+$B --gguf /work/gguf/llama-1b-q4_0.gguf --types q4_k_m --json ...   # Q4_K_M: llama.cpp requantizes the Q4_0 file
+# Qwen3.5-, Gemma-3-1B- and gpt-oss-20b-shaped files: python -m quill.bench.qwen35 | quill.bench.windowed --out DIR
+# serving (LS: llama-server, same build); float: --serve-arg=--act-quant --serve-arg=none; --json-schema FILE
 .venv/bin/quill bench serve --llama-server $LS --clients 1,16 --rounds 3 --json docs/bench/MACHINE/serve-NAME.json
-# then: name the JSON in docs/bench/page.json and regenerate this page
-.venv/bin/python -m quill.bench.page
+.venv/bin/python -m quill.bench.page   # after naming the JSON in docs/bench/page.json
 ```
 
 Kernel, model-level, MoE and load-time benchmarks (`quill bench kernels | model | moe-layer | load`)
@@ -71,17 +63,17 @@ LIMITS = """## Known limits
 
 * Two cores, shared hosts: rates move with the neighbours (the DRAM probe ranges); compare ratios within
   a row. Decode ratios of the larger files follow the DRAM's state: at a low probe both wait on memory.
-* Q4_K_M on AVX2 (Zen 3): level with llama.cpp on decode, 0.87-0.91x on prefill at int8-group; Q4_0
-  stays ahead (1.08-1.21x). The 8B-shaped rows exist for Zen 3 only.
-* Float activations: two int8 products per weight (a 16-bit image; `--act-quant exact`: three) where
-  llama.cpp's costs one; rows before the twenty-first session ran the exact mode. Sapphire Rapids, 1.2B,
-  prompt 128 (spr/float16-1b-p128.json): float prefill 1.28x llama.cpp (exact 0.94x); `--isa avx2`
-  against the AVX2 wheel 0.80x (exact 0.62x).
-* The 1.2B and 8B-shaped files have random weights (speed does not depend on them; their text is noise).
+* Q4_K_M on AVX2 (Zen 3): decode level with llama.cpp, prefill 0.87-0.91x (Q4_0 1.08-1.21x); 8B rows: Zen 3 only.
+* Float activations: two int8 products per weight (`--act-quant exact`: three), llama.cpp's one; rows before
+  the twenty-first session ran exact. Sapphire Rapids, 1.2B, prompt 128 (spr/float16-1b-p128.json): float
+  prefill 1.28x llama.cpp (exact 0.94x); `--isa avx2` against the AVX2 wheel 0.80x (exact 0.62x).
+* The shaped files (1.2B, 8B, Qwen3.5, Gemma 3, gpt-oss) have random weights: speed does not depend on them.
+* Long prompts: at 4096 tokens quill's Gemma-3-1B decode is only 1.05-1.08x llama.cpp's (decode attention
+  36 of 85 ms per token); gpt-oss-20b at 4096 is not measured yet.
 * The JSON-schema serving rows hold every request to one schema (64+ list items, so no request ends
   before its token count); the free rows are a separate run minutes apart, not alternated with them.
 * The Zen 4 runs predate int8-group activations and the native decode step: they show an older quill.
-* JSON written before `quill.bench.meta` records no date, commit, torch or llama.cpp version ("—").
+  JSON written before `quill.bench.meta` records no date, commit, torch or llama.cpp version ("—").
 """
 
 
