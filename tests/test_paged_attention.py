@@ -49,6 +49,7 @@ CASES = [  # context lengths, H, Hkv, D
     ([129, 64], 32, 8, 64),           # Llama-3.2-1B heads
     ([40, 41, 17], 4, 4, 128),        # no grouping, D = 128
     ([130, 64, 7, 16], 32, 4, 128),   # Qwen3-MoE heads: G = 8, blocks of keys and their remainders
+    ([300, 70, 9], 4, 1, 256),        # Gemma 3's heads (and Qwen3.5's D): one KV head, blocks and remainders
     ([19, 5], 6, 2, 80),              # a head size with no specialisation
 ]
 

@@ -287,7 +287,7 @@ inline void pv_heads(const float* __restrict p, int64_t sstride, const T* vbase,
 // of query heads passes over them.
 constexpr int64_t kPvKeys = 64;
 
-// DC: the head dimension when known at compile time (64, 128), else 0 (a.d at run time);
+// DC: the head dimension when known at compile time (64, 128, 256), else 0 (a.d at run time);
 // T: the K / V element (float, uint16_t bfloat16 words, or _Float16).
 template <int DC, class T>
 void head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, float* __restrict scratch) {
@@ -384,6 +384,7 @@ template <class T>
 inline void typed_head(const AttnArgs& a, const T* k, const T* v, int64_t b, int64_t kvh, float* scratch) {
   if (a.d == 64) return head<64>(a, k, v, b, kvh, scratch);
   if (a.d == 128) return head<128>(a, k, v, b, kvh, scratch);
+  if (a.d == 256) return head<256>(a, k, v, b, kvh, scratch);  // Gemma 3 / 4's local heads, Qwen3.5's
   head<0>(a, k, v, b, kvh, scratch);
 }
 
