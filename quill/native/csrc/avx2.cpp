@@ -21,12 +21,6 @@ namespace {
 
 using namespace v256;  // the segment helpers (simd256.h)
 
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  __builtin_memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
 // 5/6-bit codes: OR the high plane (common.h) into the nibbles of half h, in place.
 // lo holds positions 8c..8c+3, hi positions 8c+4..8c+7 of lanes 8h..8h+7.
 template <int BITS>

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include "mxfp4_tile.h"
+#include "simd256.h"
 
 namespace quill {
 namespace {
@@ -79,11 +80,6 @@ struct V256x2 {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(e));
     return {scale8(v), scale8(_mm_srli_si128(v, 8))};
   }
-  static __m256i bcast4(const int8_t* q) {  // 4 activations into every int32 lane
-    int32_t v;
-    __builtin_memcpy(&v, q, 4);
-    return _mm256_set1_epi32(v);
-  }
   // Rows 8 h .. 8 h + 7 of one group [256] against T tokens' 32 activations: per quad pair, the
   // vpmaddubsw sums of (kv + 12) x (16 products per int32 lane, each |p| <= 24 x 128, so the int16
   // pairs hold 8: <= 24576) widen by one vpmaddwd; the sums start at -12 x qsum (kv's bias).
@@ -104,10 +100,10 @@ struct V256x2 {
       nibbles(group + MX_QUAD_BYTES * (2 * p + 1) + 32 * h, ukv(), l1, h1);
       QUILL_UNROLL for (int t = 0; t < T; ++t) {
         const int8_t* x = x8[t] + 8 * p;
-        __m256i s = _mm256_maddubs_epi16(l0, bcast4(x));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(h0, bcast4(x + 16)));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(l1, bcast4(x + 4)));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(h1, bcast4(x + 20)));
+        __m256i s = _mm256_maddubs_epi16(l0, v256::bcast4(x));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(h0, v256::bcast4(x + 16)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(l1, v256::bcast4(x + 4)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(h1, v256::bcast4(x + 20)));
         d[t] = _mm256_add_epi32(d[t], _mm256_madd_epi16(s, ones));
       }
     }

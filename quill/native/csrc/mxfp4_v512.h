@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include "mxfp4_tile.h"
+#include "simd512.h"
 
 namespace quill {
 namespace {
@@ -36,11 +37,6 @@ struct V512 {
     const __mmask16 small = _mm512_cmplt_epu32_mask(x, _mm512_set1_epi32(2));
     return {_mm512_castsi512_ps(_mm512_mask_blend_epi32(small, norm, sub))};
   }
-  static __m512i bcast4(const int8_t* q) {  // 4 activations into every int32 lane
-    int32_t v;
-    __builtin_memcpy(&v, q, 4);
-    return _mm512_set1_epi32(v);
-  }
   // One group [256] against T tokens' 32 activations: per quad one vpdpbusd per token and nibble,
   // (kv + 12) as unsigned bytes (one vpshufb of the nibbles) times the 4 activations of the
   // quad's columns; two chains per token (low / high nibbles), started at -12 x qsum and 0.
@@ -58,8 +54,8 @@ struct V512 {
       const __m512i lo = _mm512_shuffle_epi8(ukv, _mm512_and_si512(c, m));
       const __m512i hi = _mm512_shuffle_epi8(ukv, _mm512_and_si512(_mm512_srli_epi16(c, 4), m));
       QUILL_UNROLL for (int t = 0; t < T; ++t) {
-        d[t] = _mm512_dpbusd_epi32(d[t], lo, bcast4(q[t] + 4 * jj));
-        dh[t] = _mm512_dpbusd_epi32(dh[t], hi, bcast4(q[t] + 4 * jj + 16));
+        d[t] = _mm512_dpbusd_epi32(d[t], lo, v512::bcast4(q[t] + 4 * jj));
+        dh[t] = _mm512_dpbusd_epi32(dh[t], hi, v512::bcast4(q[t] + 4 * jj + 16));
       }
     }
     QUILL_UNROLL for (int t = 0; t < T; ++t) d[t] = _mm512_add_epi32(d[t], dh[t]);

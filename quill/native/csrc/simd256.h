@@ -10,6 +10,13 @@
 namespace quill {
 namespace v256 {
 
+// Four int8 values (p[0..3]) into every int32 lane: the activations one vpmaddubsw quad multiplies.
+QUILL_INLINE __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
 QUILL_INLINE __m256 load8(const void* p, DType t, int64_t i) {
   switch (t) {
     case DType::F16:
