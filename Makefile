@@ -52,12 +52,6 @@ native-best: $(RUNTIME)
 # everything `make test` runs on
 install: $(STAMP) native
 
-# The bytecode of what the tests' processes import, written once beside the native build (tests/bytecode.py):
-# the workers' collections and the first servers would otherwise each compile the same modules at once.
-$(VENV)/.bytecode: $(STAMP)
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python tests/bytecode.py
-	touch $@
-
 # llama.cpp itself (llama-cpp-python 0.3.36, the AVX2 wheel in ../shared/wheels) in its own virtualenv,
 # never quill's: its quantizer writes the K-quant GGUF files the tests read, and benchmarks run it as the peer.
 LLAMA_VENV := .venv-llamacpp
@@ -74,11 +68,10 @@ llamacpp: $(LLAMA_VENV)/.installed
 # Bytecode is written while the tests run even where PYTHONDONTWRITEBYTECODE is set (CI machines): uv installs
 # none (pip would), and each of the suite's hundreds of processes (servers, CLI runs, Ray workers) would
 # otherwise compile torch, transformers and Ray from source again (a fresh clone's Ray module: 618 s, 277 s
-# compiled).  Two workers per core: the tests spend much of their time waiting on servers and Ray, and the
-# others fill it; each worker is pinned to core (worker number mod cores) (tests/conftest.py), so an even count
-# keeps the cores equally loaded (3 workers on 2 cores left one core with two of them: 1.63 cores busy).
-XDIST_WORKERS ?= $(shell echo $$(( 2 * $$(nproc) )))
-test: install llamacpp $(VENV)/.bytecode
+# compiled).  One worker more than cores: the tests spend much of their time waiting on servers and Ray,
+# and the extra worker fills it (2 cores: 12 min 54 s with 3 workers, compiled).
+XDIST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+test: install llamacpp
 	$(BIN)/ruff check .
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(XDIST_WORKERS) --dist loadfile --no-loadscope-reorder
 
