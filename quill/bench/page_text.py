@@ -64,16 +64,12 @@ LIMITS = """## Known limits
 * Two cores, shared hosts: rates move with the neighbours (the DRAM probe ranges); compare ratios within
   a row. Decode ratios of the larger files follow the DRAM's state: at a low probe both wait on memory.
 * Q4_K_M on AVX2 (Zen 3): decode level with llama.cpp, prefill 0.87-0.91x (Q4_0 1.08-1.21x); 8B rows: Zen 3 only.
-* Float activations: two int8 products per weight (`--act-quant exact`: three), llama.cpp's one; rows before
-  the twenty-first session ran exact. Sapphire Rapids, 1.2B, prompt 128 (spr/float16-1b-p128.json): float
-  prefill 1.28x llama.cpp (exact 0.94x); `--isa avx2` against the AVX2 wheel 0.80x (exact 0.62x).
+* Float activations: two int8 products per weight (`exact`: three; rows before the 21st session), llama.cpp's one:
+  float prefill on Sapphire Rapids, 1.2B, prompt 128, 1.28x llama.cpp (exact 0.94x), `--isa avx2` 0.80x (0.62x).
 * The shaped files (1.2B, 8B, Qwen3.5, Gemma 3, gpt-oss) have random weights: speed does not depend on them.
-* Long prompts: Gemma-3-1B Q4_K_M and gpt-oss-20b at 4096 tokens are not measured with the head_dim-256
-  attention tile (Q4_K_M decoded 1.08x before it, Q4_0 1.05x, now 1.68x).
 * The JSON-schema serving rows hold every request to one schema (64+ list items, so no request ends
   before its token count); the free rows are a separate run minutes apart, not alternated with them.
-* The Zen 4 runs predate int8-group activations and the native decode step: they show an older quill.
-  JSON written before `quill.bench.meta` records no date, commit, torch or llama.cpp version ("—").
+* Zen 4 rows: an older quill (no int8-group, no native step); JSON before `quill.bench.meta` has no date ("—").
 """
 
 
