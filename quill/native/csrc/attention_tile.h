@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "attention.h"
+#include "vmath.h"
 
 // Internal linkage: each TU keeps its own copy, compiled with its own ISA flags (one shared
 // inline definition would let the linker pick, say, the AVX-512 one for every variant).
@@ -93,27 +94,8 @@ inline float dot(const float* a, const T* b, int64_t d) {  // a, b [d]
   return tree(part);
 }
 
-// exp(x) for x <= 0: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (Cephes' expf polynomial);
-// 0 below -87 (where float32 exp underflows to denormals anyway).
-inline float exp_neg(float x) {
-  const float c = x < -87.0f ? -87.0f : x;
-  const float t = c * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
-  const float n = t - 12582912.0f;
-  const float r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &t, 4);
-  const int32_t e = (bits - 0x4B400000 + 127) << 23;  // the integer n sits in t's low mantissa bits
-  float two_n;
-  std::memcpy(&two_n, &e, 4);
-  return x < -87.0f ? 0.0f : p * two_n;
-}
+// exp(x) for x <= 0 (vmath.h's exp_vec); 0 below -87 (where float32 exp underflows to denormals anyway)
+inline float exp_neg(float x) { return x < -87.0f ? 0.0f : exp_vec(x); }
 
 // sum of x[0 .. n) in the fixed lane order
 inline float sum(const float* x, int64_t n) {

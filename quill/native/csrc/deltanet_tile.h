@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "deltanet.h"
+#include "vmath.h"
 
 // The vector helpers have internal linkage, so their ABI (AVX vectors in the scalar twin) is moot.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -61,30 +62,7 @@ inline float sum_sq(const float* x, int64_t n) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// exp(x), x clamped to [-87, 88] (float32's normal range): 2^n p(r), n = round(x / ln 2),
-// r = x - n ln 2 (Cephes' expf polynomial, relative error < 2e-7).  Branch-free, so loops over it
-// vectorise; std::exp would not.
-inline float exp_poly(float x) {
-  const float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float t = c * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
-  const float n = t - 12582912.0f;
-  const float r = (c - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &t, 4);
-  const int32_t e = (bits - 0x4B400000 + 127) << 23;  // the integer n sits in t's low mantissa bits
-  float two_n;
-  std::memcpy(&two_n, &e, 4);
-  return p * two_n;
-}
-
-inline float silu(float x) { return x / (1.0f + exp_poly(-x)); }
+inline float silu(float x) { return x / (1.0f + exp_vec(-x)); }  // (vmath.h)
 
 // Channels [c0, c1) of sequence i: x = silu(conv over the state's K - 1 inputs and the new one);
 // the state drops its oldest input and keeps the new one.  conv_state row [C, K - 1].
