@@ -3,7 +3,9 @@
 Each of C clients sends its next request when its previous one has finished, until the
 workload is used up.  Every request streams ``/v1/completions`` (greedy, ``ignore_eos``,
 so both sides generate exactly ``max_tokens``) and records when it was sent, when each
-token chunk arrived, and how many tokens came back.
+token chunk arrived, and how many tokens came back.  With ``chat=True`` each prompt is
+instead one user message to ``/v1/chat/completions`` (greedy, ending where the answer ends,
+at most ``max_tokens``), and the server's ``timings`` (llama-server's) are kept too.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class Record:
     chunks: list[float] = field(default_factory=list)  # arrival of each chunk that carried a token
     tokens: int = 0
     error: str | None = None
+    finished: float | None = None  # arrival of the chunk with the finish reason
+    timings: dict = field(default_factory=dict)  # llama-server's per-request timings (its last chunk), if any
 
     @property
     def ttft(self) -> float | None:
@@ -90,13 +94,17 @@ def _pct(sorted_values: list[float], p: float) -> float:
     return statistics.quantiles(sorted_values, n=100, method="inclusive")[min(98, max(0, int(p) - 1))]
 
 
-async def _one(http, model: str, prompt: str, max_tokens: int, extra: dict) -> Record:
+async def _one(http, model: str, prompt: str, max_tokens: int, extra: dict, chat: bool = False) -> Record:
     import httpx
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}
+    if chat:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    else:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True, **extra}
     for _ in range(2):
-        rec = await _attempt(http, body)
+        rec = await _attempt(http, body, chat)
         # A kept-alive connection the server had closed (cpp-httplib, llama-server's HTTP layer,
         # closes one after 5 requests) fails before any response: send again, as browsers do.
         if not (not rec.chunks and rec.error and rec.error.startswith(httpx.RemoteProtocolError.__name__)):
@@ -104,10 +112,10 @@ async def _one(http, model: str, prompt: str, max_tokens: int, extra: dict) -> R
     return rec
 
 
-async def _attempt(http, body: dict) -> Record:
+async def _attempt(http, body: dict, chat: bool = False) -> Record:
     rec = Record(time.monotonic())
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as resp:
+        async with http.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return rec
@@ -115,11 +123,19 @@ async def _attempt(http, body: dict) -> Record:
                 if not line.startswith("data: ") or line.strip() == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
-                # a chunk per generated token; llama-server adds a last one with only the finish reason
-                if any(c.get("text") or c.get("finish_reason") is None for c in event.get("choices") or ()):
-                    rec.chunks.append(time.monotonic())
+                choices = event.get("choices") or ()
+                now = time.monotonic()
+                # completions: a chunk per generated token; llama-server adds a last one with only the finish
+                # reason.  Chat: a chunk with text (the first, the role alone, comes before any token)
+                if any((c.get("delta") or {}).get("content") if chat else
+                       (c.get("text") or c.get("finish_reason") is None) for c in choices):
+                    rec.chunks.append(now)
+                if any(c.get("finish_reason") is not None for c in choices):
+                    rec.finished = now
                 if event.get("usage"):
                     rec.tokens = event["usage"]["completion_tokens"]
+                if event.get("timings"):
+                    rec.timings = event["timings"]
             if not rec.tokens:
                 rec.error = "no usage reported"
     except Exception as e:  # noqa: BLE001 - any transport failure is a failed request, counted, not fatal
@@ -128,8 +144,9 @@ async def _attempt(http, body: dict) -> Record:
 
 
 async def run_load(base_url: str, model: str, workload: Workload, clients: int, api_key: str | None = None,
-                   extra: dict | None = None) -> LoadResult:
-    """Run ``workload`` through ``clients`` closed-loop clients against ``base_url`` (no /v1)."""
+                   extra: dict | None = None, chat: bool = False) -> LoadResult:
+    """Run ``workload`` through ``clients`` closed-loop clients against ``base_url`` (no /v1); ``chat``: each
+    prompt as a user message to /v1/chat/completions (no ``ignore_eos``)."""
     import httpx
 
     queue = list(workload.requests)
@@ -139,7 +156,7 @@ async def run_load(base_url: str, model: str, workload: Workload, clients: int, 
     async def client(http):
         while queue:
             prompt, n = queue.pop(0)
-            records.append(await _one(http, model, prompt, n, extra or {}))
+            records.append(await _one(http, model, prompt, n, extra or {}, chat))
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), headers=headers,

@@ -66,6 +66,7 @@ class Endpoint:
     url: str  # base, without /v1
     model: str
     proc: subprocess.Popen | None = None
+    log: Path | None = None  # the process's stderr, when kept: its tail explains an exit before ready
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -87,7 +88,8 @@ def _wait_ready(ep: Endpoint, timeout: float = 600.0) -> Endpoint:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ep.proc is not None and ep.proc.poll() is not None:
-            raise ConfigError(f"{ep.name} exited with code {ep.proc.returncode} before it was ready")
+            tail = "" if ep.log is None else ":\n" + "\n".join(ep.log.read_text(errors="replace").splitlines()[-15:])
+            raise ConfigError(f"{ep.name} exited with code {ep.proc.returncode} before it was ready{tail}")
         try:
             if httpx.get(ep.url + "/health", timeout=5).status_code == 200:
                 models = httpx.get(ep.url + "/v1/models", timeout=5).json()["data"]
@@ -100,12 +102,18 @@ def _wait_ready(ep: Endpoint, timeout: float = 600.0) -> Endpoint:
     raise ConfigError(f"{ep.name} at {ep.url} was not ready after {timeout:.0f} s")
 
 
-def launch_quill(model: str, threads: int, max_num_seqs: int, extra: list[str]) -> Endpoint:
+def _start(name: str, cmd: list[str], port: int, log: Path | None) -> Endpoint:
+    """``cmd`` started (stderr into ``log``, or discarded) and waited for until it answers."""
+    with open(log if log is not None else "/dev/null", "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    return _wait_ready(Endpoint(name, f"http://127.0.0.1:{port}", "", proc, log))
+
+
+def launch_quill(model: str, threads: int, max_num_seqs: int, extra: list[str], log: Path | None = None) -> Endpoint:
     port = _free_port()
     cmd = [sys.executable, "-m", "quill", "serve", "--port", str(port), "--threads", str(threads),
            "--max-num-seqs", str(max_num_seqs), *(["--model", model] if model else []), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return _wait_ready(Endpoint("quill serve", f"http://127.0.0.1:{port}", "", proc))
+    return _start("quill serve", cmd, port, log)
 
 
 def launch_quill_ray(model: str | None, replicas: int, threads: int, max_num_seqs: int,
@@ -159,15 +167,15 @@ def ingress_overhead(eps: list[Endpoint], count: int) -> dict:
             "added_ms": {name: m - direct for name, m in med.items() if name != eps[0].name}}
 
 
-def launch_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int) -> Endpoint:
+def launch_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_per_slot: int,
+                        extra: list[str] = (), log: Path | None = None) -> Endpoint:
     """llama-server with continuous batching (on by default; -cb says so) and one slot per client."""
     if not Path(binary).is_file():
         raise ConfigError(f"--llama-server: no such file '{binary}'")
     port = _free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads),
-           "-np", str(slots), "-cb", "-c", str(slots * ctx_per_slot), "--no-webui"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return _wait_ready(Endpoint("llama-server", f"http://127.0.0.1:{port}", "", proc))
+           "-np", str(slots), "-cb", "-c", str(slots * ctx_per_slot), "--no-webui", *extra]
+    return _start("llama-server", cmd, port, log)
 
 
 def _median_summary(results: list[LoadResult]) -> dict:

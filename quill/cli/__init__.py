@@ -69,6 +69,7 @@ def _run(argv: list[str], program: bool = False) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)  # the only global option takes no value
     args = build_parser(command).parse_args(argv)
     args.program = program
+    args.argv = list(argv)  # the command line as given (benchmarks record it)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         if getattr(args, "check", None) is not None:

@@ -7,6 +7,7 @@
     quill bench checkpoint DIR               # write a 1B Llama-shaped W4 checkpoint (model benchmark)
     quill bench model [CHECKPOINT]           # prefill / decode / batch-8 tokens/s and % of the roofline
     quill bench moe-layer | moe-model        # one MoE layer / a small MoE model: decode and prefill
+    quill bench spec [--llama-server BIN]    # speculative decoding: quill serve and llama-server
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def register(sub) -> None:
     from quill.bench import serve
 
     serve.register(bsub)  # serve: quill serve against llama-server
+    from quill.bench import spec
+
+    spec.register(bsub)  # spec: speculative decoding, quill serve and llama-server
     from quill.bench import startup
 
     startup.register(bsub)  # load: load time and memory against llama.cpp
