@@ -3,19 +3,13 @@
 import functools
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import pytest
 
-# Loads in tests share one prepacked cache per test run (tests/llamacpp_util.py's run folder, removed with
-# it; never ~/.cache/quill): the suite's processes load the default model ~100 times, and a hit costs ~0.5
-# CPU s against ~3.5 for a load from the checkpoint.  The first load of each checkpoint and kernel choice
-# still converts and repacks; the cache's own tests (test_prepacked*.py) set theirs.  A test that patches
-# anything loads without it (`_patched_tests_load_uncached`): a patched converter or kernel must neither
-# meet layouts an unpatched load cached nor leave its own for others.
-os.environ["QUILL_CACHE"] = "1"
+# Loads in tests neither read nor write the prepacked cache (~/.cache/quill) unless a test asks for it
+# (tests/test_prepacked.py): a kernel a test patches must not meet a layout an earlier run cached.
+os.environ["QUILL_CACHE"] = "0"
 
 
 def _cache_gguf_name_maps() -> None:
@@ -29,21 +23,6 @@ def _cache_gguf_name_maps() -> None:
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
 
 
-# The default model under the two arithmetics most tests load it with (GGUF's default, int8-group, and float),
-# cached before the workers start: otherwise the first loads of the run all miss at once, and a server or CLI
-# process that missed waits at exit for its cache write, which runs at the lowest CPU priority behind the
-# busy workers.  A failure here only costs the run the warm cache (the tests that load say why they fail).
-PREWARM = """
-import quill
-for act in ("auto", "none"):
-    quill.LLM(activation_quant=act).cache.wait()
-"""
-
-
-def _prewarm_default_model() -> None:
-    subprocess.run([sys.executable, "-c", PREWARM], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-
-
 def pytest_configure(config):
     """Under pytest-xdist each worker runs on its own CPU: two workers on two cores, each process sized to
     one (quill's threads, torch's pool, the native team), instead of two teams of two spinning against
@@ -51,9 +30,6 @@ def pytest_configure(config):
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker is None:  # the run's own process (pytest-xdist's workers inherit the variable)
         config._quill_tools = os.environ["QUILL_TEST_TOOLS"] = tempfile.mkdtemp(prefix="quill-tools-")
-        os.environ["QUILL_CACHE_DIR"] = os.path.join(config._quill_tools, "prepacked")  # the workers inherit it
-        if getattr(config.option, "numprocesses", None):  # a whole run on xdist workers, not one module
-            _prewarm_default_model()
     if worker is not None and hasattr(os, "sched_setaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
         os.environ["QUILL_TEST_CPUS"] = ",".join(map(str, cpus))  # for `unpinned`
@@ -80,23 +56,6 @@ LONGEST_FIRST = ("test_ray_serve", "test_gguf_kquants", "test_gguf_default_model
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's order stays
-
-
-@pytest.fixture(autouse=True)
-def _patched_tests_load_uncached(request):
-    """QUILL_CACHE=0 for a test that uses monkeypatch (and the servers and tools it starts)."""
-    if "monkeypatch" not in request.fixturenames:
-        yield
-        return
-    before = os.environ.get("QUILL_CACHE")
-    os.environ["QUILL_CACHE"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("QUILL_CACHE", None)
-        else:
-            os.environ["QUILL_CACHE"] = before
 
 
 @pytest.fixture(scope="module")
