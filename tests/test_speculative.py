@@ -18,7 +18,7 @@ import quill
 import quill.default_model as default_model
 from quill.cli import main
 from quill.engine.core import EngineConfig, EngineCore
-from quill.engine.ngram import lookup
+from quill.engine.ngram import NgramIndex, lookup
 from quill.engine.output import OutputProcessor
 from quill.engine.sampling import SamplingParams, sampling_probs
 from quill.engine.spec_config import SpeculativeConfig
@@ -28,7 +28,10 @@ from quill.errors import ConfigError
 from quill.options import RunOptions
 from tests.server_util import ServerProcess
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# adaptive false: every step drafts where the lookup finds something, so what these tests check runs whatever
+# the host's timing (the adaptive plan's own tests: tests/test_spec_cost.py)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He lit the great lamp, "
            "wound the clockwork that turned the lens, and wrote the weather in his logbook.")
 COPY = [f"Repeat this passage word for word:\n\n{PASSAGE}", f"Copy this text exactly: {PASSAGE}",
@@ -69,6 +72,19 @@ def test_ngram_lookup_takes_the_most_recent_longest_match():
     assert lookup(np.array([4, 6, 4], dtype=np.int64), 3, 1, 3) == [6, 4]  # only n=1 occurs before
     assert lookup(np.array([1, 2, 3], dtype=np.int64), 3, 1, 3) == []  # nothing repeats
     assert lookup(np.array([1, 2, 3, 2], dtype=np.int64), 3, 2, 3) == []  # n=1 would match; below min
+
+
+def test_the_incremental_index_finds_what_the_lookup_finds():
+    """NgramIndex (what the proposer runs, a few dict probes a step) against lookup (the plain search) on
+    sequences over a small vocabulary (many repeats) that grow by one or several tokens at a time."""
+    rng = np.random.default_rng(0)
+    for n_min, n_max in ((1, 3), (2, 4), (1, 1)):
+        tokens = list(rng.integers(0, 6, 5))
+        index = NgramIndex(n_min, n_max)
+        while len(tokens) < 300:
+            want = lookup(np.asarray(tokens, dtype=np.int64), 4, n_min, n_max)
+            assert index.lookup(tokens, 4) == want
+            tokens += list(rng.integers(0, 6, int(rng.integers(1, 4))))
 
 
 def test_greedy_alone_is_token_for_token_and_drafts_are_kept(llm):

@@ -34,7 +34,8 @@ SMOL = str(default_model.default_model_path())
 
 
 def draft_config(k: int = 3) -> dict:
-    return {"method": "draft_model", "model": SMOL, "num_speculative_tokens": k}
+    """adaptive false: every step drafts (the forward counts below are exact); the plan: tests/test_spec_cost.py."""
+    return {"method": "draft_model", "model": SMOL, "num_speculative_tokens": k, "adaptive": False}
 
 
 @pytest.fixture(scope="module")

@@ -199,6 +199,7 @@ class EngineCore:
             return outputs + self._unschedulable()
         scored = {seq: seq.scorer.positions(seq.num_computed, n) for seq, n in batch
                   if seq.scorer is not None and not seq.scorer.done()}  # prompt positions scored this step
+        started, decoding = time.perf_counter(), self._decodes_only(batch)
         try:
             groups = [(batch, *self._forward(batch, scored))]
             self._forward_faults = 0
@@ -216,7 +217,14 @@ class EngineCore:
                     out = self._failed(seq, e)
                 if out is not None:
                     outputs.append(out)
+        if decoding:  # what a step of this many rows costs, for speculation's plan (quill.engine.spec_cost)
+            self.speculator.step_times.record(sum(n for _, n in batch), time.perf_counter() - started)
         return outputs
+
+    def _decodes_only(self, batch: list[tuple[Sequence, int]]) -> bool:
+        """Whether speculation is on and every sequence in ``batch`` decodes (its token and drafts, no prompt)."""
+        return self.speculator is not None and all(
+            n == 1 + len(seq.drafts) and seq.num_computed + 1 == seq.num_tokens for seq, n in batch)
 
     def _compiled(self) -> list[StepOutput]:
         """Queue the requests whose grammar is compiled; end those whose compile failed.  With nothing else

@@ -14,6 +14,7 @@ argmax), so the target's rejection rule (``verify_token``) keeps the output dist
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch import nn
 
 from quill.engine.kv_cache import PagedKVCache, StepLayout
 from quill.engine.sequence import Sequence
+from quill.engine.spec_cost import StepTimes
 from quill.errors import ConfigError
 from quill.models.base import ForwardContext
 
@@ -110,6 +112,8 @@ def _common(a: list[int], b: list[int]) -> int:
 class DraftModelProposer:
     """Greedy drafts from a draft model for many sequences at once (``propose_many``)."""
 
+    cheap = False  # its forwards cost: the plan (quill.engine.spec_cost) says first who drafts how many
+
     def __init__(self, model: nn.Module, cache: PagedKVCache, max_tokens: int, vocab: int,
                  eos: frozenset[int] = frozenset()):
         """``cache``: the draft's pools (quill.engine.pools); ``max_tokens``: a catch-up forward's tokens at most
@@ -121,6 +125,13 @@ class DraftModelProposer:
         self.context_length = model.args.context_length  # no position past the draft's own window
         self.native_step, _ = model.native_decode_step(cache, None)
         self.states: dict[Sequence, DraftState] = {}
+        self.times = StepTimes()  # its decode forwards' seconds by rows, for the plan
+
+    def catch_up(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` the draft has not seen (after the rollback ``propose_many`` would make)."""
+        st = self.states.get(seq)
+        held = 0 if st is None else min(_common(st.tokens, seq.tokens), seq.num_tokens - 1)
+        return seq.num_tokens - held
 
     def propose_many(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
         """Up to k greedy draft tokens for each (sequence, k); [] for one still catching up or out of blocks."""
@@ -190,7 +201,8 @@ class DraftModelProposer:
             want.append(len(tokens) - 1)
         lay = StepLayout.build(layout, self.kv.block_size)
         index = torch.tensor(want, dtype=torch.int64)
-        if self.native_step is not None and lay.all_decodes():
+        started, decodes = time.perf_counter(), lay.all_decodes()
+        if self.native_step is not None and decodes:
             ctx = ForwardContext(torch.tensor([positions]), None, None, index,
                                  layers=partial(self.native_step, lay, state_rows=None))
         else:
@@ -198,4 +210,7 @@ class DraftModelProposer:
         logits = self.model(torch.tensor([tokens]), ctx)[0]
         for st, _, new in pieces:
             st.tokens += new
-        return logits[:, :self.vocab].argmax(-1).tolist()
+        drafts = logits[:, :self.vocab].argmax(-1).tolist()
+        if decodes:  # a prompt's catch-up says nothing about a draft step's cost
+            self.times.record(len(tokens), time.perf_counter() - started)
+        return drafts

@@ -30,23 +30,58 @@ def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """``lookup`` for one growing token list in O(n_max) a step: for each n, where the latest occurrence of
+    every n-gram that has a token after it ends.  Tokens are only ever appended (a sequence's kept tokens), so
+    the index only grows with them."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.follow: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max + 1)]  # [n]: n-gram -> next index
+        self.seen = 0  # tokens[:seen] are indexed: every n-gram ending before seen - 1
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """As ``lookup(np.asarray(tokens), k, n_min, n_max)``; ``tokens`` extends the list seen before."""
+        size = len(tokens)
+        for end in range(max(1, self.seen), size):  # n-grams tokens[end - n:end], followed by tokens[end]
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self.follow[n][tuple(tokens[end - n:end])] = end
+        self.seen = size
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            start = self.follow[n].get(tuple(tokens[size - n:]))
+            if start is not None:
+                return tokens[start:start + k]
+        return []
+
+
 class NgramProposer:
-    """Drafts for one sequence from its prompt and output tokens (``propose``); keeps no state.  Beside it
+    """Drafts for one sequence from its prompt and output tokens (``propose``), from its ``NgramIndex``.  Beside it
     behind the same ``propose_many`` / ``rollback`` / ``release``: ``quill.engine.draft.DraftModelProposer``."""
+
+    cheap = True  # a lookup costs next to nothing: it runs before the plan, which then counts real drafts
+    times = None  # no forwards of its own
 
     def __init__(self, config: SpeculativeConfig):
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+        self.indexes: dict[Sequence, NgramIndex] = {}
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def catch_up(self, seq: Sequence) -> int:  # nothing to catch up
+        return 0
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        tokens = seq.tokens
         if k < 1 or len(tokens) <= self.n_min:
             return []
-        return lookup(np.asarray(tokens, dtype=np.int64), k, self.n_min, self.n_max)
+        index = self.indexes.get(seq)
+        if index is None:
+            index = self.indexes[seq] = NgramIndex(self.n_min, self.n_max)
+        return index.lookup(tokens, k)
 
     def propose_many(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
-        return [self.propose(seq.tokens, k) for seq, k in items]
+        return [self.propose(seq, k) for seq, k in items]
 
-    def rollback(self, seq: Sequence) -> None:  # nothing kept per sequence
+    def rollback(self, seq: Sequence) -> None:  # drafts never enter the index: nothing to undo
         pass
 
     def release(self, seq: Sequence) -> None:
-        pass
+        self.indexes.pop(seq, None)

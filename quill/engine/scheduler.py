@@ -5,7 +5,8 @@ Every step (nano-vllm's scheduler, with chunked prefill):
 1. every running sequence that is decoding gets its one token, oldest first; when one
    cannot grow (no free block), the newest running sequence is preempted (its blocks
    freed, back to the front of the queue, recomputed from its tokens later); then, with
-   speculative decoding, each gets its drafts as far as free blocks and the budget allow;
+   speculative decoding, each gets its drafts as far as free blocks and the budget allow and as far
+   as they pay (quill.engine.spec_cost);
 2. running sequences in the middle of a prefill get their next chunk;
 3. waiting sequences are admitted while there are sequence slots, KV blocks and token
    budget, each with as much of its prompt as the budget allows;
@@ -98,7 +99,7 @@ class Scheduler:
             if k:
                 wanted.append((i, seq, k))
                 budget -= k
-        drafts = self.speculator.propose_many([(seq, k) for _, seq, k in wanted])
+        drafts = self.speculator.propose_many([(seq, k) for _, seq, k in wanted], decodes=len(batch))
         for (i, seq, k), d in zip(wanted, drafts):
             seq.drafts = d[:self.blocks.reserve_ahead(seq, len(d))] if d else []
             batch[i] = (seq, 1 + len(seq.drafts))

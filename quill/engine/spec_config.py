@@ -20,7 +20,7 @@ from quill.errors import ConfigError
 METHODS = ("ngram", "draft_model")
 # vLLM's aliases for n-gram lookup ("[ngram]" as the model name was its older spelling)
 ALIASES = {"[ngram]": "ngram"}
-KNOWN_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+KNOWN_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive")
 FIELD = "speculative_config"
 
 
@@ -33,6 +33,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3  # k: tokens proposed (and verified) per step at most
     prompt_lookup_min: int = 1  # shortest suffix n-gram looked up in the sequence's earlier tokens
     prompt_lookup_max: int = 3  # longest (tried first)
+    # quill's own: draft only where it pays, from measured step times and each sequence's acceptance
+    # (quill.engine.spec_cost); false: every step drafts up to num_speculative_tokens wherever it can
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -41,6 +44,8 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{FIELD}.{name}: expected an integer >= 1, found {v!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"{FIELD}.adaptive: expected true or false, found {self.adaptive!r}")
         if self.method == "draft_model":
             _check_draft_path(self.model)
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -69,16 +74,20 @@ class SpeculativeConfig:
         out = asdict(self)
         if out["model"] is None:  # n-gram lookup takes none (vLLM's dict has no such key then)
             del out["model"]
+        if out["adaptive"]:  # the default; quill's own key, so vLLM's dict stays vLLM's
+            del out["adaptive"]
         return out
 
     def describe(self) -> str:
         """For the load line and ``quill inspect``."""
+        when = ("drafted where measured step times and each sequence's acceptance say it pays" if self.adaptive
+                else "drafted every step (adaptive: false)")
         if self.method == "draft_model":
             return (f"draft_model {self.model}, up to {self.num_speculative_tokens} tokens per step (greedy drafts "
-                    "from the draft's own paged KV), verified in one forward; adaptive per sequence")
+                    f"from the draft's own paged KV), verified in one forward; {when}")
         return (f"{self.method}, up to {self.num_speculative_tokens} draft tokens per step from the sequence's own "
                 f"earlier tokens (suffix {self.prompt_lookup_min}-{self.prompt_lookup_max} tokens), verified in "
-                "one forward; adaptive per sequence")
+                f"one forward; {when}")
 
 
 def _check_draft_path(model: Any) -> None:

@@ -15,6 +15,11 @@ first finish, ends the step:
   and renormalised (max(p - q, 0) for q one-hot at d); after k kept drafts the last row gives a bonus
   token.  Each emitted token then has p's law given the tokens before it, as without speculation.
 
+Which sequences draft, and how many tokens, is planned each step (``quill.engine.spec_cost``): from measured
+step times by row count and each sequence's recent acceptance, the drafts with the most expected tokens
+per second, none when plain decoding is faster (a batch that is compute-bound, text the proposer cannot
+guess).  ``adaptive: false`` in the config drafts every step instead.
+
 Rejected positions are rolled back: the computed-token count ends at the last kept token and blocks
 past it go back to the pool.  Requests held to a grammar (structured outputs) do not speculate: the
 matcher cannot be rolled back, and checking drafts against it is not done yet.  Neither do models with
@@ -34,32 +39,33 @@ from quill.engine.ngram import NgramProposer
 from quill.engine.sampling import SamplingParams, sample_token, sampling_probs
 from quill.engine.sequence import Sequence
 from quill.engine.spec_config import SpeculativeConfig
+from quill.engine.spec_cost import EXPLORE_EVERY, Candidate, StepTimes, explore, plan
 
-PAUSE_MAX = 32  # decode steps a sequence whose drafts keep failing waits at most before proposing again
 PROPOSER_FAULTS = 3  # proposer failures in a row (no success between) before the engine stops speculating
+SEQ_DECAY = 0.8  # a sequence's acceptance counts fade by this per verification: its recent text counts most
+ENGINE_DECAY = 0.98  # the engine-wide counts (a new sequence's prior) fade more slowly
+PRIOR_WEIGHT = 2.0  # how many drafts' worth of evidence the engine-wide rate counts for in a sequence's estimate
+SKIP_DECAY = 0.9  # a sequence not drafting this step: its counts fade towards the engine-wide rate (retried)
 
 log = logging.getLogger("quill.engine")
 
 
 @dataclass
 class SpecState:
-    """One sequence's adaptive speculation: how many drafts it gets and whether it is paused."""
+    """One sequence's recent drafts: kept and rejected counts (fading), and whether it speculates at all."""
 
-    k: int  # drafts to ask for next (1 .. num_speculative_tokens)
-    misses: int = 0  # verifications in a row that kept no draft
-    paused: int = 0  # decode steps left without proposing
+    kept: float = 0.0  # drafts kept, recent ones weighing most
+    rejected: float = 0.0  # verifications that rejected a draft
     off: bool = False  # the proposer failed while drafting for it: plain decoding from then on
 
-    def update(self, drafted: int, kept: int, k_max: int) -> None:
-        """After a verification: grow k back while drafts are kept, halve it and pause (doubling the pause)
-        while none is, so free text that repeats nothing costs next to nothing."""
-        if kept:
-            self.misses, self.k = 0, min(k_max, kept + 1)
-            return
-        self.misses += 1
-        self.k = max(1, self.k // 2)
-        if self.misses >= 2:
-            self.paused = min(PAUSE_MAX, 2 ** (self.misses - 1))
+    def update(self, drafted: int, kept: int, decay: float = SEQ_DECAY) -> None:
+        """After a verification of ``drafted`` drafts of which the first ``kept`` were kept."""
+        self.kept = self.kept * decay + kept
+        self.rejected = self.rejected * decay + (kept < drafted)
+
+    def accept(self, prior: float) -> float:
+        """The probability that a draft is kept, given that the ones before it were (a geometric run model)."""
+        return (self.kept + PRIOR_WEIGHT * prior) / (self.kept + self.rejected + PRIOR_WEIGHT)
 
 
 @dataclass
@@ -72,7 +78,8 @@ class SpecCounters:
 
 
 class Speculator:
-    """Proposes drafts for the scheduler and verifies them for the core."""
+    """Proposes drafts for the scheduler and verifies them for the core; drafts only where they pay
+    (``quill.engine.spec_cost``: measured step times against each sequence's acceptance)."""
 
     def __init__(self, config: SpeculativeConfig, context_length: int,
                  proposer: "NgramProposer | DraftModelProposer | None" = None):
@@ -80,16 +87,16 @@ class Speculator:
         self.config, self.context_length = config, context_length
         self.proposer = proposer or NgramProposer(config)
         self.counters = SpecCounters()
+        self.engine_rate = SpecState()  # every sequence's verifications: a new sequence's prior
+        self.step_times = StepTimes()  # the target's decode steps (EngineCore.step records them)
+        self.refusals = 0  # steps whose plan drafted nothing, since the last one run anyway (EXPLORE_EVERY)
         self.faults = 0  # proposer failures in a row
         self.off = False  # PROPOSER_FAULTS of them: no sequence speculates any more
 
-    def propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Drafts for ``seq`` alone (``propose_many`` for a step's sequences at once)."""
-        k = self.wants(seq, budget)
-        return self.propose_many([(seq, k)])[0] if k else []
-
-    def propose_many(self, items: list[tuple[Sequence, int]]) -> list[list[int]]:
-        """Drafts for each (sequence, k) from ``wants``, in one go (a draft model runs them batched).
+    def propose_many(self, items: list[tuple[Sequence, int]], decodes: int) -> list[list[int]]:
+        """Drafts for each (sequence, most drafts from ``wants``) of a step with ``decodes`` decoding sequences,
+        as many as pay (``plan``).  A cheap proposer (n-gram lookup) proposes first, so the plan counts only
+        the drafts there are; a draft model runs only what the plan gives (batched).
 
         Drafts only ever save time, so a proposer that raises (a draft model's forward, say) costs no
         request anything: the sequences it drafted for go on decoding plainly (the same output), and it is
@@ -97,12 +104,41 @@ class Speculator:
         if not items:
             return []
         try:
-            drafts = self.proposer.propose_many(items)
+            if self.proposer.cheap:
+                drafts = self.proposer.propose_many(items)
+                ks = self.plan([(seq, len(d)) for (seq, _), d in zip(items, drafts)], decodes)
+                drafts = [d[:k] for d, k in zip(drafts, ks)]
+            else:
+                ks = self.plan(items, decodes)
+                drafts = [[] for _ in items]
+                run = [(n, (seq, k)) for n, ((seq, _), k) in enumerate(zip(items, ks)) if k]
+                for (n, _), d in zip(run, self.proposer.propose_many([item for _, item in run])):
+                    drafts[n] = d
         except Exception as e:  # any failure of an optional speed-up; the engine's own errors are elsewhere
             self._proposer_failed([seq for seq, _ in items], e)
             return [[] for _ in items]
         self.faults = 0
         return drafts
+
+    def plan(self, items: list[tuple[Sequence, int]], decodes: int) -> list[int]:
+        """How many of its most drafts each (sequence, k) runs this step: all of them when the config says
+        ``adaptive: false``, else the plan with the most expected tokens per second (spec_cost.plan)."""
+        if not self.config.adaptive:
+            return [k for _, k in items]
+        prior = self.engine_rate.accept(0.5)
+        cands = [Candidate(seq.spec.accept(prior), k, self.proposer.catch_up(seq)) for seq, k in items]
+        ks = plan(decodes, cands, self.step_times, self.proposer.times)
+        if any(k for (_, want), k in zip(items, ks) if want):
+            self.refusals = 0
+        elif any(k for _, k in items):
+            self.refusals += 1
+            if self.refusals >= EXPLORE_EVERY:  # now and then anyway: the times it refuses on may be stale
+                self.refusals, ks = 0, explore(cands)
+        for (seq, want), k in zip(items, ks):
+            if want and not k:  # not drafting: its counts fade towards the engine's rate, so it is retried
+                seq.spec.kept *= SKIP_DECAY
+                seq.spec.rejected *= SKIP_DECAY
+        return ks
 
     def _proposer_failed(self, seqs: list[Sequence], error: Exception) -> None:
         """``seqs`` stop speculating (what the proposer holds for them goes back); after PROPOSER_FAULTS failures
@@ -119,29 +155,27 @@ class Speculator:
                     exc_info=error)
 
     def wants(self, seq: Sequence, budget: int) -> int:
-        """How many drafts ``seq``'s next step should have (at most ``budget``; 0 when they cannot pay)."""
+        """How many drafts ``seq``'s next step may have at most (``budget``, its context and max_tokens; 0 when
+        it cannot speculate)."""
         if (self.off or seq.grammar is not None or seq.scorer is not None
                 or seq.params.structured_outputs is not None):
             return 0
-        state = seq.spec
-        if state is None:
-            state = seq.spec = SpecState(self.config.num_speculative_tokens)
-        if state.off:
+        if seq.spec is None:
+            seq.spec = SpecState()
+        if seq.spec.off:
             return 0
-        if state.paused:
-            state.paused -= 1
-            return 0
-        k = min(state.k, budget, self.context_length - seq.num_tokens - 1)
+        k = min(self.config.num_speculative_tokens, budget, self.context_length - seq.num_tokens - 1)
         if seq.params.max_tokens is not None:  # the step's last token is the correction or bonus
             k = min(k, seq.params.max_tokens - len(seq.output) - 1)
         return max(0, k)
 
     def record(self, seq: Sequence, drafted: int, kept: int) -> None:
-        """After ``seq``'s verification: the counters, its adaptive k, and the proposer's rollback."""
+        """After ``seq``'s verification: the counters, its acceptance, and the proposer's rollback."""
         self.counters.num_drafts += 1
         self.counters.num_draft_tokens += drafted
         self.counters.num_accepted_tokens += kept
-        seq.spec.update(drafted, kept, self.config.num_speculative_tokens)
+        seq.spec.update(drafted, kept)
+        self.engine_rate.update(drafted, kept, ENGINE_DECAY)
         self.proposer.rollback(seq)
 
     def release(self, seq: Sequence) -> None:
