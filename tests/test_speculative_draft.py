@@ -143,13 +143,27 @@ def test_an_aborted_request_gives_its_draft_blocks_back(llm):
     assert draft_blocks_used(spec) == 0 and spec.stats().kv_blocks_used == 0
 
 
+def test_the_draft_reads_a_prompt_as_it_finishes(llm):
+    """The step that finishes a prompt also runs it through the draft (its wait falls before the first token, as
+    in llama-server), so the first proposal feeds the draft one token: one decode row, not the prompt."""
+    draft = ProbedDraft(llm.draft)
+    spec = core(llm, True, draft)
+    prompt = chat(llm, COPY[0])
+    spec.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=24))
+    spec.step()  # the whole prompt (one chunk) and its first token
+    [st] = spec.speculator.proposer.states.values()
+    assert draft.calls == 1 and draft.tokens == len(prompt) and st.tokens == prompt
+    spec.step()  # the first proposal: the first token, then two fed-back drafts
+    assert draft.calls == 4 and draft.tokens == len(prompt) + 3 and spec.stats().spec_decode_num_drafts == 1
+
+
 # ---- a draft that fails ---------------------------------------------------------------------------------------
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "quill.engine" and r.levelno == logging.WARNING]
 
 
 def test_a_failing_draft_forward_ends_speculation_not_the_requests(llm, caplog):
-    """The draft's 5th forward raises (step 3's first fed-back draft, mid-run: its catch-up already ran): the
+    """The draft's 5th forward raises (step 3's first: the prompts were read as they finished, step 2 drafted): the
     two requests it drafted for go on without drafts, token for token as without speculation, one warning
     names the error, the draft's blocks all come back, and a later request speculates again."""
     prompts = [chat(llm, FREE[2]), chat(llm, COPY[0])]
@@ -163,7 +177,7 @@ def test_a_failing_draft_forward_ends_speculation_not_the_requests(llm, caplog):
     assert "draft_model proposer failed (RuntimeError: injected draft fault on call 5); request r0, " \
            "request r1 go on without drafts" in warning
     s = spec.stats()
-    assert draft.calls == 5  # step 2: catch-up and two fed-back drafts; step 3 failed; none since
+    assert draft.calls == 5  # step 1: the prompts; step 2: the first tokens and two fed-back drafts; step 3 failed
     assert s.spec_decode_num_drafts == 2 and s.spec_decode_num_accepted_tokens == s.spec_decode_num_draft_tokens == 6
     assert draft_blocks_used(spec) == 0 and s.kv_blocks_used == 0
     assert run(spec, llm, prompts[:1], params[:1]) == want[:1]  # a new request: drafts again

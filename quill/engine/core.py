@@ -200,6 +200,7 @@ class EngineCore:
         scored = {seq: seq.scorer.positions(seq.num_computed, n) for seq, n in batch
                   if seq.scorer is not None and not seq.scorer.done()}  # prompt positions scored this step
         started, decoding = time.perf_counter(), self._decodes_only(batch)
+        prompted = [seq for seq, n in batch if n > 1 and not seq.drafts and seq.num_computed + n == seq.num_tokens]
         try:
             groups = [(batch, *self._forward(batch, scored))]
             self._forward_faults = 0
@@ -219,6 +220,8 @@ class EngineCore:
                     outputs.append(out)
         if decoding:  # what a step of this many rows costs, for speculation's plan (quill.engine.spec_cost)
             self.speculator.step_times.record(sum(n for _, n in batch), time.perf_counter() - started)
+        elif prompted and self.speculator is not None:  # a draft model reads the prompts that just finished
+            self.speculator.prefill([seq for seq in prompted if seq.status is Status.RUNNING and seq.output])
         return outputs
 
     def _decodes_only(self, batch: list[tuple[Sequence, int]]) -> bool:

@@ -4,7 +4,8 @@ guesses the next k tokens greedily; the target checks them in one forward (``qui
 The draft keeps its own paged KV blocks (``DraftKV``, out of the engine's budget: quill.engine.pools) and,
 per sequence, which of the sequence's tokens they hold.  Each step, for every sequence that proposes at
 once: one forward catches the draft up on the tokens it has not seen (the prompt, chunked like any
-prefill, and the tokens the last verification kept) and gives each its first draft; then one forward per
+prefill, and the tokens the last verification kept) and gives each its first draft (a prompt is caught up as
+it finishes, ``prefill``, so the wait falls before the first token, as in llama-server); then one forward per
 further draft position feeds the previous draft back, until a run's k tokens or a token that would finish the
 request (EOS, a stop token: nothing after it can be kept).  After verification the draft's tokens are cut back
 to the common prefix with the sequence's (rolled back; blocks past it freed).  A draft is one-hot (its
@@ -170,6 +171,31 @@ class DraftModelProposer:
             nxt = self._forward([(st, p, [drafts[i][-1]]) for i, st, p in step])
             for (i, _, _), d in zip(step, nxt):
                 drafts[i].append(d)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Catch the draft up on ``seqs``' tokens but the last (their prompts, as they finish), chunked by the step
+        budget, so their first proposal feeds one token; one left over (no free blocks) catches up then."""
+        pending = list(seqs)
+        while pending:
+            pieces, rest, budget = [], [], self.max_tokens
+            for seq in pending:
+                st = self.states.setdefault(seq, DraftState())
+                self.rollback(seq)
+                todo = seq.tokens[len(st.tokens):seq.num_tokens - 1]
+                new = todo[:budget]
+                new = new[:self.kv.room(st, len(st.tokens) + len(new)) - len(st.tokens)]
+                if not new:
+                    continue
+                budget -= len(new)
+                pieces.append((st, len(seq.prompt), new))
+                if len(new) < len(todo):
+                    rest.append(seq)
+                if not budget:
+                    break
+            if not pieces:
+                return
+            self._forward(pieces)
+            pending = rest
 
     def _ends(self, seq: Sequence, token: int) -> bool:
         """Whether ``token`` ends ``seq``'s draft run: a draft after it is never kept (the target stops there

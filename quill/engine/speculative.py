@@ -90,6 +90,7 @@ class Speculator:
         self.engine_rate = SpecState()  # every sequence's verifications: a new sequence's prior
         self.step_times = StepTimes()  # the target's decode steps (EngineCore.step records them)
         self.refusals = 0  # steps whose plan drafted nothing, since the last one run anyway (EXPLORE_EVERY)
+        self.drafting = True  # the last plan drafted (or had nothing to plan): new prompts are worth drafting for
         self.faults = 0  # proposer failures in a row
         self.off = False  # PROPOSER_FAULTS of them: no sequence speculates any more
 
@@ -128,7 +129,8 @@ class Speculator:
         prior = self.engine_rate.accept(0.5)
         cands = [Candidate(seq.spec.accept(prior), k, self.proposer.catch_up(seq)) for seq, k in items]
         ks = plan(decodes, cands, self.step_times, self.proposer.times)
-        if any(k for (_, want), k in zip(items, ks) if want):
+        self.drafting = any(ks) or not any(k for _, k in items)
+        if any(ks):
             self.refusals = 0
         elif any(k for _, k in items):
             self.refusals += 1
@@ -139,6 +141,19 @@ class Speculator:
                 seq.spec.kept *= SKIP_DECAY
                 seq.spec.rejected *= SKIP_DECAY
         return ks
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """``seqs`` finished their prompts this step: a draft model catches up on them now, while speculation
+        pays (the plan's last say), rather than at their first proposal."""
+        if self.off or self.proposer.cheap or not self.drafting:
+            return
+        seqs = [seq for seq in seqs if self.wants(seq, 1)]
+        if not seqs:
+            return
+        try:
+            self.proposer.prefill(seqs)
+        except Exception as e:  # as in propose_many: an optional speed-up failed, the requests go on
+            self._proposer_failed(seqs, e)
 
     def _proposer_failed(self, seqs: list[Sequence], error: Exception) -> None:
         """``seqs`` stop speculating (what the proposer holds for them goes back); after PROPOSER_FAULTS failures
