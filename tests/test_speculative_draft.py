@@ -157,6 +157,23 @@ def test_the_draft_reads_a_prompt_as_it_finishes(llm):
     assert draft.calls == 4 and draft.tokens == len(prompt) + 3 and spec.stats().spec_decode_num_drafts == 1
 
 
+@pytest.mark.parametrize("per_row, reads", [(0.0, True), (2e-3, False)])
+def test_a_prompt_is_read_only_where_the_plan_would_draft(llm, per_row, reads):
+    """With the plan on, a finished prompt goes through the draft only if a step of the running sequences would
+    draft for it: on memory-bound steps (rows nearly free) it does, on compute-bound ones (a row costs what a
+    token does, the draft's forward more than the target's row) the draft is not run for nothing."""
+    draft = ProbedDraft(llm.draft)
+    config = EngineConfig(speculative=SpeculativeConfig.parse({**draft_config(), "adaptive": True}))
+    spec = EngineCore(llm.model, llm.eos_token_ids, llm.context_length, config, isa=llm.engine.cache.isa,
+                      draft=draft)
+    for n in range(1, 9):  # this host's times, as if measured
+        spec.speculator.step_times.record(n, 1e-3 + per_row * n)
+        spec.speculator.proposer.times.record(n, 5e-3 * bool(per_row) + 1e-4)
+    spec.add_request("a", chat(llm, COPY[0]), SamplingParams(temperature=0, max_tokens=8))
+    spec.step()
+    assert draft.calls == int(reads)
+
+
 # ---- a draft that fails ---------------------------------------------------------------------------------------
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "quill.engine" and r.levelno == logging.WARNING]

@@ -221,7 +221,8 @@ class EngineCore:
         if decoding:  # what a step of this many rows costs, for speculation's plan (quill.engine.spec_cost)
             self.speculator.step_times.record(sum(n for _, n in batch), time.perf_counter() - started)
         elif prompted and self.speculator is not None:  # a draft model reads the prompts that just finished
-            self.speculator.prefill([seq for seq in prompted if seq.status is Status.RUNNING and seq.output])
+            self.speculator.prefill([seq for seq in prompted if seq.status is Status.RUNNING and seq.output],
+                                    len(self.scheduler.running))
         return outputs
 
     def _decodes_only(self, batch: list[tuple[Sequence, int]]) -> bool:

@@ -103,7 +103,10 @@ class DraftKV:
 
 
 def _common(a: list[int], b: list[int]) -> int:
+    """The length of ``a`` and ``b``'s common prefix (most often all of ``a``: compared in C first)."""
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i
@@ -227,8 +230,8 @@ class DraftModelProposer:
             want.append(len(tokens) - 1)
         lay = StepLayout.build(layout, self.kv.block_size)
         index = torch.tensor(want, dtype=torch.int64)
-        started, decodes = time.perf_counter(), lay.all_decodes()
-        if self.native_step is not None and decodes:
+        started = time.perf_counter()
+        if self.native_step is not None and lay.all_decodes():
             ctx = ForwardContext(torch.tensor([positions]), None, None, index,
                                  layers=partial(self.native_step, lay, state_rows=None))
         else:
@@ -237,6 +240,5 @@ class DraftModelProposer:
         for st, _, new in pieces:
             st.tokens += new
         drafts = logits[:, :self.vocab].argmax(-1).tolist()
-        if decodes:  # a prompt's catch-up says nothing about a draft step's cost
-            self.times.record(len(tokens), time.perf_counter() - started)
+        self.times.record(len(tokens), time.perf_counter() - started)  # a catch-up's cost too
         return drafts

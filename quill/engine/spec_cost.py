@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 EWMA = 0.25  # weight of a new measurement in its row count's average
 MAX_ROWS = 1024  # row counts past this are not kept (prefill-sized steps say nothing about drafts)
-CATCH_UP_CAP = 8  # a draft's catch-up counted at most this many rows: a prompt's is paid once per request
 EXPLORE_EVERY = 100  # every this many refusals the best plan runs anyway, refreshing the times it rests on
 
 
@@ -67,7 +66,9 @@ class Candidate:
 
     accept: float  # probability that each of its drafts is kept (given the ones before it were)
     k_max: int
-    catch_up: int = 1  # tokens the draft model feeds before its first draft (n-gram lookup: unused)
+    # tokens the draft model feeds before its first draft: those the last verification kept, or a whole prompt
+    # the draft has not read (quill.engine.speculative.Speculator.prefill did not run it); n-gram lookup: unused
+    catch_up: int = 1
 
 
 def explore(cands: list[Candidate]) -> list[int]:
@@ -95,7 +96,7 @@ def plan(decodes: int, cands: list[Candidate], target: StepTimes, draft: StepTim
     best_rate, best_len = decodes / base_t, 0
     tokens = float(decodes)
     for n, (gain, i) in enumerate(pairs, start=1):
-        forwards[ks[i] + 1] += min(cands[i].catch_up, CATCH_UP_CAP) if ks[i] == 0 else 1
+        forwards[ks[i] + 1] += cands[i].catch_up if ks[i] == 0 else 1
         ks[i] += 1
         tokens += gain
         seconds = target(decodes + n)

@@ -90,7 +90,6 @@ class Speculator:
         self.engine_rate = SpecState()  # every sequence's verifications: a new sequence's prior
         self.step_times = StepTimes()  # the target's decode steps (EngineCore.step records them)
         self.refusals = 0  # steps whose plan drafted nothing, since the last one run anyway (EXPLORE_EVERY)
-        self.drafting = True  # the last plan drafted (or had nothing to plan): new prompts are worth drafting for
         self.faults = 0  # proposer failures in a row
         self.off = False  # PROPOSER_FAULTS of them: no sequence speculates any more
 
@@ -129,7 +128,6 @@ class Speculator:
         prior = self.engine_rate.accept(0.5)
         cands = [Candidate(seq.spec.accept(prior), k, self.proposer.catch_up(seq)) for seq, k in items]
         ks = plan(decodes, cands, self.step_times, self.proposer.times)
-        self.drafting = any(ks) or not any(k for _, k in items)
         if any(ks):
             self.refusals = 0
         elif any(k for _, k in items):
@@ -142,12 +140,19 @@ class Speculator:
                 seq.spec.rejected *= SKIP_DECAY
         return ks
 
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """``seqs`` finished their prompts this step: a draft model catches up on them now, while speculation
-        pays (the plan's last say), rather than at their first proposal."""
-        if self.off or self.proposer.cheap or not self.drafting:
+    def prefill(self, seqs: list[Sequence], running: int) -> None:
+        """``seqs`` finished their prompts this step, ``running`` sequences are running: a draft model reads the
+        prompts now, rather than at their first proposal, of those the plan would have draft in a step of all
+        ``running`` decoding (under load, none: a prompt the draft reads for nothing costs a prefill)."""
+        if self.off or self.proposer.cheap:
             return
-        seqs = [seq for seq in seqs if self.wants(seq, 1)]
+        items = [(seq, k) for seq in seqs if (k := self.wants(seq, self.config.num_speculative_tokens))]
+        if self.config.adaptive and items:
+            prior = self.engine_rate.accept(0.5)
+            ks = plan(max(running, len(items)), [Candidate(seq.spec.accept(prior), k) for seq, k in items],
+                      self.step_times, self.proposer.times)
+            items = [item for item, k in zip(items, ks) if k]
+        seqs = [seq for seq, _ in items]
         if not seqs:
             return
         try:
