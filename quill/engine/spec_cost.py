@@ -72,10 +72,11 @@ class Candidate:
 
 
 def explore(cands: list[Candidate]) -> list[int]:
-    """Drafts for one sequence, the likeliest kept: what a draft step costs gets measured at little risk."""
+    """Drafts for one sequence, the cheapest for a draft model to catch up, then the likeliest kept: what a
+    draft step costs gets measured at little risk."""
     out = [0] * len(cands)
     if cands:
-        best = max(range(len(cands)), key=lambda i: (cands[i].accept, cands[i].k_max))
+        best = max(range(len(cands)), key=lambda i: (-cands[i].catch_up, cands[i].accept, cands[i].k_max))
         out[best] = cands[best].k_max
     return out
 
