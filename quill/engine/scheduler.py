@@ -91,6 +91,8 @@ class Scheduler:
         """Give decoding sequences their drafts, after every decode has its token: a draft's blocks come from
         free ones only (a decode that needed one would otherwise preempt someone), within the budget.  The
         proposer sees every sequence that wants drafts at once (a draft model runs them batched)."""
+        if self.speculator.config.adaptive and self._prefill_pending():
+            return budget  # a step that carries a prompt chunk is compute-bound: a draft row costs what a token does
         wanted: list[tuple[int, Sequence, int]] = []  # (place in the batch, sequence, k)
         for i, (seq, _) in enumerate(batch):
             if budget == 0:
@@ -105,6 +107,12 @@ class Scheduler:
             batch[i] = (seq, 1 + len(seq.drafts))
             budget += k - len(seq.drafts)
         return budget
+
+    def _prefill_pending(self) -> bool:
+        """Whether this step will run a prompt chunk: a running sequence's, or a waiting one's that can be admitted."""
+        if any(seq.in_prefill for seq in self.running):
+            return True
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.blocks.can_allocate(self.waiting[0])
 
     def _make_room(self, seq: Sequence) -> bool:
         """Preempt the newest running sequences until ``seq`` can grow; False if ``seq`` itself was preempted."""
