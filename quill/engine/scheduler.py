@@ -112,7 +112,8 @@ class Scheduler:
         """Whether this step will run a prompt chunk: a running sequence's, or a waiting one's that can be admitted."""
         if any(seq.in_prefill for seq in self.running):
             return True
-        return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.blocks.can_allocate(self.waiting[0])
+        return (bool(self.waiting) and len(self.running) < self.max_num_seqs
+                and self.blocks.can_allocate(self.waiting[0]))
 
     def _make_room(self, seq: Sequence) -> bool:
         """Preempt the newest running sequences until ``seq`` can grow; False if ``seq`` itself was preempted."""
