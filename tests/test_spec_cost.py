@@ -30,7 +30,9 @@ def test_step_times_average_interpolate_and_are_optimistic_past_what_was_seen():
     t.record(4, 10 * MS)
     assert t(4) == t(9) == 10 * MS and t(1) == 2.5 * MS  # one count: flat past it, proportional below
     t.record(4, 20 * MS)
-    assert t(4) == pytest.approx((10 + EWMA * 10) * MS)  # a recent average
+    assert t(4) == pytest.approx((10 + EWMA * 10) * MS)  # slower: a recent average
+    t.record(4, 500 * MS), t.record(4, 10 * MS)
+    assert t(4) == 10 * MS  # faster: at once (a cold first step does not hold the count off)
     t.record(12, 30 * MS)
     assert t(8) == pytest.approx((t(4) + t(12)) / 2)  # linear between counts seen
     assert t(40) == t(12)  # past the largest: as the largest, so it gets tried and measured

@@ -21,9 +21,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
-EWMA = 0.25  # weight of a new measurement in its row count's average
+EWMA = 0.25  # weight of a slower measurement in its row count's average (a faster one replaces it)
 MAX_ROWS = 1024  # row counts past this are not kept (prefill-sized steps say nothing about drafts)
-EXPLORE_EVERY = 100  # every this many refusals the best plan runs anyway, refreshing the times it rests on
+EXPLORE_EVERY = 50  # every this many refusals one sequence drafts anyway, refreshing the times the plan rests on
 
 
 class StepTimes:
@@ -34,6 +34,9 @@ class StepTimes:
         self.secs: dict[int, float] = {}
 
     def record(self, rows: int, seconds: float) -> None:
+        """Fast down, slow up: a step cannot run faster than the machine allows, so a faster measurement is
+        taken at once (a cold first step, 50x the warm one, must not hold a row count off for good), while
+        a slower one, a busier host or noise, moves the average a quarter of the way."""
         if rows < 1 or rows > MAX_ROWS or not seconds > 0.0:
             return
         old = self.secs.get(rows)
@@ -41,7 +44,7 @@ class StepTimes:
             self.rows.insert(bisect_left(self.rows, rows), rows)
             self.secs[rows] = seconds
         else:
-            self.secs[rows] = old + EWMA * (seconds - old)
+            self.secs[rows] = seconds if seconds < old else old + EWMA * (seconds - old)
 
     def __call__(self, rows: int) -> float | None:
         """The expected seconds of a ``rows``-row step; None before anything was measured."""
