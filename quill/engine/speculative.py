@@ -125,8 +125,7 @@ class Speculator:
         ``adaptive: false``, else the plan with the most expected tokens per second (spec_cost.plan)."""
         if not self.config.adaptive:
             return [k for _, k in items]
-        prior = self.engine_rate.accept(0.5)
-        cands = [Candidate(seq.spec.accept(prior), k, self.proposer.catch_up(seq)) for seq, k in items]
+        cands = self._candidates(items, [self.proposer.catch_up(seq) for seq, _ in items])
         ks = plan(decodes, cands, self.step_times, self.proposer.times)
         if any(ks):
             self.refusals = 0
@@ -140,6 +139,11 @@ class Speculator:
                 seq.spec.rejected *= SKIP_DECAY
         return ks
 
+    def _candidates(self, items: list[tuple[Sequence, int]], catch_up: list[int]) -> list[Candidate]:
+        """The plan's view of each (sequence, most drafts): its acceptance (the engine's rate as prior)."""
+        prior = self.engine_rate.accept(0.5)
+        return [Candidate(seq.spec.accept(prior), k, c) for (seq, k), c in zip(items, catch_up)]
+
     def prefill(self, seqs: list[Sequence], running: int) -> None:
         """``seqs`` finished their prompts this step, ``running`` sequences are running: a draft model reads the
         prompts now, rather than at their first proposal, of those the plan would have draft in a step of all
@@ -148,9 +152,9 @@ class Speculator:
             return
         items = [(seq, k) for seq in seqs if (k := self.wants(seq, self.config.num_speculative_tokens))]
         if self.config.adaptive and items:
-            prior = self.engine_rate.accept(0.5)
-            ks = plan(max(running, len(items)), [Candidate(seq.spec.accept(prior), k) for seq, k in items],
-                      self.step_times, self.proposer.times)
+            # as if read: the plan weighs the drafts after it (the read itself is paid once per request)
+            cands = self._candidates(items, [1] * len(items))
+            ks = plan(max(running, len(items)), cands, self.step_times, self.proposer.times)
             items = [item for item, k in zip(items, ks) if k]
         seqs = [seq for seq, _ in items]
         if not seqs:
