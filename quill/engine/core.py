@@ -200,7 +200,8 @@ class EngineCore:
         scored = {seq: seq.scorer.positions(seq.num_computed, n) for seq, n in batch
                   if seq.scorer is not None and not seq.scorer.done()}  # prompt positions scored this step
         started, decoding = time.perf_counter(), self._decodes_only(batch)
-        prompted = [seq for seq, n in batch if n > 1 and not seq.drafts and seq.num_computed + n == seq.num_tokens]
+        prompted = [] if self.speculator is None else [  # prompts this step finishes (a draft model reads them)
+            seq for seq, n in batch if n > 1 and not seq.drafts and seq.num_computed + n == seq.num_tokens]
         try:
             groups = [(batch, *self._forward(batch, scored))]
             self._forward_faults = 0
@@ -220,7 +221,7 @@ class EngineCore:
                     outputs.append(out)
         if decoding:  # what a step of this many rows costs, for speculation's plan (quill.engine.spec_cost)
             self.speculator.step_times.record(sum(n for _, n in batch), time.perf_counter() - started)
-        elif prompted and self.speculator is not None:  # a draft model reads the prompts that just finished
+        elif prompted:  # a draft model reads the prompts that just finished
             self.speculator.prefill([seq for seq in prompted if seq.status is Status.RUNNING and seq.output],
                                     len(self.scheduler.running))
         return outputs

@@ -129,7 +129,7 @@ class DraftModelProposer:
         self.context_length = model.args.context_length  # no position past the draft's own window
         self.native_step, _ = model.native_decode_step(cache, None)
         self.states: dict[Sequence, DraftState] = {}
-        self.times = StepTimes()  # its decode forwards' seconds by rows, for the plan
+        self.times = StepTimes()  # its forwards' seconds by rows (catch-ups too), for the plan
 
     def catch_up(self, seq: Sequence) -> int:
         """Tokens of ``seq`` the draft has not seen (after the rollback ``propose_many`` would make)."""
