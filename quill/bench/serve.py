@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,15 +99,33 @@ def _wait_ready(ep: Endpoint, timeout: float = 600.0) -> Endpoint:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    ep.close()
     raise ConfigError(f"{ep.name} at {ep.url} was not ready after {timeout:.0f} s")
+
+
+def _ready_or_closed(ep: Endpoint) -> Endpoint:
+    """``ep`` once it answers; closed when it does not (an exit, a timeout, Ctrl-C or SIGTERM while waiting)."""
+    try:
+        return _wait_ready(ep)
+    except BaseException:
+        ep.close()
+        raise
+
+
+@contextmanager
+def sigterm_exits():
+    """SIGTERM ends the benchmark as Ctrl-C does: the with-blocks holding its servers close them."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _start(name: str, cmd: list[str], port: int, log: Path | None) -> Endpoint:
     """``cmd`` started (stderr into ``log``, or discarded) and waited for until it answers."""
     with open(log if log is not None else "/dev/null", "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-    return _wait_ready(Endpoint(name, f"http://127.0.0.1:{port}", "", proc, log))
+    return _ready_or_closed(Endpoint(name, f"http://127.0.0.1:{port}", "", proc, log))
 
 
 def launch_quill(model: str, threads: int, max_num_seqs: int, extra: list[str], log: Path | None = None) -> Endpoint:
@@ -124,7 +143,7 @@ def launch_quill_ray(model: str | None, replicas: int, threads: int, max_num_seq
            "--threads-per-replica", str(threads), "--max-num-seqs", str(max_num_seqs),
            *(["--model", model] if model else []), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    return _wait_ready(Endpoint(f"ray {replicas}x{threads}", f"http://127.0.0.1:{port}", "", proc))
+    return _ready_or_closed(Endpoint(f"ray {replicas}x{threads}", f"http://127.0.0.1:{port}", "", proc))
 
 
 def ray_layouts(text: str | None) -> list[tuple[int, int]]:
@@ -218,6 +237,11 @@ def _server_decode(result: LoadResult) -> float:
 
 
 def run(args) -> int:
+    with sigterm_exits():
+        return _run(args)
+
+
+def _run(args) -> int:
     from quill.default_model import default_model_path
     from quill.platform import detect
 

@@ -174,6 +174,13 @@ def server_args(engine: str, method: str, k: int, draft: Path | None) -> list[st
 
 
 def run(args) -> int:
+    from quill.bench.serve import sigterm_exits
+
+    with sigterm_exits():
+        return _run(args)
+
+
+def _run(args) -> int:
     from quill.bench.meta import run_metadata
     from quill.platform import detect
 
@@ -252,8 +259,14 @@ def _launch(starts: dict, stack: ExitStack) -> dict:
 
     if not starts:
         return {}
-    with ThreadPoolExecutor(len(starts)) as pool:
-        futures = {name: pool.submit(start) for name, start in starts.items()}
+    pool = ThreadPoolExecutor(len(starts))
+    futures = {name: pool.submit(start) for name, start in starts.items()}
+    try:
+        pool.shutdown(wait=True)
+    except BaseException:  # Ctrl-C or SIGTERM while they start: each server closes as its start returns
+        for future in futures.values():
+            future.add_done_callback(_close_started)
+        raise
     eps, error = {}, None
     for name, future in futures.items():
         try:
@@ -269,6 +282,11 @@ def _launch(starts: dict, stack: ExitStack) -> dict:
     if error is not None:
         raise error
     return eps
+
+
+def _close_started(future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
 
 
 def _order(methods: list[str], r: int) -> list[str]:
