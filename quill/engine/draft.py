@@ -145,15 +145,8 @@ class DraftModelProposer:
             k = min(k, self.context_length - seq.num_tokens)
             if k < 1:
                 continue
-            st = self.states.setdefault(seq, DraftState())
-            self.rollback(seq)
-            todo = seq.tokens[len(st.tokens):]
-            new = todo[:budget]
-            if not new:
-                continue
             # room for the catch-up and k - 1 fed-back drafts (the k-th is never fed)
-            have = self.kv.room(st, len(st.tokens) + len(new) + k - 1) - len(st.tokens)
-            new = new[:have]
+            st, todo, new, have = self._take(seq, seq.num_tokens, budget, reserve=k - 1)
             if not new:
                 continue
             budget -= len(new)
@@ -182,11 +175,7 @@ class DraftModelProposer:
         while pending:
             pieces, rest, budget = [], [], self.max_tokens
             for seq in pending:
-                st = self.states.setdefault(seq, DraftState())
-                self.rollback(seq)
-                todo = seq.tokens[len(st.tokens):seq.num_tokens - 1]
-                new = todo[:budget]
-                new = new[:self.kv.room(st, len(st.tokens) + len(new)) - len(st.tokens)]
+                st, todo, new, _ = self._take(seq, seq.num_tokens - 1, budget)
                 if not new:
                     continue
                 budget -= len(new)
@@ -199,6 +188,20 @@ class DraftModelProposer:
                 return
             self._forward(pieces)
             pending = rest
+
+    def _take(self, seq: Sequence, end: int, budget: int,
+              reserve: int = 0) -> tuple[DraftState, list[int], list[int], int]:
+        """``seq``'s draft state, rolled back; the tokens before ``end`` it has not seen (``todo``); those one forward
+        takes (``new``: at most ``budget``, as many as free blocks hold with ``reserve`` positions more after them);
+        the positions its blocks now have past its tokens."""
+        st = self.states.setdefault(seq, DraftState())
+        self.rollback(seq)
+        todo = seq.tokens[len(st.tokens):end]
+        new = todo[:budget]
+        if not new:
+            return st, todo, [], 0
+        have = self.kv.room(st, len(st.tokens) + len(new) + reserve) - len(st.tokens)
+        return st, todo, new[:have], have
 
     def _ends(self, seq: Sequence, token: int) -> bool:
         """Whether ``token`` ends ``seq``'s draft run: a draft after it is never kept (the target stops there
