@@ -49,7 +49,10 @@ from quill.errors import ConfigError
 METHODS = ("none", "ngram", "draft")
 ENGINES = ("quill", "llama-server")
 # issue 39's goals for quill: the headline figure against the same server without speculation
+# one stream's speed-up goals; with more clients a batched step already shares the weight reads, and the goal is
+# to cost no more than a few percent
 GOALS = {("ngram", "copy"): 1.5, ("ngram", "chat"): 0.97, ("draft", "copy"): 1.3, ("draft", "chat"): 1.3}
+MANY_CLIENTS_GOAL = 0.95
 
 
 def register(bsub) -> None:
@@ -194,7 +197,7 @@ def _run(args) -> int:
     report = {"meta": meta, "settings": {
         "k": args.k, "max_tokens": args.max_tokens, "clients": s["levels"], "rounds": args.rounds,
         "threads": args.threads, "methods": s["methods"], "llama_server": args.llama_server, "goals": {
-            f"{m} {st}": g for (m, st), g in GOALS.items()},
+            f"{m} {st}": g for (m, st), g in GOALS.items()} | {"more than one client": MANY_CLIENTS_GOAL},
         "llama_server_ngram": f"--spec-type ngram-simple: the last {min(3, args.k)} tokens (lookup) found in the "
                               f"sequence's prompt and output, the up to {args.k} tokens after their latest earlier "
                               "occurrence drafted (quill: longest suffix of 3..1 tokens first)",
@@ -385,6 +388,8 @@ def _goals(clients: int, level: dict) -> list[dict]:
         for name, x in entry["speedup"].items():
             engine, method = name.split()
             goal = GOALS.get((method, st))
+            if goal is not None and clients > 1:
+                goal = MANY_CLIENTS_GOAL
             if engine == "quill" and goal is not None and x is not None:
                 out.append({"config": name, "set": st, "clients": clients, "speedup": x, "goal": goal,
                             "met": x >= goal})
