@@ -169,17 +169,22 @@ def test_gguf_types_bit_exact_and_match_reference(type_name, int8):
         assert sqnr(outs["scalar"], x @ qw.dequantize().T) >= 75, sqnr(outs["scalar"], x @ qw.dequantize().T)
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q6_K"])
-def test_two_level_int8_across_k_blocks_and_token_tiles(type_name):
-    """13 tokens (token tiles of 6) and K = 2560 (K blocks of 64 chunks cut super-blocks mid-way),
-    asymmetric int8 activations, on every variant, as the scalar twin."""
-    qw = _gguf_weight(type_name, 40, 2560).with_(activation=ActivationQuant(symmetric=False))
-    x = torch.randn(13, 2560, generator=torch.Generator().manual_seed(4))
-    outs = {isa: _run(qw, x, isa, int8=True) for isa in _variants()}
-    for isa, y in outs.items():
-        assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin"
-    want = fake_quantize_activations(x, qw.activation) @ qw.dequantize().T
-    assert sqnr(outs["scalar"], want) >= 40, sqnr(outs["scalar"], want)
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1"])
+@pytest.mark.parametrize("act", ["asym", "group"])
+def test_two_level_int8_across_k_blocks_and_token_tiles(type_name, act):
+    """13 and 37 tokens (token tiles of 6; two row blocks a pass from 32) and K = 2560 (K blocks of 64 chunks cut
+    super-blocks mid-way), asymmetric int8 activations per token, or llama.cpp's per token and group (whose
+    epilogue reads its token side precomputed on the AVX-512 4-6-bit path: csrc/avx512_vnni.cpp GZ_SEG), on
+    every variant, as the scalar twin."""
+    aq = ActivationQuant(symmetric=False) if act == "asym" else ActivationQuant(per_group=True)
+    qw = _gguf_weight(type_name, 40, 2560).with_(activation=aq)
+    x = torch.randn(37, 2560, generator=torch.Generator().manual_seed(4))
+    for m in (13, 37):
+        outs = {isa: _run(qw, x[:m], isa, int8=True) for isa in _variants()}
+        for isa, y in outs.items():
+            assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin at M = {m}"
+        want = fake_quantize_activations(x[:m], qw.activation, qw.group_index()) @ qw.dequantize().T
+        assert sqnr(outs["scalar"], want) >= 40, sqnr(outs["scalar"], want)
 
 
 @pytest.mark.parametrize("type_name", sorted(KQ_BPW))

@@ -29,7 +29,11 @@ namespace {
 // per row block and token a convert, fmsub with both broadcasts from memory and fmadd (epilogue_g adds a
 // scalar convert and multiply, register broadcasts, a multiply for z xg, index math and run-time scale /
 // zero / offset dispatch).  seg_epilogue_g's operations on the same values: the same bits.
+// GZ_SEG: the token side precomputed as (g, z xg, xg) (group_terms<3>), the weight side per row block as epilogue_g
+// has it (seg_consts: two-level scales, offsets): layers with one zero point otherwise (GGUF K-quants, Q4_1), where
+// it saves the same scalar convert, multiply, broadcasts and index math per token and row block.
 constexpr int GZ_ANY = 3;  // tile_i8's GZ for a scale dtype read at run time
+constexpr int GZ_SEG = 4;
 template <int BITS, bool FOLD, int MT, int RB, int GZ = -1>
 void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, int s,
              LaneState<int32_t>* const* st, const float* gz) {
@@ -97,17 +101,20 @@ void tile_i8(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c1, 
     if (c < end) chunk(c, Even{});
     c = end;
     if (c != w.seg_end[s]) break;  // the segment continues in the next K block
-    const float* pair = GZ >= 0 ? gz + (int64_t(s) * a.m + m0) * 2 : nullptr;  // [MT, 2] (g, z xg)
+    constexpr int STRIDE = GZ == GZ_SEG ? 3 : 2;
+    const float* pair = GZ >= 0 ? gz + (int64_t(s) * a.m + m0) * STRIDE : nullptr;  // [MT, STRIDE] (g, z xg[, xg])
     QUILL_UNROLL for (int r = 0; r < RB; ++r) {
       v512::SegConsts sc;
-      if constexpr (GZ >= 0)
+      if constexpr (GZ >= 0 && GZ != GZ_SEG)
         sc.scale = v512::load16(w.scales, GZ == GZ_ANY ? w.scale_dtype : DType(GZ), seg_index(w, nb + r, s, 0));
       else sc = v512::seg_consts(w, nb + r, s, sup[r]);
       QUILL_UNROLL for (int m = 0; m < MT; ++m) {
         __m512i d = acc[r][m][0];
         QUILL_UNROLL for (int i = 1; i < NA; ++i) d = _mm512_add_epi32(d, acc[r][m][i]);
         const int64_t i = int64_t(m0 + m) * w.nseg + s;
-        if constexpr (GZ >= 0)
+        if constexpr (GZ == GZ_SEG)
+          f[r][m] = v512::epilogue_gzo(sc, _mm512_cvtepi32_ps(d), pair + 3 * m, f[r][m]);
+        else if constexpr (GZ >= 0)
           f[r][m] = v512::epilogue_gz(sc.scale, _mm512_cvtepi32_ps(d), pair + 2 * m, f[r][m]);
         else if (FOLD)  // d holds D - z X: t = cvt(d) is epilogue()'s t (no offsets where folded)
           f[r][m] = _mm512_fmadd_ps(sc.scale, _mm512_cvtepi32_ps(d), f[r][m]);
@@ -177,10 +184,12 @@ void run_i8_g(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1)
 
 // The zero point folded (Weights::fold_zero) for layers with one (3-8 bit) and per-token scales
 // (W4A8 at 128 tokens, Q4_0-shaped: -8 % on Zen 5); per-group scales take run_i8_g where it applies,
-// epilogue_g otherwise.
+// GZ_SEG for other layers with one zero point, epilogue_g otherwise.
 template <int BITS>
 void run_i8_epi(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   if (a.gscale && one_zero_point(w)) return run_i8_g<BITS>(w, a, o, nb0, nb1);
+  if constexpr (BITS >= 4 && BITS <= 6)  // Q4_K, Q5_K, Q6_K, Q4_1, Q5_1 (compiled for these widths only)
+    if (a.gscale && !w.zeros) return run_i8<BITS, false, GZ_SEG>(w, a, o, nb0, nb1, group_terms<3>(w, a, group_terms_buf));
   if constexpr (BITS >= 3)
     if (w.fold_zero && !a.gscale) return run_i8<BITS, true>(w, a, o, nb0, nb1);
   run_i8<BITS>(w, a, o, nb0, nb1);

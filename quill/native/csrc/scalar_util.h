@@ -237,15 +237,20 @@ struct FloatScratch {
 // O(M S) beside the call's O(N K M).  buf: the calling thread's scratch; returns its data.  Always inlined:
 // each ISA's TU compiles it with its own flags, and a shared out-of-line copy could be the AVX-512 TU's,
 // called from the AVX2 one.
+// STRIDE 3 adds xg itself, p[2] (the offset term's factor): layers with one zero point and offsets or two-level
+// scales (K-quants), whose weight side stays per row (seg_consts) but whose token side is the same.
+template <int STRIDE = 2>
 QUILL_INLINE const float* group_terms(const Weights& w, const I8Acts& a, FloatScratch& buf) {
-  float* out = buf.get(size_t(2) * a.m * w.nseg);
+  static_assert(STRIDE == 2 || STRIDE == 3, "(g, z xg) or (g, z xg, xg)");
+  float* out = buf.get(size_t(STRIDE) * a.m * w.nseg);
   for (int m = 0; m < a.m; ++m)
     for (int s = 0; s < w.nseg; ++s) {
       const int64_t i = int64_t(m) * w.nseg + s;
       const float g = a.gscale[i], xg = float(a.qsum[i]) * g;
-      float* p = out + (int64_t(s) * a.m + m) * 2;
+      float* p = out + (int64_t(s) * a.m + m) * STRIDE;
       p[0] = g;
       p[1] = w.zconst * xg;
+      if constexpr (STRIDE == 3) p[2] = xg;
     }
   return out;
 }

@@ -131,6 +131,14 @@ QUILL_INLINE __m512 epilogue_gz(__m512 scale, __m512 d, const float* pair, __m51
   return _mm512_fmadd_ps(scale, _mm512_fmsub_ps(d, _mm512_set1_ps(pair[0]), _mm512_set1_ps(pair[1])), f);
 }
 
+// epilogue_g of a layer with one zero point, its token side precomputed, p = (g, z * xg, xg) (group_terms<3>), its
+// weight side (two-level scales, offsets) from seg_consts: f += scale * (d * g - z * xg) [+ offset * xg].
+QUILL_INLINE __m512 epilogue_gzo(const SegConsts& c, __m512 d, const float* p, __m512 f) {
+  f = _mm512_fmadd_ps(c.scale, _mm512_fmsub_ps(d, _mm512_set1_ps(p[0]), _mm512_set1_ps(p[1])), f);
+  if (c.has_offset) f = _mm512_fmadd_ps(c.offset, _mm512_set1_ps(p[2]), f);
+  return f;
+}
+
 // f += (scale * xscale) * (SHIFT * (Dhi - z * Xhi) + (Dlo - z * Xlo))
 //      [+ (offset * xscale) * (SHIFT * Xhi + Xlo)]   (split_epilogue, 16 lanes)
 // With the zero point folded into the accumulators (Weights::fold_zero) dhi / dlo hold Dhi - z Xhi and
