@@ -1,5 +1,6 @@
-"""quill bench serve / spec stopped by SIGTERM close the servers they started, as Ctrl-C does: while a server
-is still starting (spec starts its servers in parallel threads) and while the load runs."""
+"""quill bench serve / spec: stopped by SIGTERM they close the servers they started, as Ctrl-C does, while a server
+is still starting (spec starts its servers in parallel threads) and while the load runs; llama-server's web UI
+turned off as each build spells it."""
 
 import os
 import re
@@ -97,3 +98,20 @@ def test_bench_spec_sigterm_while_its_servers_start_stops_them():
         bench.kill()
         raise
     _terminate_and_check(bench, servers)
+
+
+def test_llama_server_web_ui_flag_as_each_build_spells_it(tmp_path):
+    from quill.bench.serve import _no_webui
+
+    def server(help_line: str):
+        path = tmp_path / f"server{len(list(tmp_path.iterdir()))}"
+        path.write_text(f"#!/bin/sh\necho '{help_line}'\n")
+        path.chmod(0o755)
+        return str(path)
+
+    # the lines of mainline's (0.3.36's vendored llama.cpp) and ik_llama.cpp 8337e4c's --help
+    mainline = "--ui,  --webui, --no-ui, --no-webui     whether to enable the Web UI (default: enabled)"
+    assert _no_webui(server(mainline)) == ["--no-webui"]
+    ik = "--ui-mcp-proxy, --webui-mcp-proxy\n         --webui NAME             controls which webui to server:"
+    assert _no_webui(server(ik)) == ["--webui", "none"]
+    assert _no_webui(server("-h, --help")) == []

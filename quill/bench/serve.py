@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,6 +42,9 @@ def register(bsub) -> None:
     p.add_argument("--model", default=None, help="model for quill serve (default: the default model)")
     p.add_argument("--gguf", default=None, help="GGUF file for llama-server (default: --model when it is one)")
     p.add_argument("--llama-server", default=None, help="llama-server binary (without it: quill only)")
+    p.add_argument("--llama-server-name", default=None,
+                   help="what the JSON calls that server (default: its --version), e.g. 'ik_llama.cpp 8337e4c "
+                        "llama-server' for a build without a version")
     p.add_argument("--url", default=None, help="bench this running OpenAI endpoint instead of starting quill serve")
     p.add_argument("--served-model", default=None, help="model name at --url (default: its first model)")
     p.add_argument("--clients", default="1,4,16,64", help="concurrent clients, comma-separated")
@@ -193,8 +198,18 @@ def launch_llama_server(binary: str, gguf: str, threads: int, slots: int, ctx_pe
         raise ConfigError(f"--llama-server: no such file '{binary}'")
     port = _free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb", str(threads),
-           "-np", str(slots), "-cb", "-c", str(slots * ctx_per_slot), "--no-webui", *extra]
+           "-np", str(slots), "-cb", "-c", str(slots * ctx_per_slot), *_no_webui(binary), *extra]
     return _start("llama-server", cmd, port, log)
+
+
+def _no_webui(binary: str) -> list[str]:
+    """The flag that turns the web UI off, as this llama-server spells it (mainline ``--no-webui``,
+    ik_llama.cpp ``--webui none``); none when its --help shows neither."""
+    p = subprocess.run([binary, "--help"], capture_output=True, text=True, check=False, timeout=60)
+    usage = p.stdout + p.stderr
+    if re.search(r"--no-webui(?![\w-])", usage):  # not --no-webui-mcp-proxy
+        return ["--no-webui"]
+    return ["--webui", "none"] if "--webui NAME" in usage else []
 
 
 def _median_summary(results: list[LoadResult]) -> dict:
@@ -255,7 +270,10 @@ def _run(args) -> int:
             raise ConfigError("--llama-server needs a GGUF file: pass --gguf (or a .gguf --model)")
     from quill.bench.meta import run_metadata
 
-    meta = run_metadata(platform, threads, llama_server=args.llama_server)
+    meta = run_metadata(platform, threads, llama_server=args.llama_server,
+                        command="quill " + shlex.join(getattr(args, "argv", None) or sys.argv[1:]))
+    if args.llama_server_name:
+        meta["llama_cpp"] = args.llama_server_name
     # which model and quill mode ran: the page labels its serving rows from these
     meta |= {"model": str(args.model or default_model_path()), "serve_args": list(args.serve_arg or [])}
     if args.json_schema:
