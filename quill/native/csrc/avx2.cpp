@@ -68,9 +68,9 @@ inline const int8_t* stream_of(const SplitActs& a) { return a.x; }
 // 2 parts: sum(code * lo)).
 // Halves [H0, H0 + NH) of the row block (8 rows each) into f: NH = 2 walks K once for both halves;
 // NH = 1 walks it for one half, its accumulators and float sums in registers (see tile()).
-// gz: the per-group epilogue's precomputed token side (group_terms), or null.
+// gz: the per-group epilogue's precomputed token side (group_terms), or none.
 template <int BITS, int PARTS, int EPI, int MT, int H0, int NH, class Acts>
-QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, float (*f)[LANES], const float* gz) {
+QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, float (*f)[LANES], GroupSide gz) {
   constexpr int CK = chunk_k(BITS), STRIDE = PARTS * CK;
   constexpr bool SPLIT = PARTS > 1;
   // the split epilogue's variants (run_split_epi): the zero point folded (1), and T fused (2); no zero point (3)
@@ -202,8 +202,10 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
         else if constexpr (SPLIT)
           fn = epilogue_split<PARTS>(sc, acc[m][h][0], acc[m][h][1], a.qsum[2 * i], a.qsum[2 * i + 1], a.scale[i], fo,
                               FUSE);
-        else if (gz)
-          fn = epilogue_gz(sc.scale, _mm256_cvtepi32_ps(acc[m][h][1]), gz + (int64_t(s) * a.m + m0 + m) * 2, fo);
+        else if (gz.stride == 3)
+          fn = epilogue_gzo(sc, _mm256_cvtepi32_ps(acc[m][h][1]), gz.p + (int64_t(s) * a.m + m0 + m) * 3, fo);
+        else if (gz.p)
+          fn = epilogue_gz(sc.scale, _mm256_cvtepi32_ps(acc[m][h][1]), gz.p + (int64_t(s) * a.m + m0 + m) * 2, fo);
         else if (a.gscale)
           fn = epilogue_g(sc, _mm256_cvtepi32_ps(acc[m][h][1]), float(a.qsum[i]), a.gscale[i], fo);
         else
@@ -225,19 +227,19 @@ QUILL_INLINE void tile_halves(const Weights& w, const Acts& a, int nb, int m0, f
 // sum 8 chunks: +25-30 %).  Single tokens keep one pass (the second pass cost more than the spills:
 // W4A8 M = 1 +30-45 %), as do 2/3/5/6-bit codes with int8 activations.  Either way each half's sums
 // run in the same order: the same bits.  The 8-token tiles of 4-bit codes with short segments are
-// written out (avx2_tile8.h); gz: the precomputed token side of the per-group epilogue (group_terms), or null.
+// written out (avx2_tile8.h); gz: the precomputed token side of the per-group epilogue (group_terms), or none.
 template <int BITS, int PARTS, int EPI, int MT, class Acts>
-void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool short_segs, const float* gz) {
+void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool short_segs, GroupSide gz) {
   alignas(32) float f[MT][LANES] = {};
   if constexpr (BITS == 4 && PARTS == 1 && MT == 8) {
     if (short_segs && EPI == 1) {
       tile8_i4<false>(w, a, nb, m0, 0, f);
       tile8_i4<false>(w, a, nb, m0, 1, f);
-    } else if (short_segs && gz) {
-      tile8_g_halves(w, a, gz, nb, m0, f);
+    } else if (short_segs && gz.stride == 2) {
+      tile8_g_halves(w, a, gz.p, nb, m0, f);
     } else if (short_segs && a.gscale) {
-      tile8_i4<true>(w, a, nb, m0, 0, f);
-      tile8_i4<true>(w, a, nb, m0, 1, f);
+      tile8_i4<true>(w, a, nb, m0, 0, f, gz);
+      tile8_i4<true>(w, a, nb, m0, 1, f, gz);
     } else {
       tile_halves<BITS, PARTS, EPI, MT, 0, 1>(w, a, nb, m0, f, gz);
       tile_halves<BITS, PARTS, EPI, MT, 1, 1>(w, a, nb, m0, f, gz);
@@ -262,9 +264,11 @@ thread_local FloatScratch group_terms_buf;
 template <int BITS, int PARTS, class Acts, int EPI = 0>
 void run(const Weights& w, const Acts& a, const Out& o, int nb0, int nb1) {
   const bool short_segs = BITS == 4 && PARTS == 1 && a.m >= 8 && w.short_segments;
-  const float* gz = nullptr;  // per-group scales, one zero point: the epilogue's token side (tile8_g, tile_halves)
-  if constexpr (PARTS == 1)
-    if (a.gscale && one_zero_point(w)) gz = group_terms(w, a, group_terms_buf);
+  GroupSide gz;  // per-group scales, one zero point: the epilogue's token side (tile8_g, tile8_i4, tile_halves)
+  if constexpr (PARTS == 1) {
+    if (a.gscale && one_zero_point(w)) gz = {group_terms(w, a, group_terms_buf), 2};
+    else if (BITS >= 4 && BITS <= 6 && a.gscale && !w.zeros) gz = {group_terms<3>(w, a, group_terms_buf), 3};
+  }
   for (int nb = nb0; nb < nb1; ++nb)
     for (int m0 = 0; m0 < a.m;) {
       const int left = a.m - m0;

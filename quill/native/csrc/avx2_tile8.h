@@ -37,15 +37,16 @@ QUILL_INLINE void chunk8_i4(__m256i lo, __m256i hi, const int8_t* const* x, int6
 // The prefill tile of 4-bit codes x int8 activations for segments of at most 4 chunks (groups of <= 32:
 // GGUF Q4_0 / Q4_1, GPTQ / compressed-tensors g32): 8 tokens x half h of row block nb, all of K, with
 // per-token scales and the zero point folded (GROUP false: tile_halves<4, 1, 1, 8, h, 1>'s epilogue) or
-// one scale per token and segment (GROUP: epilogue_g, any zero point and offsets); the sums and epilogue
-// of the template in the same order (the same bits).  Written out because the generic template's codegen
+// one scale per token and segment (GROUP: epilogue_g, any zero point and offsets; with gz of stride 3 its token
+// side read precomputed, epilogue_gzo); the sums and epilogue of the template in the same order (the same bits).  Written out because the generic template's codegen
 // spilled sums and recomputed the 8 token addresses in the chunk loop: in a stand-alone harness (Zen 5,
 // 1024 x 2048 at 128 tokens) 2.43 -> 2.08 cycles per token, chunk and half folded, 2.60 -> 2.44 with
 // per-group scales.  A segment's int16 sums (<= 4 chunks: |sum| <= 4 * 2 * 2 * 15 * 128) widen straight
 // into its epilogue.  (Longer segments and the per-token zero-point epilogue written the same way ran
 // 5-20 % slower than the template, gcc again: they keep it.)
 template <bool GROUP>
-QUILL_INLINE void tile8_i4(const Weights& w, const I8Acts& a, int nb, int m0, int h, float (*f)[LANES]) {
+QUILL_INLINE void tile8_i4(const Weights& w, const I8Acts& a, int nb, int m0, int h, float (*f)[LANES],
+                           GroupSide gz = {}) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const uint8_t* codes = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES + 32 * h;  // [KC, 64], half h
   const int8_t* x[8];                                                          // [Kp] each
@@ -66,11 +67,13 @@ QUILL_INLINE void tile8_i4(const Weights& w, const I8Acts& a, int nb, int m0, in
       chunk8_i4(_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low), x, int64_t(c) * 8, q16);
     }
     const Seg8 sc = seg8(w, nb, s, h, sup);
+    const float* tri = gz.stride == 3 ? gz.p + (int64_t(s) * a.m + m0) * 3 : nullptr;  // [8, 3] (g, z xg, xg)
     QUILL_UNROLL for (int m = 0; m < 8; ++m) {
       const __m256i d = _mm256_madd_epi16(q16[m], ones);
       const int32_t xsum = qsum[m * w.nseg + s];
       if constexpr (GROUP) {
-        fr[m] = epilogue_g(sc, _mm256_cvtepi32_ps(d), float(xsum), gscale[m * w.nseg + s], fr[m]);
+        fr[m] = tri ? epilogue_gzo(sc, _mm256_cvtepi32_ps(d), tri + 3 * m, fr[m])
+                    : epilogue_g(sc, _mm256_cvtepi32_ps(d), float(xsum), gscale[m * w.nseg + s], fr[m]);
       } else {  // D - z X, exact in float (Weights::fold_zero): epilogue()'s t
         const __m256i t = _mm256_sub_epi32(d, _mm256_set1_epi32(z * xsum));
         fr[m] = _mm256_fmadd_ps(sc.scale, _mm256_cvtepi32_ps(t), fr[m]);

@@ -125,6 +125,21 @@ QUILL_INLINE __m256 epilogue_gz(__m256 scale, __m256 d, const float* pair, __m25
   return _mm256_fmadd_ps(scale, _mm256_fmsub_ps(d, _mm256_set1_ps(pair[0]), _mm256_set1_ps(pair[1])), f);
 }
 
+// epilogue_g of a layer with one zero point, its token side precomputed, p = (g, z * xg, xg) (group_terms<3>), its
+// weight side (two-level scales, offsets) from seg8: f += scale * (d * g - z * xg) [+ offset * xg].
+QUILL_INLINE __m256 epilogue_gzo(const Seg8& c, __m256 d, const float* p, __m256 f) {
+  f = _mm256_fmadd_ps(c.scale, _mm256_fmsub_ps(d, _mm256_set1_ps(p[0]), _mm256_set1_ps(p[1])), f);
+  if (c.has_offset) f = _mm256_fmadd_ps(c.offset, _mm256_set1_ps(p[2]), f);
+  return f;
+}
+
+// The per-group epilogue's token side precomputed (group_terms): stride 2, (g, z xg), for one_zero_point layers;
+// stride 3, (g, z xg, xg), for the other 4-6-bit layers with one zero point (K-quants, Q4_1 / Q5_1); p null: none.
+struct GroupSide {
+  const float* p = nullptr;  // [S, M, stride]
+  int stride = 0;
+};
+
 // f += (scale * xscale) * (SHIFT * (Dhi - z * Xhi) + (Dlo - z * Xlo)) [+ (offset * xscale) * (SHIFT * Xhi + Xlo)]
 // for lanes 8h..8h+7 (split_epilogue).
 // Folded zero point and fused T as in simd512.h's split_epilogue (common.h, Weights::fold_zero / fuse_t).
