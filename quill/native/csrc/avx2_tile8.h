@@ -38,7 +38,8 @@ QUILL_INLINE void chunk8_i4(__m256i lo, __m256i hi, const int8_t* const* x, int6
 // GGUF Q4_0 / Q4_1, GPTQ / compressed-tensors g32): 8 tokens x half h of row block nb, all of K, with
 // per-token scales and the zero point folded (GROUP false: tile_halves<4, 1, 1, 8, h, 1>'s epilogue) or
 // one scale per token and segment (GROUP: epilogue_g, any zero point and offsets; with gz of stride 3 its token
-// side read precomputed, epilogue_gzo); the sums and epilogue of the template in the same order (the same bits).  Written out because the generic template's codegen
+// side read precomputed, epilogue_gzo); the sums and epilogue of the template in the same order (the same bits).
+// Written out because the generic template's codegen
 // spilled sums and recomputed the 8 token addresses in the chunk loop: in a stand-alone harness (Zen 5,
 // 1024 x 2048 at 128 tokens) 2.43 -> 2.08 cycles per token, chunk and half folded, 2.60 -> 2.44 with
 // per-group scales.  A segment's int16 sums (<= 4 chunks: |sum| <= 4 * 2 * 2 * 15 * 128) widen straight

@@ -189,7 +189,8 @@ template <int BITS>
 void run_i8_epi(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
   if (a.gscale && one_zero_point(w)) return run_i8_g<BITS>(w, a, o, nb0, nb1);
   if constexpr (BITS >= 4 && BITS <= 6)  // Q4_K, Q5_K, Q6_K, Q4_1, Q5_1 (compiled for these widths only)
-    if (a.gscale && !w.zeros) return run_i8<BITS, false, GZ_SEG>(w, a, o, nb0, nb1, group_terms<3>(w, a, group_terms_buf));
+    if (a.gscale && !w.zeros)
+      return run_i8<BITS, false, GZ_SEG>(w, a, o, nb0, nb1, group_terms<3>(w, a, group_terms_buf));
   if constexpr (BITS >= 3)
     if (w.fold_zero && !a.gscale) return run_i8<BITS, true>(w, a, o, nb0, nb1);
   run_i8<BITS>(w, a, o, nb0, nb1);
