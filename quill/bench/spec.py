@@ -48,9 +48,8 @@ from quill.errors import ConfigError
 
 METHODS = ("none", "ngram", "draft")
 ENGINES = ("quill", "llama-server")
-# issue 39's goals for quill: the headline figure against the same server without speculation
-# one stream's speed-up goals; with more clients a batched step already shares the weight reads, and the goal is
-# to cost no more than a few percent
+# issue 39's goals for quill: the headline figure against the same server without speculation, one stream; with
+# more clients a batched step already shares the weight reads, and the goal is to cost no more than a few percent
 GOALS = {("ngram", "copy"): 1.5, ("ngram", "chat"): 0.97, ("draft", "copy"): 1.3, ("draft", "chat"): 1.3}
 MANY_CLIENTS_GOAL = 0.95
 
