@@ -24,6 +24,7 @@ def run_list(args) -> int:
     cache = PrepackedCache(args.cache_dir)
     entries = cache.entries()
     print(f"{cache.files_dir}: {len(entries)} file(s), {sum(e.size for e in entries) / 1e6:.1f} MB")
+    print(cache.room.describe(cache.files_dir))
     for e in entries:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.created))
         state = f"UNUSABLE ({e.problem})" if e.problem else f"{e.model_type}, {e.kernels}"

@@ -12,7 +12,8 @@ extension's build: a change to any of them is a different file, so a stale entry
 read (``quill cache clear`` removes old ones).  A file that fails its checks is deleted with a
 warning naming it and the check, and rebuilt from the checkpoint.  Temporary files of writers
 that were killed are deleted after the next write (``quill cache list`` shows them,
-``quill cache prune`` deletes them and unusable files at once).
+``quill cache prune`` deletes them and unusable files at once).  Before a write the least recently
+used files make room within ``$QUILL_CACHE_MAX_SIZE`` and ``$QUILL_CACHE_MIN_FREE`` (quill.prepacked.room).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from quill.errors import CacheError
 from quill.prepacked import digest as digests
 from quill.prepacked.header import Header, read_header
 from quill.prepacked.leftovers import Leftover, find_leftovers, remove_stale
+from quill.prepacked.room import Room, make_room
 
 if TYPE_CHECKING:
     import torch
@@ -136,6 +138,7 @@ class PrepackedCache:
         self.directory = Path(directory).expanduser() if directory is not None else default_cache_dir()
         self.files_dir = self.directory / "prepacked"
         self.sources_dir = self.directory / "sources"
+        self.room = Room.from_env()  # a bad value is a ConfigError here, before the load
         self._writers: list[threading.Thread] = []
 
     def key(self, checkpoint: Path, choice: dict) -> CacheKey:
@@ -157,6 +160,10 @@ class PrepackedCache:
         except (CacheError, OSError) as e:
             self.discard(path, e)
             return None
+        try:
+            os.utime(path)  # its mtime says when it was last used: the least recently used go first
+        except OSError as e:  # a read-only cache is still read
+            log.debug("prepacked cache: %s not touched: %s", path, e)
         return PendingRead(path, header)
 
     def discard(self, path: Path, why: Exception) -> None:
@@ -178,13 +185,16 @@ class PrepackedCache:
         tensors = {k: t.contiguous() for k, t in tensors.items()}  # torch work stays on the loading thread
         self.files_dir.mkdir(parents=True, exist_ok=True)
         facts = {**facts, "key": json.loads(key.choice), "digest": key.digest, "created": time.time()}
-        thread = threading.Thread(target=self._write, args=(self.path(key), tensors, metadata, facts),
+        # the file's size, near enough to make room for it: data, metadata, a header line per tensor
+        nbytes = sum(t.numel() * t.element_size() + 256 for t in tensors.values()) + \
+            sum(len(v) for v in metadata.values()) + len(json.dumps(facts)) + (1 << 20)
+        thread = threading.Thread(target=self._write, args=(self.path(key), tensors, metadata, facts, nbytes),
                                   name="quill-cache-write")
         thread.start()
         self._writers.append(thread)
         return thread
 
-    def _write(self, path: Path, tensors: dict, metadata: dict, facts: dict) -> None:
+    def _write(self, path: Path, tensors: dict, metadata: dict, facts: dict, nbytes: int) -> None:
         # The lowest CPU priority: the file is for the next load, and the model this load just built is
         # serving now (a fresh MoE checkpoint's first decode ran at a fifth of its speed beside the write).
         try:
@@ -193,6 +203,8 @@ class PrepackedCache:
             log.debug("prepacked cache: writer priority unchanged: %s", e)
         from quill.prepacked.file import write_file  # torch: only a load writes (`quill cache` commands do not)
         try:
+            if not make_room(self.room, self.files_dir, path, nbytes, SUFFIX):
+                return
             size = write_file(path, tensors, metadata, facts)
             log.info("prepacked cache: wrote %s (%.1f MB)", path, size / 1e6)
             self._prune(path, facts)
