@@ -105,6 +105,20 @@ def test_llamacpp_bench_writes_a_gguf_quill_runs(tmp_path):
     assert llm.tokenizer.encode("Hello") == quill.LLM(str(default_model()), progress=False).tokenizer.encode("Hello")
 
 
+def test_the_gguf_benches_run_the_modes_asked_for(capsys):
+    import argparse
+
+    from quill.bench import llamacpp as mod
+    ap = argparse.ArgumentParser()
+    mod.add_modes_arg(ap)
+    assert mod.parse_modes(ap, ap.parse_args([]).act_quant) == mod.QUILL_MODES
+    assert mod.parse_modes(ap, "int8-group,none") == {"quill w4a16": "none", "quill w4a8g": "int8-group"}
+    for bad in ("int4", ","):
+        with pytest.raises(SystemExit):
+            mod.parse_modes(ap, bad)
+    assert "unknown mode(s) int4; known: none, exact, int8, int8-group" in capsys.readouterr().err
+
+
 def test_bench_load_against_llamacpp(tmp_path, capsys):
     from tests.llamacpp_util import llama_python
     out = tmp_path / "load.json"

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m quill.bench.llamacpp --llama-python .venv-llamacpp/bin/python [--gguf FILE]
         [--write-1b DIR] [--write-8b DIR] [--types q4_k_m,q5_k_m,q6_k] [--isa avx2] [--llama-lib DIR]
+        [--act-quant none,exact,int8,int8-group]
 
 ``--types``: every file is first requantized by llama.cpp's own quantizer into each type (into
 ``--out``, once) and the comparison runs on those files.  ``--isa avx2`` limits quill to its AVX2
@@ -208,6 +209,22 @@ QUILL_MODES = {"quill w4a16": "none", "quill w4a16 exact": "exact", "quill w4a8"
 ENGINES = (*QUILL_MODES, "llama.cpp")
 
 
+def add_modes_arg(ap, default: str = ",".join(QUILL_MODES.values())) -> None:
+    """The benchmarks' ``--act-quant``: which of quill's activation modes run."""
+    ap.add_argument("--act-quant", default=default,
+                    help=f"quill's activation modes to run: comma-separated {', '.join(QUILL_MODES.values())}")
+
+
+def parse_modes(ap, text: str) -> dict[str, str]:
+    """``--act-quant``'s modes as ``QUILL_MODES`` entries; an argparse error when it names none or an unknown one."""
+    asked = [m for m in text.split(",") if m]
+    if bad := set(asked) - set(QUILL_MODES.values()):
+        ap.error(f"--act-quant: unknown mode(s) {', '.join(sorted(bad))}; known: {', '.join(QUILL_MODES.values())}")
+    if not asked:
+        ap.error(f"--act-quant names none of {', '.join(QUILL_MODES.values())}")
+    return {e: aq for e, aq in QUILL_MODES.items() if aq in asked}
+
+
 def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: int, probe, log,
             platform=None, lib: Path | None = None, kv_cache_dtype: str = "auto", modes: dict | None = None,
             peers: tuple = (), llm_options: dict | None = None) -> dict:
@@ -287,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", action="append", default=[], metavar="NAME=LLAMA_BENCH [FLAGS]",
                     help="also run this llama-bench binary in every round (repeatable), e.g. "
                          "'ik_llama.cpp=/path/llama-bench -rtr 1' (quill.bench.peers)")
+    add_modes_arg(ap)
     args = ap.parse_args(argv)
+    modes = parse_modes(ap, args.act_quant)
     if args.isa == "avx2":  # before torch is imported
         os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
     files = list(args.gguf or [default_gguf()])
@@ -313,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in files:
         print(f"{f.name}: prompt {args.prompt}, {args.gen} decoded, {threads} threads", flush=True)
         results.append(compare(f, args.llama_python, args.prompt, args.gen, args.runs, threads, probe, print,
-                               platform, args.llama_lib, args.kv_cache_dtype, peers=peers))
+                               platform, args.llama_lib, args.kv_cache_dtype, modes=modes, peers=peers))
     report(results, args, platform, threads, "python -m quill.bench.llamacpp", argv)
     return 0
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quill.bench.llamacpp import QUILL_MODES, bench_setup, compare, report
+from quill.bench.llamacpp import add_modes_arg, bench_setup, compare, parse_modes, report
 from quill.bench.random_gguf import TensorSpec, bf16_values, copy_tokenizer, quantize_source, uniform, write_gguf
 
 QWEN35_VOCAB = 248320
@@ -241,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="test-size shapes (hidden 256, 4 layers)")
     ap.add_argument("--keep-f16", action="store_true", help="keep the F16 files the quantizer reads")
     ap.add_argument("--write-only", action="store_true", help="write the files, run nothing")
-    ap.add_argument("--act-quant", default=",".join(QUILL_MODES.values()),
-                    help="quill's activation modes to run: comma-separated none, int8, int8-group")
+    add_modes_arg(ap)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -253,11 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
-    modes = {e: aq for e, aq in QUILL_MODES.items() if aq in args.act_quant.split(",")}
+    modes = parse_modes(ap, args.act_quant)
     if bad := set(models) - set(SHAPES):
         ap.error(f"unknown model(s) {', '.join(sorted(bad))}; known: {', '.join(SHAPES)}")
-    if not modes:
-        ap.error(f"--act-quant names none of {', '.join(QUILL_MODES.values())}")
     if args.isa == "avx2":  # before torch is imported
         os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
     from quill.engine.hub import default_model

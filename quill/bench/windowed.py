@@ -45,7 +45,15 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from quill.bench.llamacpp import QUILL_MODES, bench_setup, compare, file_linear_bytes, report, run_llamacpp
+from quill.bench.llamacpp import (
+    add_modes_arg,
+    bench_setup,
+    compare,
+    file_linear_bytes,
+    parse_modes,
+    report,
+    run_llamacpp,
+)
 from quill.bench.windowed_gguf import GEMMA3_TYPES, SHAPES, weight_counts, write_models
 
 # every quill load here: no prepacked cache (neither read nor written), no tokenizer (token-id prompts)
@@ -145,8 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="test-size shapes")
     ap.add_argument("--keep-f16", action="store_true", help="keep Gemma's F16 file the quantizer reads")
     ap.add_argument("--write-only", action="store_true", help="write the files, run nothing")
-    ap.add_argument("--act-quant", default="int8-group",
-                    help="quill's activation modes to run: comma-separated none, exact, int8, int8-group")
+    add_modes_arg(ap, "int8-group")
     ap.add_argument("--prompt", default="128,4096", help="comma-separated prompt lengths, one comparison each")
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -159,11 +166,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="each engine in its own process per round (auto: when the file is too large for both)")
     args = ap.parse_args(argv)
     args.model_list = [m for m in args.models.split(",") if m]
-    args.modes = {e: aq for e, aq in QUILL_MODES.items() if aq in args.act_quant.split(",")}
+    args.modes = parse_modes(ap, args.act_quant)
     if bad := set(args.model_list) - set(SHAPES):
         ap.error(f"unknown model(s) {', '.join(sorted(bad))}; known: {', '.join(SHAPES)}")
-    if not args.modes:
-        ap.error(f"--act-quant names none of {', '.join(QUILL_MODES.values())}")
     try:
         args.prompts = [int(p) for p in args.prompt.split(",") if p]
     except ValueError:
