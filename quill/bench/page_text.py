@@ -63,13 +63,15 @@ LIMITS = """## Known limits
 
 * Two cores, shared hosts: rates move with the neighbours (the DRAM probe ranges); compare ratios within
   a row. Decode ratios of the larger files follow the DRAM's state: at a low probe both wait on memory.
-* Q4_K_M on AVX2 (Zen 3, before the K-quant epilogue change): decode level with llama.cpp, prefill 0.87-0.91x.
+* Q4_K_M on AVX2: prefill 1.07-1.20x llama.cpp and 0.64-0.69x ik_llama.cpp (Zen 4, `--isa avx2`; Zen 3 before the
+  K-quant epilogue change: 0.87-0.91x llama.cpp). quill takes a float epilogue per 32 weights (Q6_K: 16), llama.cpp's
+  arithmetic one per 256 (activations per 256, integer sub-scales): its Q4_K tile runs at 0.78x, Q6_K 0.50x of Q4_0's.
 * Float activations: two int8 products per weight (`exact`: three; rows before the 21st session), llama.cpp's one:
   float prefill on Sapphire Rapids, 1.2B, prompt 128, 1.28x llama.cpp (exact 0.94x), `--isa avx2` 0.80x (0.62x).
 * The shaped files (1.2B, 8B, Qwen3.5, Gemma 3, gpt-oss) have random weights: speed does not depend on them.
 * The JSON-schema serving rows hold every request to one schema (64+ list items, so no request ends
   before its token count); the free rows are a separate run minutes apart, not alternated with them.
-* Zen 5 rows: JSON from before `quill.bench.meta` (no date: "—"). 8B decode on Zen 4 follows the DRAM probe.
+* 8B decode on Zen 4 follows the DRAM probe. Zen 5 rows (an older quill, sixth to tenth sessions): the notebook.
 """
 
 
