@@ -111,6 +111,26 @@ def test_a_file_that_cannot_fit_is_not_written_and_the_load_goes_on(small, tmp_p
     assert llm.generate(PROMPT, GREEDY)[0].token_ids == plain.generate(PROMPT, GREEDY)[0].token_ids
 
 
+def test_a_file_deleted_while_it_is_read_is_rebuilt(small, tmp_path, monkeypatch):
+    """Another process may make room (or clear the cache) between this one's header read and its map."""
+    import quill.prepacked.file as prepacked_file
+    cache = tmp_path / "cache"
+    _load(small, cache, "int8")
+    real = prepacked_file.map_data
+
+    def deleted_first(path, header):
+        path.unlink()
+        return real(path, header)
+
+    monkeypatch.setattr(prepacked_file, "map_data", deleted_first)
+    llm = _load(small, cache, "int8")
+    assert not llm.cache_hit and len(_files(cache)) == 1  # loaded from the checkpoint, written again
+    monkeypatch.setattr(prepacked_file, "map_data", real)
+    again = _load(small, cache, "int8")
+    assert again.cache_hit
+    assert again.generate(PROMPT, GREEDY)[0].token_ids == llm.generate(PROMPT, GREEDY)[0].token_ids
+
+
 def test_a_bad_limit_is_refused_before_the_load(small, tmp_path, monkeypatch):
     monkeypatch.setenv(MAX_SIZE_ENV, "a lot")
     with pytest.raises(ConfigError, match=f"{MAX_SIZE_ENV}='a lot': expected a size"):

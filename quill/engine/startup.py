@@ -118,7 +118,8 @@ def _from_cache(cache: PrepackedCache, key: CacheKey, path: Path, ctx: LoadConte
         loaded = restore_loaded(facts["config"], facts["records"], data.tensors, ctx, source, path,
                                 sparse=data.drop_pages)
         return Started(loaded, spec, tuple(facts["eos_token_ids"]), True)
-    except (QuillError, KeyError, TypeError, ValueError) as e:  # anything wrong with the file: rebuild it
+    # anything wrong with the file, or gone (another process made room or cleared the cache): rebuild it
+    except (QuillError, KeyError, TypeError, ValueError, OSError) as e:
         pending.settle()
         cache.discard(pending.path, e)
         return None
