@@ -3,7 +3,7 @@ around it (embedding, the step call and its state copies, final norm and lm_head
 engine's bookkeeping), per token, with the bytes each op kind reads and the GB/s it reaches.
 
     QUILL_STEP_PROFILE=1 python -m quill.bench.step_profile FILE.gguf [FILE ...] [--act-quant int8-group]
-        [--prompt 128] [--gen 64] [--threads 2] [--json OUT]
+        [--prompt 128] [--gen 64] [--threads 2] [--isa avx2] [--json OUT]
 
 Bytes are what the loaded kernels hold (``LayerInfo.held_bytes``): a routed expert's share is its stack's
 stored bytes times top_k / experts (one token reads k of them); a DeltaNet layer's state is read and written
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -87,7 +88,7 @@ class _Handle:
         return getattr(self._h, name)
 
 
-def profile_file(path: Path, act_quant: str, prompt: int, gen: int, threads: int) -> dict:
+def profile_file(path: Path, act_quant: str, prompt: int, gen: int, threads: int, isa: str = "native") -> dict:
     import quill
     from quill import native
     from quill.bench import settled
@@ -96,7 +97,7 @@ def profile_file(path: Path, act_quant: str, prompt: int, gen: int, threads: int
 
     ext = native.load().module
     # settled: a prepacked-cache miss writes the cache file on a thread, which a profile would measure too
-    llm = settled(quill.LLM(str(path), threads=threads, progress=False, activation_quant=act_quant,
+    llm = settled(quill.LLM(str(path), threads=threads, progress=False, activation_quant=act_quant, isa=isa,
                             engine_config=EngineConfig(enable_prefix_caching=False)))
     eng, model = llm.engine, llm.model
     if eng.native_step is None:
@@ -147,8 +148,9 @@ def profile_file(path: Path, act_quant: str, prompt: int, gen: int, threads: int
 
 def table(r: dict) -> str:
     total = r["ms_per_token"]
-    lines = [f"{Path(r['file']).name} ({r['act_quant']}): {total:.2f} ms per token over {r['tokens']} tokens "
-             f"({1e3 / total:.2f} tok/s)", "| op | ms/token | % | MB/token | GB/s |", "|---|---|---|---|---|"]
+    lines = [f"{Path(r['file']).name} ({r['act_quant']}, {r.get('isa', 'native')}): {total:.2f} ms per token over "
+             f"{r['tokens']} tokens ({1e3 / total:.2f} tok/s)",
+             "| op | ms/token | % | MB/token | GB/s |", "|---|---|---|---|---|"]
     for k, v in sorted(r["rows"].items(), key=lambda kv: -kv[1]["ms"]):
         gbs = f"{v['gbs']:.1f}" if v["gbs"] else ""
         mb = f"{v['mb']:.1f}" if v["mb"] else ""
@@ -163,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native", help="quill's (and torch's) ISA")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.isa == "avx2":  # before torch is imported
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
     from quill.bench import memory
     from quill.platform import detect
 
@@ -172,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for f in args.files:
         dram = probe.read_gbs()
-        r = profile_file(f, args.act_quant, args.prompt, args.gen, args.threads)
-        r["dram_gbs"] = dram
+        r = profile_file(f, args.act_quant, args.prompt, args.gen, args.threads, args.isa)
+        r["dram_gbs"], r["isa"] = dram, args.isa
         results.append(r)
         print(f"DRAM probe {dram:.1f} GB/s")
         print(table(r), flush=True)
