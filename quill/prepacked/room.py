@@ -46,7 +46,8 @@ def parse_size(text: str, name: str, *, share: bool = False) -> int | float:
 
 
 def gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+    """Bytes for a log line: GB, or MB below one GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 @dataclass(frozen=True)
