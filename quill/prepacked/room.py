@@ -27,7 +27,6 @@ log = logging.getLogger("quill.prepacked")
 
 MAX_SIZE_ENV = "QUILL_CACHE_MAX_SIZE"
 MIN_FREE_ENV = "QUILL_CACHE_MIN_FREE"
-DEFAULT_MIN_FREE = "2G"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 _SHARE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
@@ -62,9 +61,9 @@ class Room:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Room:
         env = os.environ if env is None else env
         raw_max = env.get(MAX_SIZE_ENV, "").strip()
-        raw_free = env.get(MIN_FREE_ENV, "").strip() or DEFAULT_MIN_FREE
+        raw_free = env.get(MIN_FREE_ENV, "").strip()
         return cls(int(parse_size(raw_max, MAX_SIZE_ENV)) if raw_max else None,
-                   parse_size(raw_free, MIN_FREE_ENV, share=True))
+                   parse_size(raw_free, MIN_FREE_ENV, share=True) if raw_free else cls.min_free)
 
     def free_bytes(self, disk_total: int) -> int:
         return int(self.min_free * disk_total) if isinstance(self.min_free, float) else self.min_free
