@@ -43,7 +43,8 @@ class ActivationQuant:
     symmetric: bool = True
     scale: float | None = None  # static only
     zero_point: int | None = None  # static asymmetric only
-    per_group: bool = False  # dynamic symmetric: one scale per token and weight group (llama.cpp's Q8_0 blocks)
+    per_group: bool = False  # dynamic symmetric: one scale per token and weight group (llama.cpp's Q8_0 blocks;
+    # two-level weights: per super-group, its Q8_K; QuantizedWeight.activation_groups)
 
     def __post_init__(self):
         if self.bits != 8:
@@ -278,6 +279,14 @@ class QuantizedWeight:
         if self.g_idx is not None:
             return self.g_idx.long()
         return torch.arange(self.in_features) // self.group_size
+
+    def activation_groups(self) -> torch.Tensor:
+        """int64 [in]: the group of every input column for int8 activations per token and group (``per_group``):
+        the weight's groups, or with two-level scales its super-groups, as llama.cpp quantizes activations for
+        its K-quants (Q8_K: one scale per 256) and sums the integer sub-scales before one float multiply."""
+        if self.super_scales is None or self.g_idx is not None:
+            return self.group_index()
+        return self.group_index() // self.groups_per_super
 
     def group_order(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(perm int64 [K]: the input columns sorted by act-order group, stable; counts int64 [G]: columns

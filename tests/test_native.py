@@ -173,9 +173,9 @@ def test_gguf_types_bit_exact_and_match_reference(type_name, int8):
 @pytest.mark.parametrize("act", ["asym", "group"])
 def test_two_level_int8_across_k_blocks_and_token_tiles(type_name, act):
     """13 and 37 tokens (token tiles of 6; two row blocks a pass from 32) and K = 2560 (K blocks of 64 chunks cut
-    super-blocks mid-way), asymmetric int8 activations per token, or llama.cpp's per token and group (whose
-    epilogue reads its token side precomputed on the AVX-512 4-6-bit path: csrc/avx512_vnni.cpp GZ_SEG), on
-    every variant, as the scalar twin."""
+    super-blocks mid-way), asymmetric int8 activations per token, or llama.cpp's K-quant arithmetic (one scale per
+    token and super-block, integer sub-scales, one float epilogue per super-block: csrc/avx2_super.h,
+    avx512_super.h), on every variant, as the scalar twin, and within float rounding of the emulated reference."""
     aq = ActivationQuant(symmetric=False) if act == "asym" else ActivationQuant(per_group=True)
     qw = _gguf_weight(type_name, 40, 2560).with_(activation=aq)
     x = torch.randn(37, 2560, generator=torch.Generator().manual_seed(4))
@@ -183,8 +183,24 @@ def test_two_level_int8_across_k_blocks_and_token_tiles(type_name, act):
         outs = {isa: _run(qw, x[:m], isa, int8=True) for isa in _variants()}
         for isa, y in outs.items():
             assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin at M = {m}"
-        want = fake_quantize_activations(x[:m], qw.activation, qw.group_index()) @ qw.dequantize().T
-        assert sqnr(outs["scalar"], want) >= 40, sqnr(outs["scalar"], want)
+        want = fake_quantize_activations(x[:m], qw.activation, qw.activation_groups()) @ qw.dequantize().T
+        assert sqnr(outs["scalar"], want) >= (110 if act == "group" else 40), sqnr(outs["scalar"], want)
+
+
+def test_kquant_arithmetic_decode_matches_prefill_rows_and_refuses_one_level():
+    """llama.cpp's K-quant arithmetic: one token alone (one thread) gives the bits of its row in a batch (the
+    quantizer over super-blocks, then per-segment sums; the decode step's team path: test_native_step's K-quant
+    mix); a one-level weight asked for one activation scale per super-block is refused by name."""
+    qw = _gguf_weight("Q4_K", 40, 2560).with_(activation=ActivationQuant(per_group=True))
+    x = torch.randn(7, 2560, generator=torch.Generator().manual_seed(9))
+    for isa in _variants():
+        rows = _run(qw, x, isa, int8=True)
+        for m in (0, 6):
+            assert torch.equal(_run(qw, x[m:m + 1], isa, int8=True, threads=1), rows[m:m + 1]), (isa, m)
+    one = pack(_weight(32, 256), True)
+    with pytest.raises(KernelError, match="one activation scale per super-block needs two-level scales"):
+        EXT.module.NativeLinear(one.codes, one.scales, one.zeros, one.offsets, one.seg_end, one.src, one.wsum, 4, 32,
+                                256, "int8", "scalar", act_per_segment=True, act_per_super=True)
 
 
 @pytest.mark.parametrize("type_name", sorted(KQ_BPW))

@@ -74,7 +74,8 @@ def make_handle(packed: PackedWeight, name: str, act: ActivationQuant | None, is
         act_zero=float(act.zero_point or 0) if static else 0.0, threads=threads, hplane=packed.hplane,
         super_scales=packed.super_scales, super_offsets=packed.super_offsets,
         zconst=None if packed.zconst is None else float(packed.zconst), sub_bits=packed.sub_bits,
-        sub_bias=packed.sub_bias, act_per_segment=act is not None and act.per_group, image_bits=image_bits)
+        sub_bias=packed.sub_bias, act_per_segment=act is not None and act.per_group, image_bits=image_bits,
+        act_per_super=act is not None and act.per_group and packed.super_scales is not None)
 
 
 def image_bits(cfg: LinearLayerConfig) -> int:

@@ -36,7 +36,7 @@ class ReferenceKernel(LinearKernel):
     def prepare(cls, weight: QuantizedWeight, cfg: LinearLayerConfig) -> ReferenceState:
         act = weight.activation
         return ReferenceState(weight.dequantize().contiguous(), act,
-                              weight.group_index() if act is not None and act.per_group else None)
+                              weight.activation_groups() if act is not None and act.per_group else None)
 
     @classmethod
     def apply(cls, state: ReferenceState, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,6 +11,7 @@
 // four (2-bit pairs, positions 16c + 4j .. +3, j < 4, plus the third bit's plane).
 #include <immintrin.h>
 
+#include "avx512_super.h"
 #include "kblock.h"
 #include "quantizers.h"
 #include "simd512.h"
@@ -196,7 +197,20 @@ void run_i8_epi(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb
   run_i8<BITS>(w, a, o, nb0, nb1);
 }
 
+// llama.cpp's K-quant arithmetic (common.h I8Acts::gsuper; avx512_super.h)
+void gemm_i8_super(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  switch (w.bits) {
+    case 2: return v512::run_super<2>(w, a, o, nb0, nb1);
+    case 3: return v512::run_super<3>(w, a, o, nb0, nb1);
+    case 4: return v512::run_super<4>(w, a, o, nb0, nb1);
+    case 5: return v512::run_super<5>(w, a, o, nb0, nb1);
+    case 6: return v512::run_super<6>(w, a, o, nb0, nb1);
+    default: return table_scalar().gemm_i8(w, a, o, nb0, nb1);  // (8-bit codes: refused by super_acts.h)
+  }
+}
+
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  if (a.gsuper) return gemm_i8_super(w, a, o, nb0, nb1);
   switch (w.bits) {
     case 2: return run_i8_epi<2>(w, a, o, nb0, nb1);
     case 3: return run_i8_epi<3>(w, a, o, nb0, nb1);

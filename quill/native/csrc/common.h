@@ -185,6 +185,12 @@ struct I8Acts {
   // Then segment s adds (with X its sum, g its scale, z / scale / offset the weight's):
   //   xg = X * g;  f += scale * (D * g - z * xg) [+ offset * xg]   (seg_epilogue_g; y = f + bias)
   const float* gscale = nullptr;
+  // Two-level weights (GGUF K-quants) with llama.cpp's arithmetic (its Q8_K activations): gsuper = Weights::gps and
+  // gscale [M, S / gsuper], one scale per token and super-block u; qsum stays per segment.  Per u and lane, exactly:
+  //   A = sum_{s in u} sub_scale[s] * (D[s] - z X[s])     B = sum_{s in u} sub_offset[s] * X[s]   (int32)
+  //   f = fma(super_scale * g, float(A), f)  [then f = fma(super_offset * g, float(B), f)]
+  // one float epilogue per super-block instead of one per segment (linear.cpp checks A and B fit int32).
+  int32_t gsuper = 0;
 };
 
 // Output: y[m * ld + n] for n < Weights::n, float32 or bfloat16.

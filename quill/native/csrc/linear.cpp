@@ -22,6 +22,7 @@
 #include "linear.h"
 #include "linear_op.h"
 #include "parallel.h"
+#include "super_acts.h"
 
 namespace quill {
 namespace {
@@ -41,7 +42,7 @@ class NativeLinear final : public LinearOp {
                double act_scale, double act_zero, int64_t threads, std::optional<at::Tensor> hplane,
                std::optional<at::Tensor> super_scales, std::optional<at::Tensor> super_offsets,
                std::optional<double> zconst, int64_t sub_bits, int64_t sub_bias, bool act_per_segment,
-               int64_t image_bits)
+               int64_t image_bits, bool act_per_super)
       : codes_(std::move(codes)), scales_(std::move(scales)), zeros_(std::move(zeros)), offsets_(std::move(offsets)),
         seg_end_(std::move(seg_end)), src_(std::move(src)), wsum_(std::move(wsum)), hplane_(std::move(hplane)),
         super_scales_(std::move(super_scales)), super_offsets_(std::move(super_offsets)), int8_(family == "int8"),
@@ -120,6 +121,12 @@ class NativeLinear final : public LinearOp {
     aq_.per_segment = act_per_segment;
     if (act_per_segment && !(int8_ && act_dynamic && act_symmetric))
       fail("native kernel: one activation scale per segment needs int8 activations, dynamic and symmetric");
+    if (act_per_super) {  // llama.cpp's K-quant arithmetic (common.h I8Acts::gsuper)
+      const std::string why = act_per_segment ? super_.setup(w_, zeros_.has_value(), super_offsets_.has_value(),
+                                                             src_.has_value())
+                                              : "needs int8 activations per segment";
+      if (!why.empty()) fail("native kernel: one activation scale per super-block ", why);
+    }
     if (int8_ && !act_symmetric && !wsum_) fail("native kernel: asymmetric activations need the weight row sums (wsum)");
     set_threads(threads);
   }
@@ -168,7 +175,7 @@ class NativeLinear final : public LinearOp {
             chunk_k(w_.bits), parts_};
     // one token's segments split, not one thread quantizing for all: where every segment's image or int8
     // codes depend on that segment alone (float image, int8 per segment); a share's chunk ends fit the stack
-    if (m == 1 && nt > 1 && (!int8_ || aq_.per_segment) && !src_ && w_.nseg <= kMaxShareSegments * nt)
+    if (m == 1 && nt > 1 && (!int8_ || aq_.per_segment) && !src_ && !super_.gsuper && w_.nseg <= kMaxShareSegments * nt)
       return split_segments(in, reinterpret_cast<int8_t*>(base), reinterpret_cast<int32_t*>(base + t.qsum),
                             reinterpret_cast<float*>(base + t.scale), reinterpret_cast<float*>(base + t.gscale), tid,
                             nt);
@@ -177,8 +184,8 @@ class NativeLinear final : public LinearOp {
     if (b == e) return;
     if (int8_) {
       float* sz = reinterpret_cast<float*>(base + t.scale);
-      table_.quantize(in, aq_, reinterpret_cast<int8_t*>(base), reinterpret_cast<int32_t*>(base + t.qsum), sz,
-                      sz + m, reinterpret_cast<float*>(base + t.gscale), int(b), int(e));
+      quantize_int8(in, reinterpret_cast<int8_t*>(base), reinterpret_cast<int32_t*>(base + t.qsum), sz, sz + m,
+                    reinterpret_cast<float*>(base + t.gscale), int(b), int(e));
       return;
     }
     auto* xs = reinterpret_cast<int8_t*>(base);
@@ -234,7 +241,8 @@ class NativeLinear final : public LinearOp {
     const auto* sc = reinterpret_cast<const float*>(base + t.scale);
     if (int8_)
       table_.gemm_i8(w, I8Acts{q, qsum, sc, sc + m, kp_, int32_t(m), !aq_.symmetric,
-                               aq_.per_segment ? reinterpret_cast<const float*>(base + t.gscale) : nullptr},
+                               aq_.per_segment ? reinterpret_cast<const float*>(base + t.gscale) : nullptr,
+                               super_.gsuper},
                      o, int(b), int(e));
     else
       table_.gemm_split(w, SplitActs{q, qsum, sc, kp_ * parts_, int32_t(m), parts_}, o, int(b), int(e));
@@ -377,10 +385,18 @@ class NativeLinear final : public LinearOp {
     float* gs = aq_.per_segment ? scratch(gs_buf, size_t(mb * w.nseg)) : nullptr;  // [MB, S]
     for_token_blocks(in, o, m, mb, [&](const RawX& bin, const Out& bo, int64_t mm) {
       parallel(prep_threads(mm), mm, [&](int64_t b, int64_t e) {
-        table_.quantize(bin, aq_, q, qsum, sz, sz + mm, gs, int(b), int(e));
+        quantize_int8(bin, q, qsum, sz, sz + mm, gs, int(b), int(e));
       });
-      gemm(w, I8Acts{q, qsum, sz, sz + mm, kp_, int32_t(mm), !aq_.symmetric, gs}, bo, table_.gemm_i8);
+      gemm(w, I8Acts{q, qsum, sz, sz + mm, kp_, int32_t(mm), !aq_.symmetric, gs, super_.gsuper}, bo, table_.gemm_i8);
     });
+  }
+
+  // Tokens [m0, m1) of the int8 stream: q [M, Kp], qsum [M, S], per-token scale and zero [M] or gscale
+  // [M, S] per segment / [M, S / gps] per super-block.
+  void quantize_int8(const RawX& in, int8_t* q, int32_t* qsum, float* scale, float* zero, float* gscale, int m0,
+                     int m1) const {
+    if (super_.gsuper) return super_.quantize(table_, in, aq_, q, qsum, gscale, m0, m1);
+    table_.quantize(in, aq_, q, qsum, scale, zero, gscale, m0, m1);
   }
 
   // Byte offsets of the team call's scratch parts (the stream first, at 0).
@@ -409,6 +425,7 @@ class NativeLinear final : public LinearOp {
   ActQuant aq_;
   int64_t k_ = 0, kp_ = 0;
   int threads_ = 1;
+  SuperActs super_;  // llama.cpp's K-quant arithmetic, or off
   int parts_ = SPLIT_PARTS;  // float activations: the split image's parts (3: 24 bits, 2: 16 bits)
 };
 
@@ -423,14 +440,14 @@ void register_linear(pybind11::module_& m) {
                     std::optional<at::Tensor>, std::optional<at::Tensor>, int64_t, int64_t, int64_t, std::string,
                     std::string, bool, bool, double, double, int64_t, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<double>, int64_t, int64_t,
-                    bool, int64_t>(),
+                    bool, int64_t, bool>(),
            py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("offsets"), py::arg("seg_end"),
            py::arg("src"), py::arg("wsum"), py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("family"),
            py::arg("isa"), py::arg("act_dynamic") = true, py::arg("act_symmetric") = true, py::arg("act_scale") = 0.0,
            py::arg("act_zero") = 0.0, py::arg("threads") = 1, py::arg("hplane") = py::none(),
            py::arg("super_scales") = py::none(), py::arg("super_offsets") = py::none(), py::arg("zconst") = py::none(),
            py::arg("sub_bits") = 8, py::arg("sub_bias") = 0, py::arg("act_per_segment") = false,
-           py::arg("image_bits") = 24)
+           py::arg("image_bits") = 24, py::arg("act_per_super") = false)
       // the GIL is released while the kernel runs (it touches no Python object)
       .def("forward", &NativeLinear::forward, py::arg("x"), py::arg("bias") = py::none(),
            py::call_guard<py::gil_scoped_release>())

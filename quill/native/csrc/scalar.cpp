@@ -49,7 +49,44 @@ void gemm_split(const Weights& w, const SplitActs& a, const Out& o, int nb0, int
   }
 }
 
+// llama.cpp's K-quant arithmetic (common.h I8Acts::gsuper): integer sub-values, one float epilogue per super-block.
+void gemm_i8_super(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  const int ck = chunk_k(w.bits), nsup = w.nseg / w.gps;
+  const uint32_t z = uint32_t(int32_t(w.zconst));
+  float f[LANES];
+  uint32_t sa[LANES], sb[LANES];  // A and B, int32 with wrap-around as the SIMD lanes (exact at the end)
+  for (int nb = nb0; nb < nb1; ++nb) {
+    for (int m = 0; m < a.m; ++m) {
+      const int8_t* q = a.q + m * a.ld;  // [Kp]
+      std::fill(f, f + LANES, 0.0f);
+      for (int u = 0, c = 0; u < nsup; ++u) {
+        std::fill(sa, sa + LANES, 0u);
+        std::fill(sb, sb + LANES, 0u);
+        for (int s = u * w.gps; s < (u + 1) * w.gps; ++s) {
+          const uint32_t x = uint32_t(a.qsum[m * w.nseg + s]);
+          for (int r = 0; r < LANES; ++r) {
+            uint32_t d = 0;
+            for (int cc = c; cc < w.seg_end[s]; ++cc)
+              for (int j = 0; j < ck; ++j) d += uint32_t(code_at(w, nb, cc, r, j) * int32_t(q[cc * ck + j]));
+            sa[r] += uint32_t(sub_value(w.scales, w, nb, s, r)) * (d - z * x);
+            if (w.offsets) sb[r] += uint32_t(sub_value(w.offsets, w, nb, s, r)) * x;
+          }
+          c = w.seg_end[s];
+        }
+        const float g = a.gscale[m * nsup + u];
+        for (int r = 0; r < LANES; ++r) {
+          const int64_t i = super_index(w, nb, u * w.gps, r);
+          f[r] = std::fma(to_float(w.super_scales, w.scale_dtype, i) * g, float(int32_t(sa[r])), f[r]);
+          if (w.offsets) f[r] = std::fma(to_float(w.super_offsets, w.scale_dtype, i) * g, float(int32_t(sb[r])), f[r]);
+        }
+      }
+      store_int_row(w, a, o, nb, m, f);
+    }
+  }
+}
+
 void gemm_i8(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1) {
+  if (a.gsuper) return gemm_i8_super(w, a, o, nb0, nb1);
   const int ck = chunk_k(w.bits);
   float f[LANES];
   uint32_t d[LANES];  // int32 arithmetic with wrap-around, as the SIMD lanes do

@@ -162,5 +162,42 @@ QUILL_INLINE __m256 epilogue_split(const Seg8& c, __m256i dhi, __m256i dlo, int3
   return f;
 }
 
+// 5/6-bit codes: OR the high plane (common.h) into the nibbles of half h, in place.
+// lo holds positions 8c..8c+3, hi positions 8c+4..8c+7 of lanes 8h..8h+7.
+template <int BITS>
+QUILL_INLINE void add_high_bits(const uint8_t* plane, int h, __m256i& lo, __m256i& hi) {
+  constexpr int HB = BITS - 4;
+  __m256i v;
+  if (BITS == 6) {  // lanes 8h + r in byte row r at bits 4h (low nibble's) and 4h + 2 (high nibble's)
+    v = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)), _mm_cvtsi32_si128(4 * h));
+  } else {  // 5-bit: lanes 8h + r in byte row r % 4 at bit 2 * (2h + r / 4) (+1 for the high nibble's)
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(plane)));
+    const int s0 = 4 * h;
+    v = _mm256_srlv_epi32(b, _mm256_setr_epi32(s0, s0, s0, s0, s0 + 2, s0 + 2, s0 + 2, s0 + 2));
+  }
+  const __m256i m = _mm256_set1_epi8((1 << HB) - 1);
+  lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(v, m), 4));
+  hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(v, _mm256_slli_epi16(m, HB)), 4 - HB));
+}
+
+// 2/3-bit codes (common.h): the 2-bit pairs of half h's 32 bytes as 4 byte vectors (q[j]:
+// positions 16c + 4j .. +3 of lanes 8h..8h+7), the third bit's plane ORed in for 3-bit.
+template <int BITS>
+QUILL_INLINE void unpack_low(__m256i v, const uint8_t* plane, int h, __m256i q[4]) {
+  const __m256i m3 = _mm256_set1_epi8(3);
+  q[0] = _mm256_and_si256(v, m3);
+  q[1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
+  q[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
+  q[3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
+  if constexpr (BITS == 3) {  // lanes 8h + r in byte row r at bit 4h + j: move bit j to bit 2
+    const __m256i p = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane)), _mm_cvtsi32_si128(4 * h));
+    const __m256i m4 = _mm256_set1_epi8(4);
+    q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(p, 2), m4));
+    q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(p, 1), m4));
+    q[2] = _mm256_or_si256(q[2], _mm256_and_si256(p, m4));
+    q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi16(p, 1), m4));
+  }
+}
+
 }  // namespace v256
 }  // namespace quill
