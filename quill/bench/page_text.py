@@ -63,9 +63,9 @@ LIMITS = """## Known limits
 
 * Two cores, shared hosts: rates move with the neighbours (the DRAM probe ranges); compare ratios within
   a row. Decode ratios of the larger files follow the DRAM's state: at a low probe both wait on memory.
-* Q4_K_M on AVX2: prefill 1.07-1.20x llama.cpp and 0.64-0.69x ik_llama.cpp (Zen 4, `--isa avx2`; Zen 3 before the
-  K-quant epilogue change: 0.87-0.91x llama.cpp). quill takes a float epilogue per 32 weights (Q6_K: 16), llama.cpp's
-  arithmetic one per 256 (activations per 256, integer sub-scales): its Q4_K tile runs at 0.78x, Q6_K 0.50x of Q4_0's.
+* Q4_K_M on AVX2: prefill 1.29-1.34x llama.cpp but 0.76-0.82x ik_llama.cpp (Zen 4, `--isa avx2`, on llama.cpp's
+  K-quant arithmetic since the thirtieth session; Zen 3 rows predate it: 0.87-0.91x llama.cpp). ik_llama.cpp's
+  row-interleaved K-quant kernels issue the same multiplies per weight yet run faster (notebook, thirtieth session).
 * Float activations: two int8 products per weight (`exact`: three; rows before the 21st session), llama.cpp's one:
   float prefill on Sapphire Rapids, 1.2B, prompt 128, 1.28x llama.cpp (exact 0.94x), `--isa avx2` 0.80x (0.62x).
 * The shaped files (1.2B, 8B, Qwen3.5, Gemma 3, gpt-oss) have random weights: speed does not depend on them.

@@ -86,6 +86,7 @@ void tile_super(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c
   };
   using Even = std::integral_constant<int, 0>;
   using Odd = std::integral_constant<int, 1>;
+  int left = w.gps - s % w.gps;  // segments of the open super-block from s on (no division per segment)
   for (int c = c0; c < c1; ++s) {
     const int end = std::min(c1, w.seg_end[s]);
     for (; c + 1 < end; c += 2) {
@@ -104,8 +105,9 @@ void tile_super(const Weights& w, const I8Acts& a, int nb, int m0, int c0, int c
         QUILL_UNROLL for (int i = 0; i < NA; ++i) acc[r][m][i] = _mm512_setzero_si512();
       }
     }
-    if ((s + 1) % w.gps) continue;
-    const int u = s / w.gps, s0 = u * w.gps;  // super-block u ends
+    if (--left) continue;
+    left = w.gps;
+    const int s0 = s + 1 - w.gps, u = s0 / w.gps;  // super-block u ends
     QUILL_UNROLL for (int r = 0; r < RB; ++r) {
       const int64_t si = super_index(w, nb + r, s0, 0);
       __m512i t[MT];
