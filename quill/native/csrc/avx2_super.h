@@ -13,34 +13,23 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <type_traits>
 
+#include "kblock.h"
 #include "simd256.h"
 
 namespace quill {
 namespace v256 {
 
 // Tokens per tile: 6 of 16 ymm registers for A and 6 for the int16 sums (M = 128, 8B-shaped Q4_K / Q6_K on Zen 4's
-// AVX2 path: 4 and 6 equal within 2 %, 8 spills and is 5 % slower).
+// AVX2 path: 4 and 6 equal within 2 %, 8 spills and is 5-7 % slower).
 constexpr int SUPER_TOKENS = 6;
 // Up to this many tokens K is walked once for both halves (a second pass over the codes cost one token 20 %).
 constexpr int SUPER_ONE_PASS = 2;
-// f(integral_constant<int, mt>) for 1 <= mt <= MAXT
-template <int MAXT, int T = 1, class F>
-QUILL_INLINE void by_tokens_upto(int mt, const F& f) {
-  if constexpr (T == MAXT) {
-    f(std::integral_constant<int, T>{});
-  } else {
-    if (mt == T) return f(std::integral_constant<int, T>{});
-    by_tokens_upto<MAXT, T + 1>(mt, f);
-  }
-}
 
 // (a, b) as the int16 pair of every int32 lane: the low halves of a and b (values within int16).
 QUILL_INLINE __m256i pair16(__m256i a, __m256i b) {
   return _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(b, 16));
 }
-inline int32_t pair16(int32_t a, int32_t b) { return int32_t((uint32_t(a) & 0xFFFFu) | (uint32_t(b) << 16)); }
 
 // acc[m] += sum over segments s0 .. s0 + gps - 1 of c[s] * X[m0 + m, s], lanes 8h..8h+7, c the sub-values `sub`:
 // one vpmaddwd per two segments and token, the weight pair built once per row block half.
@@ -52,7 +41,7 @@ QUILL_INLINE void pair_terms(const void* sub, const Weights& w, const I8Acts& a,
     const __m256i c = pair16(sub8(sub, w, nb, s, h), two ? sub8(sub, w, nb, s + 1, h) : _mm256_setzero_si256());
     QUILL_UNROLL for (int m = 0; m < MT; ++m) {
       const int32_t* x = a.qsum + int64_t(m0 + m) * w.nseg + s;
-      acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(c, _mm256_set1_epi32(pair16(x[0], two ? x[1] : 0))));
+      acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(c, _mm256_set1_epi32(int16_pair(x[0], two ? x[1] : 0))));
     }
   }
 }
@@ -158,7 +147,7 @@ void run_super(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1
     for (int m0 = 0; m0 < a.m;) {
       alignas(32) float f[MTW][LANES] = {};
       const int mt = std::min(MTW, a.m - m0);
-      by_tokens_upto<MTW>(mt, [&](auto tokens) {
+      by_tokens<MTW>(mt, [&](auto tokens) {
         constexpr int MT = decltype(tokens)::value;
         if constexpr (MT <= SUPER_ONE_PASS) {
           super_halves<BITS, MT, 0, 2>(w, a, nb, m0, f);

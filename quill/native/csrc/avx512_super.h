@@ -20,7 +20,6 @@ namespace v512 {
 QUILL_INLINE __m512i pair16(__m512i a, __m512i b) {
   return _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(b, 16));
 }
-inline int32_t pair16(int32_t a, int32_t b) { return int32_t((uint32_t(a) & 0xFFFFu) | (uint32_t(b) << 16)); }
 
 // acc[m] += sum over segments s0 .. s0 + gps - 1 of c[s] * X[m0 + m, s], c the sub-values `sub` of row block nb.
 template <int MT>
@@ -31,7 +30,7 @@ QUILL_INLINE void pair_terms(const void* sub, const Weights& w, const I8Acts& a,
     const __m512i c = pair16(sub16(sub, w, nb, s), two ? sub16(sub, w, nb, s + 1) : _mm512_setzero_si512());
     QUILL_UNROLL for (int m = 0; m < MT; ++m) {
       const int32_t* x = a.qsum + int64_t(m0 + m) * w.nseg + s;
-      acc[m] = _mm512_dpwssd_epi32(acc[m], c, _mm512_set1_epi32(pair16(x[0], two ? x[1] : 0)));
+      acc[m] = _mm512_dpwssd_epi32(acc[m], c, _mm512_set1_epi32(int16_pair(x[0], two ? x[1] : 0)));
     }
   }
 }

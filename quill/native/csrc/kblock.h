@@ -1,4 +1,5 @@
-// The loop nest shared by the AVX-512 kernels: row block x K block x token tile.
+// The loop nest shared by the AVX-512 kernels: row block x K block x token tile (by_tokens also serves
+// the AVX2 K-quant tile, avx2_super.h).
 //
 // For one token (M = MT_MAX or fewer) a row block streams its whole K in one pass.
 // For more tokens, K is cut into blocks of KBLOCK_CHUNKS chunks so one K block of

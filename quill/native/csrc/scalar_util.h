@@ -146,6 +146,9 @@ inline void put_split_run(int8_t* out, int ck, int parts, int64_t p, int n, cons
   }
 }
 
+// (a, b) as one int32 of two int16 halves, a low (the SIMD kernels' vpmaddwd pairs; values within int16).
+inline int32_t int16_pair(int32_t a, int32_t b) { return int32_t((uint32_t(a) & 0xFFFFu) | (uint32_t(b) << 16)); }
+
 inline int64_t seg_index(const Weights& w, int nb, int s, int r) { return (int64_t(nb) * w.nseg + s) * LANES + r; }
 
 inline float zero_at(const Weights& w, int64_t i) {
