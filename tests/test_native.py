@@ -187,7 +187,7 @@ def test_two_level_int8_across_k_blocks_and_token_tiles(type_name, act):
         assert sqnr(outs["scalar"], want) >= (110 if act == "group" else 40), sqnr(outs["scalar"], want)
 
 
-def test_kquant_arithmetic_decode_matches_prefill_rows_and_refuses_one_level():
+def test_kquant_arithmetic_one_token_is_its_batch_row_and_one_level_is_refused():
     """llama.cpp's K-quant arithmetic: one token alone (one thread) gives the bits of its row in a batch (the
     quantizer over super-blocks, then per-segment sums; the decode step's team path: test_native_step's K-quant
     mix); a one-level weight asked for one activation scale per super-block is refused by name."""

@@ -205,7 +205,7 @@ void gemm_i8_super(const Weights& w, const I8Acts& a, const Out& o, int nb0, int
     case 4: return v512::run_super<4>(w, a, o, nb0, nb1);
     case 5: return v512::run_super<5>(w, a, o, nb0, nb1);
     case 6: return v512::run_super<6>(w, a, o, nb0, nb1);
-    default: return table_scalar().gemm_i8(w, a, o, nb0, nb1);  // (8-bit codes: refused by super_acts.h)
+    default: return table_scalar().gemm_i8(w, a, o, nb0, nb1);  // 8-bit codes (no GGUF type): the scalar twin
   }
 }
 

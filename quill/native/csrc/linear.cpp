@@ -134,9 +134,7 @@ class NativeLinear final : public LinearOp {
   // Weights::fold_zero / fuse_t (common.h): whether the epilogue's shortcuts give its exact bits; and
   // Weights::short_segments.
   void epilogue_shortcuts(const int32_t* se) {
-    int64_t positions = 0;  // the longest segment
-    for (int64_t s = 0; s < w_.nseg; ++s)
-      positions = std::max<int64_t>(positions, (se[s] - (s ? se[s - 1] : 0)) * chunk_k(w_.bits));
+    const int64_t positions = longest_segment(se, w_.nseg, w_.bits);
     const double qmax = double((1 << w_.bits) - 1);
     const double dev = zeros_ ? qmax : std::max<double>(w_.zconst, qmax - w_.zconst);  // max |code - z|
     // int8 kernels fold only while every D is exact in float (their epilogue converts it before subtracting)

@@ -149,6 +149,13 @@ inline void put_split_run(int8_t* out, int ck, int parts, int64_t p, int n, cons
 // (a, b) as one int32 of two int16 halves, a low (the SIMD kernels' vpmaddwd pairs; values within int16).
 inline int32_t int16_pair(int32_t a, int32_t b) { return int32_t((uint32_t(a) & 0xFFFFu) | (uint32_t(b) << 16)); }
 
+// Positions of the longest segment (seg_end [nseg] in chunks of chunk_k(bits)).
+inline int64_t longest_segment(const int32_t* seg_end, int64_t nseg, int bits) {
+  int64_t most = 0;
+  for (int64_t s = 0; s < nseg; ++s) most = std::max<int64_t>(most, int64_t(seg_end[s] - (s ? seg_end[s - 1] : 0)));
+  return most * chunk_k(bits);
+}
+
 inline int64_t seg_index(const Weights& w, int nb, int s, int r) { return (int64_t(nb) * w.nseg + s) * LANES + r; }
 
 inline float zero_at(const Weights& w, int64_t i) {

@@ -18,13 +18,10 @@ struct SuperActs {
   // (common.h I8Acts::gsuper) must fit int32, and a segment's X int16 (the SIMD kernels pair two segments'
   // X in one vpmaddwd / vpdpwssd).
   std::string setup(const Weights& w, bool has_zeros, bool has_super_offsets, bool reordered) {
-    if (!w.super_scales || w.gps < 2) return "needs two-level scales";
-    if (w.bits > 6) return "needs codes of 2-6 bits";
+    if (!w.super_scales) return "needs two-level scales";
     if (has_zeros || reordered) return "needs one zero point and the identity order";
     if (w.offsets && !has_super_offsets) return "needs two-level offsets";
-    int64_t positions = 0;
-    for (int s = 0; s < w.nseg; ++s)
-      positions = std::max<int64_t>(positions, int64_t(w.seg_end[s] - (s ? w.seg_end[s - 1] : 0)) * chunk_k(w.bits));
+    const int64_t positions = longest_segment(w.seg_end, w.nseg, w.bits);
     const double qmax = double((1 << w.bits) - 1), dev = std::max<double>(w.zconst, qmax - w.zconst);
     const double sub = w.sub_bits == 8 ? 128.0 : double(1 << w.sub_bits), x = 128.0 * double(positions);
     if (x > 32767.0) return "segments longer than 255 positions";
