@@ -10,6 +10,11 @@ import pytest
 # Loads in tests neither read nor write the prepacked cache (~/.cache/quill) unless a test asks for it
 # (tests/test_prepacked.py): a kernel a test patches must not meet a layout an earlier run cached.
 os.environ["QUILL_CACHE"] = "0"
+# The cache tests write files of at most ~130 MB into tmp dirs: they keep 256 MB free on the disk, not the 2 GB a
+# user's cache keeps, and no user limit applies, so a nearly full test host does not turn every cache hit into
+# a miss (a CI run with 1.1 GB free failed 21 tests that way).  Tests of the limits set their own.
+os.environ["QUILL_CACHE_MIN_FREE"] = "256M"
+os.environ.pop("QUILL_CACHE_MAX_SIZE", None)
 
 
 def _cache_gguf_name_maps() -> None:
