@@ -172,19 +172,44 @@ def test_gguf_types_bit_exact_and_match_reference(type_name, int8):
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1"])
 @pytest.mark.parametrize("act", ["asym", "group"])
 def test_two_level_int8_across_k_blocks_and_token_tiles(type_name, act):
-    """13 and 37 tokens (token tiles of 6; two row blocks a pass from 32) and K = 2560 (K blocks of 64 chunks cut
-    super-blocks mid-way), asymmetric int8 activations per token, or llama.cpp's K-quant arithmetic (one scale per
-    token and super-block, integer sub-scales, one float epilogue per super-block: csrc/avx2_super.h,
-    avx512_super.h), on every variant, as the scalar twin, and within float rounding of the emulated reference."""
+    """13, 37 and 67 tokens (token tiles of 4-6; two row blocks a pass from 32; the AVX2 K-quant tile's groups of
+    40-60 tokens, super-block by super-block) and K = 2560 (K blocks of 64 chunks cut super-blocks mid-way),
+    asymmetric int8 activations per token, or llama.cpp's K-quant arithmetic (one scale per token and
+    super-block, integer sub-scales, one float epilogue per super-block: csrc/avx2_super.h, avx512_super.h), on
+    every variant, as the scalar twin, and within float rounding of the emulated reference."""
     aq = ActivationQuant(symmetric=False) if act == "asym" else ActivationQuant(per_group=True)
     qw = _gguf_weight(type_name, 40, 2560).with_(activation=aq)
-    x = torch.randn(37, 2560, generator=torch.Generator().manual_seed(4))
-    for m in (13, 37):
+    x = torch.randn(67, 2560, generator=torch.Generator().manual_seed(4))
+    for m in (13, 37, 67):
         outs = {isa: _run(qw, x[:m], isa, int8=True) for isa in _variants()}
         for isa, y in outs.items():
             assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin at M = {m}"
         want = fake_quantize_activations(x[:m], qw.activation, qw.activation_groups()) @ qw.dequantize().T
         assert sqnr(outs["scalar"], want) >= (110 if act == "group" else 40), sqnr(outs["scalar"], want)
+
+
+@pytest.mark.parametrize("bits,group,per_super", [(4, 32, 1), (8, 32, 1), (4, 32, 3), (4, 16, 6)])
+def test_kquant_arithmetic_on_two_level_layouts_gguf_never_writes(bits, group, per_super):
+    """One activation scale per token and super-group on layouts no GGUF type has (one or three groups a
+    super-group, int8 sub-scales, 8-bit codes), 1, 9 and 70 tokens (the AVX2 tile's one-pass path, its
+    constants built per super-block, several token groups): every variant as the scalar twin, within float
+    rounding of the emulated reference."""
+    from quill.canonical import QuantizedWeight
+
+    g = torch.Generator().manual_seed(bits + group + per_super)
+    n, k = 40, 768
+    groups = k // group
+    qw = QuantizedWeight(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g), bits, group,
+                         torch.randint(1, 60, (n, groups), dtype=torch.int8, generator=g),
+                         super_scales=(torch.rand(n, groups // per_super, generator=g) * 1e-3).half(),
+                         activation=ActivationQuant(per_group=True)).validate()
+    x = torch.randn(70, k, generator=g)
+    for m in (1, 9, 70):
+        outs = {isa: _run(qw, x[:m], isa, int8=True) for isa in _variants()}
+        for isa, y in outs.items():
+            assert torch.equal(y, outs["scalar"]), f"{isa} differs from its scalar twin at M = {m}"
+        want = fake_quantize_activations(x[:m], qw.activation, qw.activation_groups()) @ qw.dequantize().T
+        assert sqnr(outs["scalar"], want) >= 110, sqnr(outs["scalar"], want)
 
 
 def test_kquant_arithmetic_one_token_is_its_batch_row_and_one_level_is_refused():
