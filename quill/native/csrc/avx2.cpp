@@ -215,8 +215,8 @@ void tile(const Weights& w, const Acts& a, const Out& o, int nb, int m0, bool sh
     tile_halves<BITS, PARTS, EPI, MT, 0, 2>(w, a, nb, m0, f, gz);
   }
   QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-    if constexpr (PARTS > 1) store_float_row(w, o, nb, m0 + m, f[m]);
-    else store_int_row(w, a, o, nb, m0 + m, f[m]);
+    if constexpr (PARTS > 1) store_float_row8(w, o, nb, m0 + m, f[m]);
+    else store_int_row8(w, a, o, nb, m0 + m, f[m]);
   }
 }
 

@@ -253,7 +253,7 @@ void run_super(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1
       by_tokens<SUPER_LAZY>(a.m, [&](auto tokens) {
         super_halves<BITS, decltype(tokens)::value, 0, 2, true>(w, a, SuperConsts{}, nullptr, nb, 0, nsup, 0, f);
       });
-      for (int m = 0; m < a.m; ++m) store_int_row(w, a, o, nb, m, f[m]);
+      for (int m = 0; m < a.m; ++m) store_int_row8(w, a, o, nb, m, f[m]);
     }
     return;
   }
@@ -286,7 +286,7 @@ void run_super(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1
           m0 += mt;
         }
       }
-      for (int m = 0; m < gm; ++m) store_int_row(w, a, o, nb, g0 + m, f[m]);
+      for (int m = 0; m < gm; ++m) store_int_row8(w, a, o, nb, g0 + m, f[m]);
     }
 }
 
