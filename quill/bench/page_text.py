@@ -63,9 +63,10 @@ LIMITS = """## Known limits
 
 * Two cores, shared hosts: rates move with the neighbours (the DRAM probe ranges); compare ratios within
   a row. Decode ratios of the larger files follow the DRAM's state: at a low probe both wait on memory.
-* Q4_K_M on AVX2: prefill 1.29-1.34x llama.cpp but 0.76-0.82x ik_llama.cpp (Zen 4, `--isa avx2`, on llama.cpp's
-  K-quant arithmetic since the thirtieth session; Zen 3 rows predate it: 0.87-0.91x llama.cpp). ik_llama.cpp's
-  row-interleaved K-quant kernels issue the same multiplies per weight yet run faster (notebook, thirtieth session).
+* Q4_K_M on AVX2: prefill 1.45-1.51x llama.cpp but 0.85-0.88x ik_llama.cpp (Zen 4, `--isa avx2`; Zen 3 rows
+  predate llama.cpp's K-quant arithmetic: 0.87-0.91x llama.cpp). quill's 4-bit tile issues about 3.1 vector
+  instructions per multiply against ik_llama.cpp's 3.4 yet runs 1.2 of the core's 2 multiplies a cycle
+  (notebook, thirty-first session).
 * Float activations: two int8 products per weight (`exact`: three; rows before the 21st session), llama.cpp's one:
   float prefill on Sapphire Rapids, 1.2B, prompt 128, 1.28x llama.cpp (exact 0.94x), `--isa avx2` 0.80x (0.62x).
 * The shaped files (1.2B, 8B, Qwen3.5, Gemma 3, gpt-oss) have random weights: speed does not depend on them.
