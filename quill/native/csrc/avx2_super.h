@@ -185,62 +185,64 @@ void super_halves(const Weights& w, const I8Acts& a, const SuperConsts& k, const
   const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
   const int32_t z = int32_t(w.zconst);
   for (int u = u0, c = u0 ? w.seg_end[u0 * w.gps - 1] : 0; u < u1; ++u) {
-  __m256i acc[NH][MT];  // A (common.h I8Acts::gsuper)
-  QUILL_UNROLL for (int h = 0; h < NH; ++h)
-    QUILL_UNROLL for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_si256();
-  const int s0 = u * w.gps;
-  for (int s = s0; s < s0 + w.gps; ++s) {
-    __m256i q16[NH][MT], sc[NH];
-    QUILL_UNROLL for (int h = 0; h < NH; ++h) {
-      if constexpr (LAZY) {
-        const __m256i v = sub8(w.scales, w, nb, s, H0 + h);
-        sc[h] = pair16(v, v);
-      } else {
-        sc[h] = k.sc[2 * (s - s0) + H0 + h];
-      }
-      QUILL_UNROLL for (int m = 0; m < MT; ++m) q16[h][m] = _mm256_setzero_si256();
-    }
-    for (int n16 = 0, c1 = w.seg_end[s]; c < c1; ++c) {
-      const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
+    __m256i acc[NH][MT];  // A (common.h I8Acts::gsuper)
+    QUILL_UNROLL for (int h = 0; h < NH; ++h)
+      QUILL_UNROLL for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_si256();
+    const int s0 = u * w.gps;
+    for (int s = s0; s < s0 + w.gps; ++s) {
+      __m256i q16[NH][MT], sc[NH];
       QUILL_UNROLL for (int h = 0; h < NH; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * (H0 + h)));
-        if constexpr (BITS <= 3) {  // four 2-bit vectors, positions 16c + 4j .. +3
-          __m256i q[4];
-          unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(3) : nullptr, H0 + h, q);
-          QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-            const int8_t* x = a.q + (m0 + m) * a.ld + int64_t(c) * CK;
-            const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)), _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
-            const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)), _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
-            q16[h][m] = _mm256_add_epi16(q16[h][m], _mm256_add_epi16(s01, s23));
-          }
-        } else {  // positions 8c..8c+3 in lo, 8c+4..8c+7 in hi
-          __m256i lo = _mm256_and_si256(v, low);
-          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (BITS == 5 || BITS == 6)
-            add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(BITS), H0 + h, lo, hi);
-          QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-            const int8_t* x = a.q + (m0 + m) * a.ld + int64_t(c) * CK;
-            q16[h][m] = _mm256_add_epi16(q16[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
-                                                                     _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+        if constexpr (LAZY) {
+          const __m256i v = sub8(w.scales, w, nb, s, H0 + h);
+          sc[h] = pair16(v, v);
+        } else {
+          sc[h] = k.sc[2 * (s - s0) + H0 + h];
+        }
+        QUILL_UNROLL for (int m = 0; m < MT; ++m) q16[h][m] = _mm256_setzero_si256();
+      }
+      for (int n16 = 0, c1 = w.seg_end[s]; c < c1; ++c) {
+        const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
+        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
+        QUILL_UNROLL for (int h = 0; h < NH; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * (H0 + h)));
+          if constexpr (BITS <= 3) {  // four 2-bit vectors, positions 16c + 4j .. +3
+            __m256i q[4];
+            unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(3) : nullptr, H0 + h, q);
+            QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+              const int8_t* x = a.q + (m0 + m) * a.ld + int64_t(c) * CK;
+              const __m256i s01 =
+                  _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)), _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
+              const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
+                                                   _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
+              q16[h][m] = _mm256_add_epi16(q16[h][m], _mm256_add_epi16(s01, s23));
+            }
+          } else {  // positions 8c..8c+3 in lo, 8c+4..8c+7 in hi
+            __m256i lo = _mm256_and_si256(v, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if constexpr (BITS == 5 || BITS == 6)
+              add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(BITS), H0 + h, lo, hi);
+            QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+              const int8_t* x = a.q + (m0 + m) * a.ld + int64_t(c) * CK;
+              q16[h][m] = _mm256_add_epi16(q16[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
+                                                                       _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+            }
           }
         }
-      }
-      if (++n16 == SUM16 || c + 1 == c1) {  // widen with the sub-scale as the pair weight
-        QUILL_UNROLL for (int h = 0; h < NH; ++h)
-          QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-            acc[h][m] = _mm256_add_epi32(acc[h][m], _mm256_madd_epi16(q16[h][m], sc[h]));
-            q16[h][m] = _mm256_setzero_si256();
-          }
-        n16 = 0;
+        if (++n16 == SUM16 || c + 1 == c1) {  // widen with the sub-scale as the pair weight
+          QUILL_UNROLL for (int h = 0; h < NH; ++h)
+            QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+              acc[h][m] = _mm256_add_epi32(acc[h][m], _mm256_madd_epi16(q16[h][m], sc[h]));
+              q16[h][m] = _mm256_setzero_si256();
+            }
+          n16 = 0;
+        }
       }
     }
-  }
-  QUILL_UNROLL for (int h = 0; h < NH; ++h) super_end<MT, LAZY>(w, a, k, xp, nb, u, H0 + h, m0, z, acc[h], f);
+    QUILL_UNROLL for (int h = 0; h < NH; ++h) super_end<MT, LAZY>(w, a, k, xp, nb, u, H0 + h, m0, z, acc[h], f);
   }
 }
 
-// Row blocks [nb0, nb1) x all tokens: per row block and group of up to SUPER_GROUP tokens, super-block by
+// Row blocks [nb0, nb1) x all tokens: per row block and group of up to 10 tiles of tokens, super-block by
 // super-block (its codes, 2 KiB for Q4_K, stay in L1 while every token tile of the group reads them, and its
 // constants are built once), tiles of up to super_tokens(BITS) tokens.
 template <int BITS>
