@@ -172,73 +172,128 @@ QUILL_INLINE void super_end(const Weights& w, const I8Acts& a, const SuperConsts
   }
 }
 
-// Super-blocks [u0, u1) of row block nb: MT tokens from m0 x halves [H0, H0 + NH) (lanes 8h..8h+7 each), into
-// f[m][8h..]; k holds super-block u0's constants (LAZY: none, decoded here).
+// The end of super-block u for MT tokens from m0 and halves [H0, H0 + NH) once its codes are summed (not LAZY):
+// per token, A -= z sum_s sc[s] X[s]; f += (super_scale g) A; f += (super_offset g) B, B = sum_s mn[s] X[s]
+// (common.h I8Acts::gsuper), the float steps those of super_end.  Each X pair is broadcast once for both terms and
+// halves, and f is loaded and stored once (per half and term, the epilogue had been 16 % of Q4_K's tile).
+template <int MT, int H0, int NH>
+QUILL_INLINE void super_end_built(const Weights& w, const I8Acts& a, const SuperConsts& k, const int32_t* xp, int nb,
+                                  int u, int m0, int32_t z, __m256i (*acc)[MT], float (*f)[LANES]) {
+  const int nsup = w.nseg / w.gps, np = super_pairs(w);
+  const int32_t* x = xp + (int64_t(m0) * nsup + u) * np;  // token m's pairs at x + m nsup np
+  // sum_s c[s] X[m, s] of every token and half (c: k.zc or k.oc), one broadcast of X's pair for both halves
+  const auto terms = [&](const __m256i* c, __m256i (*e)[MT]) {
+    QUILL_UNROLL for (int h = 0; h < NH; ++h)
+      QUILL_UNROLL for (int m = 0; m < MT; ++m) e[h][m] = _mm256_setzero_si256();
+    for (int j = 0; j < np; ++j)
+      QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+        const __m256i xj = _mm256_set1_epi32(x[int64_t(m) * nsup * np + j]);
+        QUILL_UNROLL for (int h = 0; h < NH; ++h)
+          e[h][m] = _mm256_add_epi32(e[h][m], _mm256_madd_epi16(c[2 * j + H0 + h], xj));
+      }
+  };
+  __m256i e[NH][MT];
+  if (z != 0) {
+    terms(k.zc, e);
+    QUILL_UNROLL for (int h = 0; h < NH; ++h)
+      QUILL_UNROLL for (int m = 0; m < MT; ++m)
+        acc[h][m] = _mm256_sub_epi32(acc[h][m], _mm256_mullo_epi32(e[h][m], _mm256_set1_epi32(z)));
+  }
+  const bool off = w.offsets != nullptr;
+  if (off) terms(k.oc, e);  // B
+  QUILL_UNROLL for (int h = 0; h < NH; ++h) {
+    const int64_t si = super_index(w, nb, u * w.gps, 8 * (H0 + h));
+    const __m256 ss = load8(w.super_scales, w.scale_dtype, si);
+    const __m256 so = off ? load8(w.super_offsets, w.scale_dtype, si) : _mm256_setzero_ps();
+    QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+      const __m256 g = _mm256_set1_ps(a.gscale[int64_t(m0 + m) * nsup + u]);
+      float* fh = f[m] + 8 * (H0 + h);
+      __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(ss, g), _mm256_cvtepi32_ps(acc[h][m]), _mm256_load_ps(fh));
+      if (off) v = _mm256_fmadd_ps(_mm256_mul_ps(so, g), _mm256_cvtepi32_ps(e[h][m]), v);
+      _mm256_store_ps(fh, v);
+    }
+  }
+}
+
+// Super-blocks [u0, u1) of row block nb: ntiles tiles of MT tokens from m0 x halves [H0, H0 + NH) (lanes 8h..8h+7
+// each), into f[m][8h..]; k holds super-block u0's constants (LAZY: none, decoded here; one tile).  The tiles loop
+// here, not in the caller: a call's set-up had been 7 % of Q4_K's tile.
 // NH = 2 walks the super-block once for both halves (few tokens: their sums fit the registers); NH = 1 one half a
 // pass (the second reads the super-block's 2 KiB of codes from L1).
 template <int BITS, int MT, int H0, int NH, bool LAZY>
 void super_halves(const Weights& w, const I8Acts& a, const SuperConsts& k, const int32_t* xp, int nb,
-                  int u0, int u1, int m0, float (*f)[LANES]) {
+                  int u0, int u1, int m0, float (*f)[LANES], int ntiles = 1) {
   constexpr int CK = chunk_k(BITS);
   constexpr int SUM16 = BITS <= 4 ? 4 : (BITS == 5 ? 2 : 1);  // chunks whose pair sums int16 holds (|x| <= 128)
   const __m256i low = _mm256_set1_epi8(0x0F);
   const uint8_t* blocks = w.codes + int64_t(nb) * w.kc * BLOCK_BYTES;  // [KC, 64]
   const int32_t z = int32_t(w.zconst);
-  for (int u = u0, c = u0 ? w.seg_end[u0 * w.gps - 1] : 0; u < u1; ++u) {
-    __m256i acc[NH][MT];  // A (common.h I8Acts::gsuper)
-    QUILL_UNROLL for (int h = 0; h < NH; ++h)
-      QUILL_UNROLL for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_si256();
-    const int s0 = u * w.gps;
-    for (int s = s0; s < s0 + w.gps; ++s) {
-      __m256i q16[NH][MT], sc[NH];
-      QUILL_UNROLL for (int h = 0; h < NH; ++h) {
-        if constexpr (LAZY) {
-          const __m256i v = sub8(w.scales, w, nb, s, H0 + h);
-          sc[h] = pair16(v, v);
-        } else {
-          sc[h] = k.sc[2 * (s - s0) + H0 + h];
-        }
-        QUILL_UNROLL for (int m = 0; m < MT; ++m) q16[h][m] = _mm256_setzero_si256();
-      }
-      for (int n16 = 0, c1 = w.seg_end[s]; c < c1; ++c) {
-        const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
-        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
+  // ntiles is a compile-time 1 for one half a pass (Q6_K's tile ran 5 % slower with a runtime count)
+  const int nt = NH == 2 && !LAZY ? ntiles : 1;
+  for (int u = u0; u < u1; ++u) {
+    for (int t = 0, mt0 = m0; t < nt; ++t, mt0 += MT) {
+      int c = u ? w.seg_end[u * w.gps - 1] : 0;
+      __m256i acc[NH][MT];  // A (common.h I8Acts::gsuper)
+      QUILL_UNROLL for (int h = 0; h < NH; ++h)
+        QUILL_UNROLL for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_si256();
+      const int s0 = u * w.gps;
+      for (int s = s0; s < s0 + w.gps; ++s) {
+        __m256i q16[NH][MT], sc[NH];
         QUILL_UNROLL for (int h = 0; h < NH; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * (H0 + h)));
-          if constexpr (BITS <= 3) {  // four 2-bit vectors, positions 16c + 4j .. +3
-            __m256i q[4];
-            unpack_low<BITS>(v, BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(3) : nullptr, H0 + h, q);
-            QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-              const int8_t* x = a.q + (m0 + m) * a.ld + int64_t(c) * CK;
-              const __m256i s01 =
-                  _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)), _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
-              const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
-                                                   _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
-              q16[h][m] = _mm256_add_epi16(q16[h][m], _mm256_add_epi16(s01, s23));
-            }
-          } else {  // positions 8c..8c+3 in lo, 8c+4..8c+7 in hi
-            __m256i lo = _mm256_and_si256(v, low);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            if constexpr (BITS == 5 || BITS == 6)
-              add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(BITS), H0 + h, lo, hi);
-            QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-              const int8_t* x = a.q + (m0 + m) * a.ld + int64_t(c) * CK;
-              q16[h][m] = _mm256_add_epi16(q16[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
-                                                                       _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+          if constexpr (LAZY) {
+            const __m256i v = sub8(w.scales, w, nb, s, H0 + h);
+            sc[h] = pair16(v, v);
+          } else {
+            sc[h] = k.sc[2 * (s - s0) + H0 + h];
+          }
+          QUILL_UNROLL for (int m = 0; m < MT; ++m) q16[h][m] = _mm256_setzero_si256();
+        }
+        for (int n16 = 0, c1 = w.seg_end[s]; c < c1; ++c) {
+          const uint8_t* blk = blocks + int64_t(c) * BLOCK_BYTES;
+          _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BYTES), _MM_HINT_T1);  // see common.h
+          QUILL_UNROLL for (int h = 0; h < NH; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * (H0 + h)));
+            if constexpr (BITS <= 3) {  // four 2-bit vectors, positions 16c + 4j .. +3
+              __m256i q[4];
+              const uint8_t* hp = BITS == 3 ? w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(3) : nullptr;
+              unpack_low<BITS>(v, hp, H0 + h, q);
+              QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+                const int8_t* x = a.q + (mt0 + m) * a.ld + int64_t(c) * CK;
+                const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
+                                                     _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
+                const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
+                                                     _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
+                q16[h][m] = _mm256_add_epi16(q16[h][m], _mm256_add_epi16(s01, s23));
+              }
+            } else {  // positions 8c..8c+3 in lo, 8c+4..8c+7 in hi
+              __m256i lo = _mm256_and_si256(v, low);
+              __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+              if constexpr (BITS == 5 || BITS == 6)
+                add_high_bits<BITS>(w.hplane + (int64_t(nb) * w.kc + c) * plane_bytes(BITS), H0 + h, lo, hi);
+              QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+                const int8_t* x = a.q + (mt0 + m) * a.ld + int64_t(c) * CK;
+                q16[h][m] = _mm256_add_epi16(q16[h][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x)),
+                                                                         _mm256_maddubs_epi16(hi, bcast4(x + 4))));
+              }
             }
           }
-        }
-        if (++n16 == SUM16 || c + 1 == c1) {  // widen with the sub-scale as the pair weight
-          QUILL_UNROLL for (int h = 0; h < NH; ++h)
-            QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-              acc[h][m] = _mm256_add_epi32(acc[h][m], _mm256_madd_epi16(q16[h][m], sc[h]));
-              q16[h][m] = _mm256_setzero_si256();
-            }
-          n16 = 0;
+          if (++n16 == SUM16 || c + 1 == c1) {  // widen with the sub-scale as the pair weight
+            QUILL_UNROLL for (int h = 0; h < NH; ++h)
+              QUILL_UNROLL for (int m = 0; m < MT; ++m) {
+                acc[h][m] = _mm256_add_epi32(acc[h][m], _mm256_madd_epi16(q16[h][m], sc[h]));
+                q16[h][m] = _mm256_setzero_si256();
+              }
+            n16 = 0;
+          }
         }
       }
+      if constexpr (LAZY || NH == 1) {
+        QUILL_UNROLL for (int h = 0; h < NH; ++h)
+          super_end<MT, LAZY>(w, a, k, xp, nb, u, H0 + h, mt0, z, acc[h], f + t * MT);
+      } else {
+        super_end_built<MT, H0, NH>(w, a, k, xp, nb, u, mt0, z, acc, f + t * MT);
+      }
     }
-    QUILL_UNROLL for (int h = 0; h < NH; ++h) super_end<MT, LAZY>(w, a, k, xp, nb, u, H0 + h, m0, z, acc[h], f);
   }
 }
 
@@ -273,20 +328,21 @@ void run_super(const Weights& w, const I8Acts& a, const Out& o, int nb0, int nb1
       std::fill(f[0], f[gm], 0.0f);
       for (int u = 0; u < nsup; ++u) {
         const SuperConsts k = super_consts(w, nb, u, kb, int32_t(w.zconst) != 0);
-        for (int m0 = g0; m0 < g0 + gm;) {
-          const int mt = std::min(MTW, g0 + gm - m0);
-          by_tokens<MTW>(mt, [&](auto tokens) {
-            constexpr int MT = decltype(tokens)::value;
-            float(*fm)[LANES] = f + (m0 - g0);
-            if constexpr (MT <= ONE_PASS) {
-              super_halves<BITS, MT, 0, 2, false>(w, a, k, xp, nb, u, u + 1, m0, fm);
-            } else {
-              super_halves<BITS, MT, 0, 1, false>(w, a, k, xp, nb, u, u + 1, m0, fm);
-              super_halves<BITS, MT, 1, 1, false>(w, a, k, xp, nb, u, u + 1, m0, fm);
+        // the group's full tiles in one call each pass, then the rest (fewer tokens) in one tile
+        const int full = gm / MTW, rest = gm - full * MTW;
+        const auto tiles = [&](auto tokens, int m0, int n) {
+          constexpr int MT = decltype(tokens)::value;
+          if constexpr (MT <= ONE_PASS) {
+            super_halves<BITS, MT, 0, 2, false>(w, a, k, xp, nb, u, u + 1, m0, f + (m0 - g0), n);
+          } else {  // one half a pass, tile by tile
+            for (int t = 0; t < n; ++t, m0 += MT) {
+              super_halves<BITS, MT, 0, 1, false>(w, a, k, xp, nb, u, u + 1, m0, f + (m0 - g0));
+              super_halves<BITS, MT, 1, 1, false>(w, a, k, xp, nb, u, u + 1, m0, f + (m0 - g0));
             }
-          });
-          m0 += mt;
-        }
+          }
+        };
+        if (full) tiles(std::integral_constant<int, MTW>{}, g0, full);
+        if (rest) by_tokens<MTW>(rest, [&](auto tokens) { tiles(tokens, g0 + full * MTW, 1); });
       }
       for (int m = 0; m < gm; ++m) store_int_row8(w, a, o, nb, g0 + m, f[m]);
     }
