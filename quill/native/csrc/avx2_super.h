@@ -174,8 +174,9 @@ QUILL_INLINE void super_end(const Weights& w, const I8Acts& a, const SuperConsts
 
 // The end of super-block u for MT tokens from m0 and halves [H0, H0 + NH) once its codes are summed (not LAZY):
 // per token, A -= z sum_s sc[s] X[s]; f += (super_scale g) A; f += (super_offset g) B, B = sum_s mn[s] X[s]
-// (common.h I8Acts::gsuper), the float steps those of super_end.  Each X pair is broadcast once for both terms and
-// halves, and f is loaded and stored once (per half and term, the epilogue had been 16 % of Q4_K's tile).
+// (common.h I8Acts::gsuper), the float steps those of super_end.  Each X pair is broadcast once for both halves
+// (no GGUF type has both a zero point and mins), and f is loaded and stored once per token and half (per half and
+// term, the epilogue had been 16 % of Q4_K's tile).
 template <int MT, int H0, int NH>
 QUILL_INLINE void super_end_built(const Weights& w, const I8Acts& a, const SuperConsts& k, const int32_t* xp, int nb,
                                   int u, int m0, int32_t z, __m256i (*acc)[MT], float (*f)[LANES]) {
