@@ -171,3 +171,13 @@ def test_step_profile_of_the_default_model():
     rows = r["rows"]
     assert rows["step: mlp_gate_up"]["mb"] > 0 and rows["step: mlp_gate_up"]["gbs"] > 0
     assert sum(v["ms"] for v in rows.values()) == pytest.approx(r["ms_per_token"], rel=1e-6)
+
+
+def test_compute_probe_reads_a_rate_and_restores_torchs_threads():
+    from quill.bench import memory
+    probe = memory.Probe(1 << 20, 2, nbytes=8 << 20)
+    saved = torch.get_num_threads()
+    one = probe.compute_gflops(threads=1, runs=2)
+    assert torch.get_num_threads() == saved
+    # 16 float32 matmuls of 256^3 a timing: a rate well above 1 GFLOP/s on any core quill runs on, finite
+    assert 1.0 < one < 1e4

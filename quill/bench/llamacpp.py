@@ -245,15 +245,17 @@ def compare(path: Path, python: str, prompt: int, gen: int, runs: int, threads: 
     log(f"  weights read per token: quill {held / 1e6:.2f} MB, file {stored / 1e6:.2f} MB ({held / stored:.3f}x)")
     for llm in llms.values():
         run_quill(llm, 8, 4)  # warm-up
-    rows: dict[str, list] = {e: [] for e in engines} | {"dram_gbs": []}
+    rows: dict[str, list] = {e: [] for e in engines} | {"dram_gbs": [], "compute_gflops": []}
     for r in range(runs):
         rows["dram_gbs"].append(probe.read_gbs())
+        rows["compute_gflops"].append(probe.compute_gflops())
         for e, llm in llms.items():
             rows[e].append(run_quill(llm, prompt, gen))
         rows["llama.cpp"].append(run_llamacpp(python, path, prompt, gen, threads, lib))
         for peer in peers:
             rows[peer.name].append(peer.run(path, prompt, gen, threads))
-        log(f"  run {r + 1}/{runs}: DRAM {rows['dram_gbs'][-1]:.1f} GB/s; decode tok/s: "
+        log(f"  run {r + 1}/{runs}: DRAM {rows['dram_gbs'][-1]:.1f} GB/s, compute {rows['compute_gflops'][-1]:.0f} "
+            "GFLOP/s; decode tok/s: "
             + ", ".join(f"{e} {rows[e][-1]['decode_tps']:.1f}" for e in engines))
     del llms
     med = {e: {k: statistics.median(r[k] for r in rows[e]) for k in ("prefill_tps", "decode_tps")}

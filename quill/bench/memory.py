@@ -54,13 +54,27 @@ class Probe:
         # quill's streaming probe reads 2 MiB pages, as the native kernels' weights are
         self._stream_buf = self._ext.huge_page_copy(plain) if self._ext is not None else None
 
-    def _timed(self, fn, threads: int, runs: int) -> float:
+    def _timed(self, fn, threads: int, runs: int, units: float | None = None) -> float:
+        """``units`` (default: the buffer's bytes) per second of ``fn`` / 1e9, median of ``runs`` at ``threads``."""
         saved = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return _median_gbs(fn, self.nbytes, runs)
+            return _median_gbs(fn, units or self.nbytes, runs)
         finally:
             torch.set_num_threads(saved)
+
+    def compute_gflops(self, threads: int | None = None, runs: int = 3) -> float:
+        """float32 GFLOP/s of a 256 x 256 x 256 matmul repeated in cache, on ``threads`` (default: the probe's).
+        On a shared host a neighbour's vector work on the same physical cores can take a third of their throughput
+        for minutes at an unchanged clock: a round's timings are read beside this figure and the DRAM probe."""
+        a = torch.ones(256, 256)
+        reps = 16
+
+        def fn():
+            for _ in range(reps):
+                torch.mm(a, a)
+
+        return self._timed(fn, threads or self.threads, runs, units=2 * 256**3 * reps)
 
     def sum_gbs(self, threads: int, runs: int = 3) -> float:
         """``torch.sum`` over the buffer, GB/s."""

@@ -107,17 +107,19 @@ def compare_isolated(path: Path, python: str, prompt: int, gen: int, runs: int, 
                      isa: str, lib: Path | None, kv_cache_dtype: str, modes: dict) -> dict:
     """compare()'s rounds and result, each engine in its own process: never two copies of the weights at once."""
     engines = (*modes, "llama.cpp")
-    rows: dict[str, list] = {e: [] for e in engines} | {"dram_gbs": []}
+    rows: dict[str, list] = {e: [] for e in engines} | {"dram_gbs": [], "compute_gflops": []}
     held, rss = 0, []
     for r in range(runs):
         rows["dram_gbs"].append(probe.read_gbs())
+        rows["compute_gflops"].append(probe.compute_gflops())
         for e, aq in modes.items():
             got = run_quill_isolated(path, prompt, gen, threads, aq, isa, kv_cache_dtype)
             held = got.pop("held")
             rss.append(got.pop("rss_after_load"))
             rows[e].append(got)
         rows["llama.cpp"].append(run_llamacpp(python, path, prompt, gen, threads, lib))
-        log(f"  run {r + 1}/{runs}: DRAM {rows['dram_gbs'][-1]:.1f} GB/s; quill RSS after load {rss[-1] / 1e9:.2f} GB; "
+        log(f"  run {r + 1}/{runs}: DRAM {rows['dram_gbs'][-1]:.1f} GB/s, compute {rows['compute_gflops'][-1]:.0f} "
+            f"GFLOP/s; quill RSS after load {rss[-1] / 1e9:.2f} GB; "
             "decode tok/s: " + ", ".join(f"{e} {rows[e][-1]['decode_tps']:.1f}" for e in engines))
     med = {e: {k: statistics.median(r[k] for r in rows[e]) for k in ("prefill_tps", "decode_tps")}
            for e in engines}
