@@ -113,45 +113,34 @@ inline void super_x_pairs(const Weights& w, const I8Acts& a, int32_t* xp) {
 }
 
 // acc[m] += sum over super-block u's segments s of c[s] * X[m0 + m, s], lanes 8h..8h+7, c the sub-values `sub`
-// (w.scales or w.offsets): one vpmaddwd per two segments and token.  The weight pairs come from `built` ([np][2],
-// super_consts) and X's from xp (super_x_pairs), or LAZY (one or two tokens, where building them first cost a
-// one-token call 10-20 %) both are made here.
-template <int MT, bool LAZY>
-QUILL_INLINE void pair_terms(const void* sub, const __m256i* built, const int32_t* xp, const Weights& w,
-                             const I8Acts& a, int nb, int u, int m0, int h, __m256i* acc) {
-  const int np = super_pairs(w), nsup = w.nseg / w.gps;
-  for (int j = 0; j < np; ++j) {
+// (w.scales or w.offsets): one vpmaddwd per two segments and token, both made here (one or two tokens, where
+// building them first cost a one-token call 10-20 %; more tokens: super_end_built).
+template <int MT>
+QUILL_INLINE void pair_terms(const void* sub, const Weights& w, const I8Acts& a, int nb, int u, int m0, int h,
+                             __m256i* acc) {
+  for (int j = 0, np = super_pairs(w); j < np; ++j) {
     const int s = u * w.gps + 2 * j;
     const bool two = 2 * j + 1 < w.gps;
-    __m256i c;
-    if constexpr (LAZY)
-      c = pair16(sub8(sub, w, nb, s, h), two ? sub8(sub, w, nb, s + 1, h) : _mm256_setzero_si256());
-    else
-      c = built[2 * j + h];
+    const __m256i c = pair16(sub8(sub, w, nb, s, h), two ? sub8(sub, w, nb, s + 1, h) : _mm256_setzero_si256());
     QUILL_UNROLL for (int m = 0; m < MT; ++m) {
-      int32_t x;
-      if constexpr (LAZY) {
-        const int32_t* q = a.qsum + int64_t(m0 + m) * w.nseg + s;
-        x = int16_pair(q[0], two ? q[1] : 0);
-      } else {
-        x = xp[(int64_t(m0 + m) * nsup + u) * np + j];
-      }
-      acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(c, _mm256_set1_epi32(x)));
+      const int32_t* q = a.qsum + int64_t(m0 + m) * w.nseg + s;
+      acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(c, _mm256_set1_epi32(int16_pair(q[0], two ? q[1] : 0))));
     }
   }
 }
 
-// The end of super-block u for MT tokens (from m0) and half h: A -= z sum_s sc[s] X[s]; f += (super_scale g) A,
-// then f += (super_offset g) B, B = sum_s mn[s] X[s] (common.h I8Acts::gsuper).  acc holds A (and is spent).
-template <int MT, bool LAZY>
-QUILL_INLINE void super_end(const Weights& w, const I8Acts& a, const SuperConsts& k, const int32_t* xp, int nb, int u,
-                            int h, int m0, int32_t z, __m256i* acc, float (*f)[LANES]) {
+// The end of super-block u for MT tokens (from m0) and half h, one or two tokens (the sub-values decoded here):
+// A -= z sum_s sc[s] X[s]; f += (super_scale g) A, then f += (super_offset g) B, B = sum_s mn[s] X[s] (common.h
+// I8Acts::gsuper).  acc holds A (and is spent).
+template <int MT>
+QUILL_INLINE void super_end(const Weights& w, const I8Acts& a, int nb, int u, int h, int m0, int32_t z, __m256i* acc,
+                            float (*f)[LANES]) {
   const int nsup = w.nseg / w.gps;
   const int64_t si = super_index(w, nb, u * w.gps, 8 * h);
   if (z != 0) {
     __m256i e[MT];
     QUILL_UNROLL for (int m = 0; m < MT; ++m) e[m] = _mm256_setzero_si256();
-    pair_terms<MT, LAZY>(w.scales, k.zc, xp, w, a, nb, u, m0, h, e);
+    pair_terms<MT>(w.scales, w, a, nb, u, m0, h, e);
     QUILL_UNROLL for (int m = 0; m < MT; ++m)
       acc[m] = _mm256_sub_epi32(acc[m], _mm256_mullo_epi32(e[m], _mm256_set1_epi32(z)));
   }
@@ -163,7 +152,7 @@ QUILL_INLINE void super_end(const Weights& w, const I8Acts& a, const SuperConsts
   }
   if (!w.offsets) return;
   QUILL_UNROLL for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_si256();
-  pair_terms<MT, LAZY>(w.offsets, k.oc, xp, w, a, nb, u, m0, h, acc);
+  pair_terms<MT>(w.offsets, w, a, nb, u, m0, h, acc);
   const __m256 so = load8(w.super_offsets, w.scale_dtype, si);
   QUILL_UNROLL for (int m = 0; m < MT; ++m) {
     const __m256 g = _mm256_set1_ps(a.gscale[int64_t(m0 + m) * nsup + u]);
@@ -172,11 +161,11 @@ QUILL_INLINE void super_end(const Weights& w, const I8Acts& a, const SuperConsts
   }
 }
 
-// The end of super-block u for MT tokens from m0 and halves [H0, H0 + NH) once its codes are summed (not LAZY):
-// per token, A -= z sum_s sc[s] X[s]; f += (super_scale g) A; f += (super_offset g) B, B = sum_s mn[s] X[s]
-// (common.h I8Acts::gsuper), the float steps those of super_end.  Each X pair is broadcast once for both halves
-// (no GGUF type has both a zero point and mins), and f is loaded and stored once per token and half (per half and
-// term, the epilogue had been 16 % of Q4_K's tile).
+// The end of super-block u for MT tokens from m0 and halves [H0, H0 + NH) once its codes are summed (three
+// tokens or more): per token, A -= z sum_s sc[s] X[s]; f += (super_scale g) A; f += (super_offset g) B,
+// B = sum_s mn[s] X[s] (common.h I8Acts::gsuper), the float steps those of super_end (one or two tokens).  Each
+// X pair is broadcast once for both halves (no GGUF type has both a zero point and mins), and f is loaded and
+// stored once per token and half (per half and term, the epilogue had been 16 % of Q4_K's tile).
 template <int MT, int H0, int NH>
 QUILL_INLINE void super_end_built(const Weights& w, const I8Acts& a, const SuperConsts& k, const int32_t* xp, int nb,
                                   int u, int m0, int32_t z, __m256i (*acc)[MT], float (*f)[LANES]) {
@@ -288,9 +277,8 @@ void super_halves(const Weights& w, const I8Acts& a, const SuperConsts& k, const
           }
         }
       }
-      if constexpr (LAZY || NH == 1) {
-        QUILL_UNROLL for (int h = 0; h < NH; ++h)
-          super_end<MT, LAZY>(w, a, k, xp, nb, u, H0 + h, mt0, z, acc[h], f + t * MT);
+      if constexpr (LAZY) {
+        QUILL_UNROLL for (int h = 0; h < NH; ++h) super_end<MT>(w, a, nb, u, H0 + h, mt0, z, acc[h], f + t * MT);
       } else {
         super_end_built<MT, H0, NH>(w, a, k, xp, nb, u, mt0, z, acc, f + t * MT);
       }
